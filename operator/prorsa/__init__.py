@@ -1,0 +1,3 @@
+"""Prorsa: forecast-driven prefill/decode role switching for agentic RL rollout engines."""
+
+__version__ = "0.1.0"

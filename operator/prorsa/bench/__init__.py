@@ -1,0 +1,1 @@
+"""Benchmarks behind `prorsa bench`; modules here import nothing heavy at top level."""

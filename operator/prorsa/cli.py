@@ -1,0 +1,55 @@
+"""The ``prorsa`` command: a thin dispatcher over :mod:`prorsa.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from prorsa import __version__
+
+# Subcommand name -> module under prorsa.commands. Keep alphabetical.
+COMMANDS: dict[str, str] = {
+    "bench": "bench",
+    "plan": "plan",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2), as a shell user expects."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="prorsa",
+        description="Forecast-driven prefill/decode role switching for agentic RL rollout.",
+    )
+    parser.add_argument("--version", action="version", version=f"prorsa {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"prorsa.commands.{module_name}")
+        child = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(child)
+        child.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``prorsa bench``: the project's performance figures, each printed as ratios from one run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "run benchmarks (controller, ingest, rollout, or all)"
+
+# Benchmark name -> module exposing configure(parser) and run(args) -> int.
+BENCHES: dict[str, str] = {
+    "controller": "prorsa.bench.controller",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, module_name in BENCHES.items():
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(child)
+        child.set_defaults(_bench_run=module.run)
+    everything = sub.add_parser("all", help="every benchmark above, with --quick settings")
+    everything.set_defaults(_bench_run=_run_all)
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    status = 0
+    for name, module_name in BENCHES.items():
+        module = importlib.import_module(module_name)
+        child = argparse.ArgumentParser(prog=f"prorsa bench {name}")
+        module.configure(child)
+        sub_args = child.parse_args(["--quick"] if _has_quick(child) else [])
+        print(f"== prorsa bench {name} ==", flush=True)
+        status = max(status, int(module.run(sub_args) or 0))
+    return status
+
+
+def _has_quick(parser: argparse.ArgumentParser) -> bool:
+    return any("--quick" in action.option_strings for action in parser._actions)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

@@ -1,0 +1,373 @@
+"""The sans-I/O Controller: lifecycle events + engine states + now -> Decision.
+
+It never reads a clock, a socket or the Kubernetes API. The operator drives it in wall-clock
+time, the simulator and ``prorsa plan`` in virtual time, so every figure they produce
+measures the code that ships. All times are in the trainer's clock (the webhook corrects
+the trainer's offset before calling in).
+
+Executor contract: feed engine states with ``switching=True`` for every instance whose
+switch has started (intent written), even before its agent says so, and call
+:meth:`Controller.record_switch` when a switch ends. The Controller then never plans the
+same change twice and respects each instance's cooldown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prorsa.allocate import Allocation, PrefillSpeed, headroom, margin_of, solve
+from prorsa.decision import Capacity, Components, Decision, Forecast, Switch, Target
+from prorsa.engine_state import EngineState, Role
+from prorsa.events import Event, Snapshot
+from prorsa.forecast.model import ForecastConfig, Forecaster, ForecastResult, PrefillSite
+from prorsa.forecast.table import DECODE, ApplyResult, TrajectoryTable
+from prorsa.spec import RolloutClusterSpec
+
+# C_KV when neither the spec nor any engine says (≈ an 8×H200 Qwen3-235B instance).
+DEFAULT_KV_TOKENS = 1_300_000
+STALE_HORIZONS = 3  # trainer silent this many horizons: decide from engine states alone
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    mode: str
+    a: float  # prefill demand in instances: W_P / (S·θ_P)
+    b: float  # decode demand in instances: (K_D + K̂_D) / C_KV
+    forecast: Forecast
+    note: str
+
+
+class Controller:
+    """Forecast (Appendix B), allocate (Eq. 1) and plan switches (Appendix C)."""
+
+    def __init__(self, spec: RolloutClusterSpec, *, ttl_seconds: float | None = None) -> None:
+        self.spec = spec
+        f = spec.forecast
+        self.horizon = f.horizon_seconds
+        self.forecaster = Forecaster(
+            ForecastConfig(
+                horizon=f.horizon_seconds,
+                tool_alpha=f.tool_ema_alpha,
+                bias_correction=f.bias_correction,
+                policy=f.injection.policy,
+                group_size=f.injection.group_size,
+                rate_per_second=f.injection.rate_per_second,
+            )
+        )
+        self.table = TrajectoryTable(observer=self.forecaster)
+        self.theta = PrefillSpeed(profiled=spec.capacity.prefill_tokens_per_second)
+        self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
+        self._engines: dict[str, EngineState] = {}
+        self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
+        self._engine_counters = False
+        self._issued: dict[str, Role] = {}
+        self._cooldown_until: dict[str, float] = {}
+        self._assumed_prefill = spec.initial_prefill()
+        self.last_decision: Decision | None = None
+        self.last_forecast: ForecastResult | None = None
+        self.ticks = 0
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def observe(self, events: Iterable[Event]) -> ApplyResult:
+        """Apply a validated batch of lifecycle events (idempotent per event id)."""
+        return self.table.apply(events)
+
+    def observe_snapshot(self, snapshot: Snapshot) -> None:
+        """Replace the trajectory table with the trainer's resync snapshot."""
+        self.table.load_snapshot(snapshot)
+
+    def observe_engines(self, states: Iterable[EngineState]) -> None:
+        """The latest ``/v1/state`` of every engine; an absent instance is unavailable."""
+        fresh = {s.instance: s for s in states}
+        for name, s in fresh.items():
+            old = self._engines.get(name)
+            if old is not None and old.role != s.role and not s.switching:
+                self._cooldown_until[name] = max(
+                    self._cooldown_until.get(name, -math.inf), self._now_hint()
+                )
+            self._engine_interval(s)
+        self._engines = fresh
+        for name in list(self._issued):
+            s = fresh.get(name)
+            if s is None or not s.switching:
+                del self._issued[name]
+
+    def _now_hint(self) -> float:
+        """Best guess of the present for cooldowns noticed between ticks."""
+        last = self.last_decision.at if self.last_decision else -math.inf
+        return max(last, self.table.last_event_ts or -math.inf)
+
+    def _engine_interval(self, s: EngineState) -> None:
+        """θ_P from the agent's cumulative busy-time counters (two readings, §4.2)."""
+        if s.prefill_busy_seconds > 0:
+            self._engine_counters = True
+        prev = self._counters.get(s.instance)
+        cur = (s.prefill_busy_seconds, s.prefill_tokens)
+        if prev is None or cur[0] < prev[0] or cur[1] < prev[1]:
+            self._counters[s.instance] = cur  # first reading, or the engine restarted
+            return
+        busy, tokens = cur[0] - prev[0], cur[1] - prev[1]
+        if busy >= 1.0 and s.waiting_requests == 0:
+            self.theta.add_interval(tokens=tokens, seconds=busy)
+            self._counters[s.instance] = cur
+
+    def record_switch(self, instance: str, *, to: Role, at: float, ok: bool) -> None:
+        """The executor finished (or gave up on) a switch: start the instance's cooldown."""
+        self._issued.pop(instance, None)
+        cooldown = self.spec.switching.cooldown_seconds
+        self._cooldown_until[instance] = at + cooldown
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    def accuracy(self) -> dict[str, float | None]:
+        acc = self.forecaster.accuracy
+        return {"prefillWape": acc.prefill_wape, "decodeWape": acc.decode_wape}
+
+    def live_trajectories(self) -> dict[str, int]:
+        return self.table.state_counts()
+
+    def tick(self, now: float) -> Decision:
+        """Decide the prefill:decode split for [now, now + S) and the switches toward it."""
+        if not math.isfinite(now):
+            raise ValueError(f"tick time must be finite, got {now}")
+        self.ticks += 1
+        self.table.evict_older_than(now - self.ttl)
+        acc = self.forecaster.accuracy
+        acc.close_until(now)
+        intervals, self.forecaster.intervals = self.forecaster.intervals, []
+        if not self._engine_counters:
+            for tokens, seconds in intervals:
+                self.theta.add_interval(tokens=tokens, seconds=seconds)
+
+        spec = self.spec
+        m_p, m_d = spec.engine.m_prefill, spec.engine.m_decode
+        roles = self._current_roles()
+        cur_p, cur_d = roles["prefill"], roles["decode"]
+        budget = spec.gpu_budget - m_d * roles["unavailable"]
+        theta = self.theta.value
+        c_kv = self._kv_capacity()
+        capacity = Capacity(prefillTokensPerSecond=round(theta, 3), decodeKvTokens=c_kv)
+        demand = self._demand(now, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
+
+        min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
+        min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
+        notes = [demand.note] if demand.note else []
+        if budget <= 0:
+            best = Allocation(0, 0, margin_of(0, 0, demand.a, demand.b))
+            notes.append("no instance is available")
+        else:
+            best = solve(
+                demand.a,
+                demand.b,
+                budget=budget,
+                m_prefill=m_p,
+                m_decode=m_d,
+                min_prefill=min_p,
+                min_decode=min_d,
+                current_prefill=cur_p,
+            )
+        target, why = self._hysteresis(best, cur_p, cur_d, demand, min_p=min_p, min_d=min_d)
+        if why:
+            notes.append(why)
+        if best.margin < 0:
+            notes.append(
+                f"over budget: the tighter side needs {1 / (1 + best.margin):.2f}x the capacity"
+            )
+        switches = self._plan_switches(target, cur_p, now=now)
+        if not self._engines:
+            self._assumed_prefill = target.prefill
+        margin = margin_of(target.prefill, target.decode, demand.a, demand.b)
+        reason = (
+            f"prefill demand {demand.a:.2f} inst, decode KV {demand.b:.2f} inst; "
+            f"best margin at {best.prefill}P:{best.decode}D"
+        )
+        if notes:
+            reason += "; " + "; ".join(notes)
+        decision = Decision(
+            at=now,
+            mode=demand.mode,  # type: ignore[arg-type]
+            target=target,
+            safetyMargin=round(margin, 4),
+            forecast=demand.forecast,
+            capacity=capacity,
+            switches=tuple(switches),
+            reason=reason,
+        )
+        self.last_decision = decision
+        return decision
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _current_roles(self) -> dict[str, object]:
+        """Counts by role of usable instances; a switching one counts as its destination."""
+        if not self._engines:
+            n = self.spec.instances
+            p = min(self._assumed_prefill, n)
+            names = tuple(f"prefill-{i}" for i in range(p))
+            return {"prefill": p, "decode": n - p, "unavailable": 0, "names": names}
+        p = d = unavailable = 0
+        names: list[str] = []
+        for s in sorted(self._engines.values(), key=lambda s: s.instance):
+            if not s.healthy:
+                unavailable += 1
+                continue
+            role: Role | None = s.role
+            if s.switching:
+                role = self._issued.get(s.instance)
+                if role is None:
+                    unavailable += 1
+                    continue
+            if role == "prefill":
+                p += 1
+                if not s.switching:
+                    names.append(s.instance)
+            else:
+                d += 1
+        # Instances the spec owns that no agent answered for are unavailable too.
+        unavailable += max(0, self.spec.instances - len(self._engines))
+        return {"prefill": p, "decode": d, "unavailable": unavailable, "names": tuple(names)}
+
+    def _kv_capacity(self) -> int:
+        if self.spec.capacity.decode_kv_tokens:
+            return self.spec.capacity.decode_kv_tokens
+        caps = [s.kv_capacity_tokens for s in self._engines.values() if s.kv_capacity_tokens > 0]
+        decode = [
+            s.kv_capacity_tokens
+            for s in self._engines.values()
+            if s.kv_capacity_tokens > 0 and s.role == "decode"
+        ]
+        pick = decode or caps
+        return int(sum(pick) / len(pick)) if pick else DEFAULT_KV_TOKENS
+
+    def _decode_kv_now(self) -> float:
+        """K_D: the engines' decode KV in use; without engine states, the prompts in decode."""
+        decode = [s for s in self._engines.values() if s.role == "decode" and s.healthy]
+        if decode:
+            return float(sum(s.kv_used_tokens for s in decode))
+        n = self.table.hwm
+        state = self.table.cols["state"][:n]
+        return float(self.table.cols["x"][:n][state == DECODE].sum())
+
+    def _demand(self, now: float, *, theta: float, c_kv: int, prefill_names: object) -> _Demand:
+        S = self.horizon
+        last = self.table.last_event_ts
+        fresh = last is not None and now - last <= STALE_HORIZONS * S
+        if fresh:
+            names = tuple(prefill_names)  # type: ignore[call-overload]
+            site = PrefillSite(names=names, seconds_per_token=1.0 / theta)
+            f = self.forecaster.forecast(self.table, now=now, site=site)
+            self.last_forecast = f
+            k_d = self._decode_kv_now()
+            kv = k_d + f.admission_kv
+            self.forecaster.accuracy.register(
+                start=now,
+                horizon=S,
+                backlog=f.ready + f.inflight,
+                predicted_arrivals=f.raw_arrivals,
+                predicted_prefill=f.prefill,
+                predicted_admission_raw=f.raw_admission,
+                predicted_admission=f.admission,
+            )
+            forecast = Forecast(
+                prefillTokens=round(f.prefill),
+                decodeAdmissionTokens=round(f.admission),
+                decodeKvTokens=round(kv),
+                components=Components(
+                    sampler=round(f.sampler),
+                    startup=round(f.startup),
+                    ready=round(f.ready),
+                    tool=round(f.tool),
+                    inflight=round(f.inflight),
+                ),
+            )
+            return _Demand("predictive", f.prefill / (S * theta), kv / c_kv, forecast, "")
+        # Reactive: trainer silent or never integrated; engine queues and KV only.
+        why = "no trainer events" if last is None else f"trainer silent for {now - last:.0f}s"
+        if not self._engines:
+            return _Demand("reactive", 0.0, 0.0, Forecast(), f"{why} and no engine states")
+        waiting = float(
+            sum(s.waiting_tokens for s in self._engines.values() if s.role == "prefill")
+        )
+        kv = self._decode_kv_now()
+        forecast = Forecast(
+            prefillTokens=round(waiting),
+            decodeAdmissionTokens=0,
+            decodeKvTokens=round(kv),
+            components=Components(ready=round(waiting)),
+        )
+        return _Demand("reactive", waiting / (S * theta), kv / c_kv, forecast, f"reactive: {why}")
+
+    def _hysteresis(
+        self,
+        best: Allocation,
+        cur_p: int,
+        cur_d: int,
+        demand: _Demand,
+        *,
+        min_p: int,
+        min_d: int,
+    ) -> tuple[Target, str]:
+        """Keep the current split unless the best one is clearly better (no flapping)."""
+        if (best.prefill, best.decode) == (cur_p, cur_d):
+            return Target(prefill=cur_p, decode=cur_d), ""
+        if cur_p < min_p or cur_d < min_d:
+            return Target(prefill=best.prefill, decode=best.decode), "restoring role minimums"
+        if demand.a <= 0 and demand.b <= 0:
+            return Target(prefill=cur_p, decode=cur_d), "no demand: holding the current split"
+        h = self.spec.switching.hysteresis
+        now_h = headroom(cur_p, cur_d, demand.a, demand.b)
+        best_h = headroom(best.prefill, best.decode, demand.a, demand.b)
+        if best_h <= now_h * (1.0 + h):
+            gain = (best_h / now_h - 1.0) if now_h > 0 and math.isfinite(best_h) else 0.0
+            return (
+                Target(prefill=cur_p, decode=cur_d),
+                f"holding {cur_p}P:{cur_d}D: best split gains {gain:.0%} headroom "
+                f"(< {h:.0%} hysteresis)",
+            )
+        return Target(prefill=best.prefill, decode=best.decode), ""
+
+    def _plan_switches(self, target: Target, cur_p: int, *, now: float) -> list[Switch]:
+        """Appendix C step 1: least-loaded eligible instances, within maxConcurrent."""
+        need = target.prefill - cur_p
+        if not need or not self._engines:
+            return []
+        in_progress = sum(1 for s in self._engines.values() if s.switching)
+        slots = self.spec.switching.max_concurrent - in_progress
+        if slots <= 0:
+            return []
+        src: Role = "decode" if need > 0 else "prefill"
+        dst: Role = "prefill" if need > 0 else "decode"
+        eligible = [
+            s
+            for s in self._engines.values()
+            if s.role == src
+            and s.healthy
+            and not s.switching
+            and self._cooldown_until.get(s.instance, -math.inf) <= now
+        ]
+        if src == "decode":
+            eligible.sort(
+                key=lambda s: (
+                    s.running_requests + s.waiting_requests,
+                    s.kv_used_tokens,
+                    s.instance,
+                )
+            )
+        else:
+            eligible.sort(
+                key=lambda s: (
+                    s.waiting_tokens,
+                    s.running_requests + s.waiting_requests,
+                    s.instance,
+                )
+            )
+        chosen = eligible[: min(abs(need), slots)]
+        for s in chosen:
+            self._issued[s.instance] = dst
+        return [Switch(instance=s.instance, **{"from": src}, to=dst) for s in chosen]
+
+    def engines(self) -> Sequence[EngineState]:
+        return tuple(self._engines.values())

@@ -1,0 +1,302 @@
+"""CONTRACT: the trainer webhook's lifecycle events and resync snapshot (shared/DESIGN.md).
+
+The models are strict on purpose: a trainer integration bug (a float token count, a NaN
+timestamp, a misspelt field) should fail loudly at the webhook, naming the event and field,
+instead of silently skewing the forecast. Field names are the wire names (snake_case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+MAX_ID = 256
+MAX_NAME = 128
+MAX_TEXT = 1024
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+Tokens = Annotated[int, Field(strict=True, ge=0, le=1 << 40)]
+Turn = Annotated[int, Field(strict=True, ge=0, le=1 << 20)]
+Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+STATES = ("starting", "ready", "prefill", "decode", "tool", "reward")
+State = Literal["starting", "ready", "prefill", "decode", "tool", "reward"]
+SandboxMode = Literal["prewarm", "cold"]
+Finish = Literal["tool", "stop", "length", "abort"]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: Id
+    ts: Timestamp
+    trajectory: Id
+
+
+class SampleDispatched(_Event):
+    type: Literal["sample_dispatched"]
+    group: Name | None = None
+    task: Name | None = None
+    prompt_tokens: Tokens | None = None
+
+
+class SandboxStarted(_Event):
+    type: Literal["sandbox_started"]
+    mode: SandboxMode
+    image: Name | None = None
+    node_class: Name | None = None
+
+
+class RequestQueued(_Event):
+    type: Literal["request_queued"]
+    prompt_tokens: Tokens
+    turn: Turn
+    request: Id | None = None
+
+
+class PrefillStarted(_Event):
+    type: Literal["prefill_started"]
+    request: Id | None = None
+    instance: Name | None = None
+
+
+class PrefillFinished(_Event):
+    type: Literal["prefill_finished"]
+    request: Id | None = None
+    instance: Name | None = None
+
+
+class DecodeFinished(_Event):
+    type: Literal["decode_finished"]
+    output_tokens: Tokens
+    finish: Finish
+
+
+class ToolStarted(_Event):
+    type: Literal["tool_started"]
+    tool: Name | None = None
+
+
+class ToolFinished(_Event):
+    type: Literal["tool_finished"]
+    result_tokens: Tokens | None = None
+
+
+class RewardStarted(_Event):
+    type: Literal["reward_started"]
+
+
+class RewardFinished(_Event):
+    type: Literal["reward_finished"]
+    accepted: bool
+
+
+class TrajectoryDropped(_Event):
+    type: Literal["trajectory_dropped"]
+    reason: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
+
+
+Event = Annotated[
+    SampleDispatched
+    | SandboxStarted
+    | RequestQueued
+    | PrefillStarted
+    | PrefillFinished
+    | DecodeFinished
+    | ToolStarted
+    | ToolFinished
+    | RewardStarted
+    | RewardFinished
+    | TrajectoryDropped,
+    Field(discriminator="type"),
+]
+
+EVENT_TYPES: tuple[str, ...] = (
+    "sample_dispatched",
+    "sandbox_started",
+    "request_queued",
+    "prefill_started",
+    "prefill_finished",
+    "decode_finished",
+    "tool_started",
+    "tool_finished",
+    "reward_started",
+    "reward_finished",
+    "trajectory_dropped",
+)
+
+
+class EventBatch(BaseModel):
+    """The JSON body of ``POST .../events``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    events: list[Event]
+
+
+class SnapshotTrajectory(BaseModel):
+    """One live trajectory as the trainer sees it, for a resync after an operator restart."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trajectory: Id
+    state: State
+    since: Timestamp = Field(description="When the trajectory entered `state` (trainer clock).")
+    context_tokens: Tokens = Field(
+        description="Full context length: the queued prompt in ready/prefill/decode, "
+        "prompt plus output in tool/reward."
+    )
+    group: Name | None = None
+    task: Name | None = None
+    turn: Turn = 0
+    instance: Name | None = None
+    mode: SandboxMode | None = None
+    tool: Name | None = None
+
+
+class Snapshot(BaseModel):
+    """The body of ``POST .../snapshot``: every live trajectory, replacing what was known."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ts: Timestamp
+    trajectories: list[SnapshotTrajectory]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One problem in a batch: which event (None for the batch itself), which field, why."""
+
+    index: int | None
+    field: str
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "field": self.field, "message": self.message}
+
+    def __str__(self) -> str:
+        where = "batch" if self.index is None else f"event {self.index}"
+        return f"{where}: {self.field}: {self.message}"
+
+
+class BatchError(ValueError):
+    """A batch was refused whole; ``errors`` names every bad event and field."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        self.errors = errors
+        shown = "; ".join(str(e) for e in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        super().__init__(f"{len(errors)} invalid: {shown}{more}")
+
+
+_EVENT_LIST = TypeAdapter(list[Event])
+_BATCH = TypeAdapter(EventBatch)
+_SNAPSHOT = TypeAdapter(Snapshot)
+
+
+def _field_errors(exc: ValidationError, *, prefix: int) -> list[FieldError]:
+    """Turn pydantic's locations into (event index, dotted field) pairs.
+
+    pydantic locates a union member by its tag (``('events', 3, 'tool_started', 'tool')``);
+    the tag is noise to a trainer developer, so it is dropped.
+    """
+    out: list[FieldError] = []
+    for err in exc.errors(include_url=False):
+        loc = list(err["loc"])
+        if loc[prefix:] == [] and prefix:
+            out.append(FieldError(None, ".".join(map(str, loc)) or "body", err["msg"]))
+            continue
+        if prefix and loc and loc[0] == "events":
+            loc = loc[1:]
+        if not loc or not isinstance(loc[0], int):
+            out.append(FieldError(None, ".".join(map(str, loc)) or "body", err["msg"]))
+            continue
+        index, rest = loc[0], loc[1:]
+        if rest and rest[0] in EVENT_TYPES:
+            rest = rest[1:]
+        msg = err["msg"]
+        if err["type"] == "union_tag_invalid":
+            rest, msg = ["type"], f"unknown event type; expected one of {', '.join(EVENT_TYPES)}"
+        elif err["type"] == "union_tag_not_found":
+            rest, msg = ["type"], "missing event type"
+        out.append(FieldError(index, ".".join(map(str, rest)) or "event", msg))
+    return out
+
+
+def parse_batch(body: bytes | str) -> list[Event]:
+    """Validate a JSON ``{"events": [...]}`` body as a whole; raise :class:`BatchError`."""
+    try:
+        return _BATCH.validate_json(body).events
+    except ValidationError as exc:
+        raise BatchError(_field_errors(exc, prefix=1)) from None
+
+
+def parse_ndjson(body: bytes | str) -> list[Event]:
+    """Validate one event per line (blank lines skipped); raise :class:`BatchError`."""
+    text = body.decode() if isinstance(body, bytes) else body
+    lines = [line for line in text.splitlines() if line.strip()]
+    return parse_lines(lines)
+
+
+def parse_lines(lines: Iterable[str]) -> list[Event]:
+    payload = "[" + ",".join(lines) + "]"
+    try:
+        return _EVENT_LIST.validate_json(payload)
+    except ValidationError as exc:
+        errors = _field_errors(exc, prefix=0)
+        if any(e.index is None for e in errors):
+            # A syntax error in one line breaks the joined array: find the line.
+            return _parse_lines_one_by_one(list(lines))
+        raise BatchError(errors) from None
+
+
+def _parse_lines_one_by_one(lines: list[str]) -> list[Event]:
+    events: list[Event] = []
+    errors: list[FieldError] = []
+    one = TypeAdapter(Event)
+    for i, line in enumerate(lines):
+        try:
+            events.append(one.validate_json(line))
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False):
+                loc = [p for p in err["loc"] if p not in EVENT_TYPES]
+                msg = err["msg"]
+                if err["type"] == "union_tag_invalid":
+                    loc, msg = ["type"], "unknown event type"
+                elif err["type"] == "union_tag_not_found":
+                    loc, msg = ["type"], "missing event type"
+                field = ".".join(map(str, loc)) or "event"
+                if err["type"] == "json_invalid":
+                    field = "line"
+                errors.append(FieldError(i, field, msg))
+    if errors:
+        raise BatchError(errors)
+    return events
+
+
+def parse_events(items: list[Any]) -> list[Event]:
+    """Validate already-decoded event dicts (Python callers, tests, the simulator)."""
+    try:
+        return _EVENT_LIST.validate_python(items)
+    except ValidationError as exc:
+        raise BatchError(_field_errors(exc, prefix=0)) from None
+
+
+def parse_snapshot(body: bytes | str) -> Snapshot:
+    try:
+        return _SNAPSHOT.validate_json(body)
+    except ValidationError as exc:
+        errors = [
+            FieldError(None, ".".join(map(str, e["loc"])) or "body", e["msg"])
+            for e in exc.errors(include_url=False)
+        ]
+        raise BatchError(errors) from None
+
+
+def dump_events(events: Iterable[Event]) -> list[dict[str, Any]]:
+    """Wire form of events, omitting unset optional fields."""
+    return [e.model_dump(exclude_none=True) for e in events]

@@ -1,0 +1,84 @@
+"""Eq. 13–14: when will each request finish prefill, and so enter decode, in [t, t+S)?
+
+A request-level serial approximation per prefill instance, instances in parallel
+(Appendix B): b̂_j = max(u_j, v_m) + g(x_j), then v_m ← b̂_j. Requests the trainer did not
+pin to an instance go to the least-loaded one (smallest v_m), which is what the router's
+load-aware policies do. Future arrivals carry a weight (their probability of arriving in the
+horizon) and occupy an instance for weight·g(x) of expected service.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Admissions:
+    tokens: float  # Â_D: prompt tokens expected to enter decode before t + S (Eq. 14)
+    kv_tokens: float  # K̂_D: their KV footprint at admission under the decode config
+
+
+def predict_admissions(
+    *,
+    now: float,
+    horizon: float,
+    instances: int,
+    inflight_instance: np.ndarray,
+    inflight_finish: np.ndarray,
+    inflight_x: np.ndarray,
+    queued_x: np.ndarray,
+    arrival_u: np.ndarray,
+    arrival_x: np.ndarray,
+    arrival_w: np.ndarray,
+    seconds_per_token: float,
+    kv_per_token: float = 1.0,
+) -> Admissions:
+    """Run the recurrence. ``inflight_instance`` holds 0..instances-1, or -1 when unknown.
+
+    ``queued_x`` is the ready queue in FIFO order (u_j = t); arrivals are predicted future
+    requests in any order (sorted here by u). ``inflight_finish`` is the runtime estimate of
+    each in-flight prefill's end, already accounting for its progress.
+    """
+    end = now + horizon
+    if instances <= 0:
+        return Admissions(0.0, 0.0)
+    # In-flight work: finishes on its own estimate; sets each instance's next free time.
+    v = np.full(instances, now)
+    done = inflight_finish < end
+    tokens = float(inflight_x[done].sum())
+    pinned = inflight_instance >= 0
+    if pinned.any():
+        idx = np.minimum(inflight_instance[pinned], instances - 1)
+        np.maximum.at(v, idx, np.maximum(inflight_finish[pinned], now))
+    free_at = v.tolist()
+    # In-flight requests with no known instance occupy the least-loaded one.
+    for finish in np.sort(inflight_finish[~pinned]).tolist():
+        m = min(range(instances), key=free_at.__getitem__)
+        free_at[m] = max(free_at[m], finish)
+    heap = [(t, m) for m, t in enumerate(free_at)]
+    heapq.heapify(heap)
+
+    # Ready queue first (already arrived, FIFO), then predicted arrivals by arrival time.
+    order = np.argsort(arrival_u, kind="stable")
+    u = np.concatenate((np.full(len(queued_x), now), arrival_u[order]))
+    x = np.concatenate((queued_x, arrival_x[order]))
+    w = np.concatenate((np.ones(len(queued_x)), arrival_w[order]))
+    service = w * x * seconds_per_token
+    admitted = 0.0
+    pop, push = heapq.heappop, heapq.heappush
+    for uj, sj, xj, wj in zip(u.tolist(), service.tolist(), x.tolist(), w.tolist(), strict=True):
+        if uj >= end:
+            break  # sorted by arrival: nothing later can finish in the horizon
+        vm, m = pop(heap)
+        if vm >= end:
+            push(heap, (vm, m))
+            break  # every instance is busy past the horizon
+        b = max(uj, vm) + sj
+        push(heap, (b, m))
+        if b < end:
+            admitted += wj * xj
+    tokens += admitted
+    return Admissions(tokens=tokens, kv_tokens=tokens * kv_per_token)

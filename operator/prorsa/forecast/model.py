@@ -1,0 +1,407 @@
+"""Appendix B: the six sources of prefill demand and the decode-admission forecast.
+
+:class:`Forecaster` learns from lifecycle facts the table reports (it is the table's
+observer) and, at a tick, reads the table's columns to produce one :class:`ForecastResult`.
+Nothing here reads a clock: the tick's ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from prorsa.forecast.accuracy import AccuracyTracker
+from prorsa.forecast.admission import Admissions, predict_admissions
+from prorsa.forecast.stats import ClassedDistributions, EmaTable, Prior, WindowMean
+from prorsa.forecast.table import PREFILL, READY, REWARD, STARTING, TOOL, TrajectoryTable
+
+Policy = Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"]
+
+# Class codes pack small non-negative label codes into one int64 so that classes can be
+# grouped with np.unique; the radix bounds every label code (see Interner's caps).
+_RADIX = 1 << 14
+
+
+def pack(*parts: np.ndarray) -> np.ndarray:
+    code = np.zeros(len(parts[0]), dtype=np.int64)
+    for p in parts:
+        code = code * _RADIX + np.asarray(p, dtype=np.int64)
+    return code
+
+
+def _unpack(code: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        code, part = divmod(code, _RADIX)
+        out.append(part)
+    return out[::-1]
+
+
+def _startup_key(code: int) -> tuple[object, ...]:
+    """Eq. 6 class (mode, image, node class); -1 marks "dispatched, not launched yet"."""
+    if code < 0:
+        return ("dispatch",)
+    mode, image, node = _unpack(code, 3)
+    return (mode, image - 1, node - 1)
+
+
+def _tool_key(code: int) -> tuple[object, ...]:
+    """Eq. 9 class (task, tool, turn bucket, concurrent tool load)."""
+    task, tool, turn, load = _unpack(code, 4)
+    return (task - 1, tool - 1, turn, load)
+
+
+def _pair_key(code: int) -> tuple[object, ...]:
+    task, tool = _unpack(code, 2)
+    return (task - 1, tool - 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForecastConfig:
+    horizon: float = 10.0
+    tool_alpha: float = 0.1  # Eq. 10
+    bias_correction: bool = True
+    policy: Policy = "replaceOnReward"
+    group_size: int = 1
+    rate_per_second: float = 0.0
+    window: int = 2048  # samples kept per duration class
+    min_samples: int = 16  # before a finer class is trusted over its parent
+    tool_min_samples: int = 4
+    prior_reward_seconds: float = 30.0
+    prior_startup_seconds: float = 5.0
+    prior_tool_seconds: float = 5.0
+    prior_first_prompt_tokens: float = 2048.0
+    kv_per_token: float = 1.0  # κ_D(x) = kv_per_token · x, in KV token slots
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillSite:
+    """The prefill instances the recurrence of Eq. 13 schedules onto."""
+
+    names: tuple[str, ...]
+    seconds_per_token: float  # g(x) = x · seconds_per_token = x / θ_P
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForecastResult:
+    sampler: float  # Eq. 5
+    startup: float  # Eq. 7
+    ready: float  # Eq. 8
+    tool: float  # Eq. 11
+    inflight: float  # Eq. 12
+    prefill: float  # Eq. 15 (bias-corrected)
+    admission: float  # Â_D, Eq. 14 (bias-corrected)
+    admission_kv: float  # K̂_D
+    raw_arrivals: float  # sampler + startup + tool before correction
+    raw_admission: float
+    arrival_factor: float
+    admission_factor: float
+    sampler_launches: float  # N̂_samp over the shortened horizon (Eq. 4)
+    launch_horizon: float  # S_pw
+
+
+class Forecaster:
+    """Duration statistics plus the per-tick forecast over a :class:`TrajectoryTable`."""
+
+    def __init__(self, config: ForecastConfig) -> None:
+        c = self.config = config
+        self.reward = ClassedDistributions(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_reward_seconds)
+        )
+        self.startup = ClassedDistributions(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_startup_seconds)
+        )
+        self.tool = EmaTable(
+            alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=c.prior_tool_seconds
+        )
+        self.growth = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
+        self.template = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
+        self.admit_rate = WindowMean(window=1024, default=1.0)  # p̂
+        self.dispatch_delay = WindowMean(window=1024, default=0.0)  # d̂
+        self.first_prompt: dict[int, WindowMean] = {}
+        self.accuracy = AccuracyTracker()
+        self.intervals: list[tuple[float, float]] = []  # completed prefill busy intervals
+
+    # -- Observer: facts from the table ----------------------------------------------------
+
+    def on_startup(self, *, key: tuple[object, ...], seconds: float) -> None:
+        self.startup.add(key, seconds)
+
+    def on_dispatch_delay(self, *, seconds: float) -> None:
+        self.dispatch_delay.add(seconds)
+
+    def on_first_prompt(self, *, task: int, tokens: float) -> None:
+        for k in (task, -2):  # -2: every task together
+            mean = self.first_prompt.get(k)
+            if mean is None:
+                if len(self.first_prompt) >= 4096:
+                    continue
+                mean = self.first_prompt[k] = WindowMean(window=256, default=math.nan)
+            mean.add(tokens)
+
+    def on_growth(self, *, key: tuple[object, ...], tokens: float, result_known: bool) -> None:
+        # With the result size known, only the chat template's overhead is unknown.
+        (self.template if result_known else self.growth).update(key, max(tokens, 0.0))
+
+    def on_tool(self, *, key: tuple[object, ...], seconds: float) -> None:
+        self.tool.update(key, seconds)
+
+    def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
+        self.reward.add((task,), seconds)
+        self.admit_rate.add(1.0 if accepted else 0.0)
+
+    def on_arrival(self, *, ts: float, tokens: float) -> None:
+        self.accuracy.on_arrival(ts, tokens)
+
+    def on_admission(self, *, ts: float, tokens: float) -> None:
+        self.accuracy.on_admission(ts, tokens)
+
+    def on_prefill_interval(self, *, tokens: float, seconds: float) -> None:
+        self.intervals.append((tokens, seconds))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _first_prompts(self, tasks: np.ndarray) -> np.ndarray:
+        out = np.empty(len(tasks))
+        for code, idx in self._by_class(tasks):
+            out[idx] = self.first_prompt_tokens(code)
+        return out
+
+    def first_prompt_tokens(self, task: int) -> float:
+        for k in (task, -2):
+            mean = self.first_prompt.get(k)
+            if mean is not None and len(mean):
+                return mean.value
+        return self.config.prior_first_prompt_tokens
+
+    @staticmethod
+    def _by_class(codes: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Group item positions by an integer class code: [(code, positions), ...]."""
+        if not len(codes):
+            return []
+        uniq, inverse = np.unique(codes, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(uniq) + 1))
+        return [(int(u), order[bounds[j] : bounds[j + 1]]) for j, u in enumerate(uniq.tolist())]
+
+    def _conditional(
+        self,
+        dists: ClassedDistributions,
+        codes: np.ndarray,
+        key_of: Callable[[int], tuple[object, ...]],
+        elapsed: np.ndarray,
+        horizon: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Conditional q and residual for many items, one vectorised query per class."""
+        q = np.zeros(len(codes))
+        res = np.zeros(len(codes))
+        for code, idx in self._by_class(codes):
+            q[idx], res[idx] = dists.conditional(key_of(code), elapsed[idx], horizon)
+        return q, res
+
+    def _ema(
+        self, table: EmaTable, codes: np.ndarray, key_of: Callable[[int], tuple[object, ...]]
+    ) -> np.ndarray:
+        out = np.empty(len(codes))
+        for code, idx in self._by_class(codes):
+            out[idx] = table.get(key_of(code))
+        return out
+
+    # -- the forecast ------------------------------------------------------------------------
+
+    def forecast(self, table: TrajectoryTable, *, now: float, site: PrefillSite) -> ForecastResult:
+        c = self.config
+        S = c.horizon
+        n = table.hwm
+        col = table.cols
+        state = col["state"][:n]
+        since = col["since"][:n]
+        x = col["x"][:n]
+        task = col["task"][:n]
+
+        # Future arrivals for Eq. 13: (arrival time, prompt tokens, weight).
+        arr_u: list[np.ndarray] = []
+        arr_x: list[np.ndarray] = []
+        arr_w: list[np.ndarray] = []
+
+        # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
+        d_hat = max(self.dispatch_delay.value, 0.0)
+        s_pw = max(0.0, S - d_hat)
+        launches = 0.0
+        w_samp = 0.0
+        rew = np.flatnonzero(state == REWARD)
+        if s_pw > 0 and c.policy != "none":
+            p_hat = self.admit_rate.value
+            if c.policy == "fixedRate":
+                launches = c.rate_per_second * s_pw
+                xhat = self.first_prompt_tokens(-2)
+                w_samp = launches * xhat
+                k = max(1, math.ceil(launches))
+                arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
+                arr_x.append(np.full(k, xhat))
+                arr_w.append(np.full(k, launches / k))
+            elif len(rew):
+                tasks = task[rew].astype(np.int64)
+                q, res = self._conditional(
+                    self.reward, tasks, lambda t: (t,), now - since[rew], s_pw
+                )
+                xhat = self._first_prompts(tasks)
+                if c.policy == "replaceOnReward":
+                    w = p_hat * q  # Eq. 3; f(N) = N (Eq. 4)
+                    launches = float(w.sum())
+                    w_samp = float(np.dot(w, xhat))
+                    arr_u.append(now + res + d_hat)
+                    arr_x.append(xhat)
+                    arr_w.append(w)
+                else:  # groupReplenish: a group of groupSize per group whose members all end
+                    launches, w_samp = self._group_replenish(
+                        table, rew, q, res, xhat, now=now, d_hat=d_hat, out=(arr_u, arr_x, arr_w)
+                    )
+
+        # Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come.
+        st = np.flatnonzero(state == STARTING)
+        w_start = 0.0
+        if len(st):
+            launched = col["launched"][:n][st]
+            dispatched = col["dispatched"][:n][st]
+            has_launch = ~np.isnan(launched)
+            origin = np.where(
+                has_launch, launched, np.where(np.isnan(dispatched), since[st], dispatched)
+            )
+            codes = np.where(
+                has_launch,
+                pack(col["mode"][:n][st], col["image"][:n][st] + 1, col["node"][:n][st] + 1),
+                -1,
+            )
+            q, res = self._conditional(self.startup, codes, _startup_key, now - origin, S)
+            fp = col["first_prompt"][:n][st]
+            xs = np.where(np.isnan(fp), self._first_prompts(task[st].astype(np.int64)), fp)
+            w_start = float(np.dot(q, xs))
+            arr_u.append(now + res)
+            arr_x.append(xs)
+            arr_w.append(q)
+
+        # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
+        ready_idx = np.flatnonzero(state == READY)
+        ready_idx = ready_idx[np.argsort(since[ready_idx], kind="stable")]
+        w_ready = float(x[ready_idx].sum())
+        pre = np.flatnonzero(state == PREFILL)
+        w_inflight = float(x[pre].sum())
+
+        # Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S.
+        tl = np.flatnonzero(state == TOOL)
+        w_tool = 0.0
+        if len(tl):
+            done = col["tool_done"][:n][tl]
+            t_task = task[tl].astype(np.int64) + 1
+            t_tool = col["tool"][:n][tl].astype(np.int64) + 1
+            turns = col["turn"][:n][tl]
+            tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+            load = col["tool_load"][:n][tl]
+            tau = self._ema(self.tool, pack(t_task, t_tool, tb, load), _tool_key)
+            r = np.where(done, 0.0, np.maximum(0.0, tau - (now - since[tl])))
+            soon = r < S
+            result = col["result"][:n][tl]
+            known = result >= 0
+            pair = pack(t_task, t_tool)
+            grow = np.where(
+                known,
+                self._ema(self.template, pair, _pair_key),
+                self._ema(self.growth, pair, _pair_key),
+            )
+            xhat = x[tl] + np.where(known, result, 0.0) + grow
+            w_tool = float(xhat[soon].sum())
+            arr_u.append(now + r[soon])
+            arr_x.append(xhat[soon])
+            arr_w.append(np.ones(int(soon.sum())))
+
+        raw_arrivals = w_samp + w_start + w_tool
+        corrected = c.bias_correction
+        a_factor = self.accuracy.arrival_factor if corrected else 1.0
+        d_factor = self.accuracy.admission_factor if corrected else 1.0
+        prefill = w_ready + w_inflight + a_factor * raw_arrivals  # Eq. 15
+
+        # Decode admissions, Eq. 13–14, on the current prefill instances.
+        names = {name: i for i, name in enumerate(site.names)}
+        inst_codes = col["instance"][:n][pre]
+        inst_map = np.full(len(table.instances.names) + 1, -1, dtype=np.int64)
+        for name, i in names.items():
+            code = table.instances.get(name)
+            if code is not None:
+                inst_map[code] = i
+        pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
+        finish = np.maximum(since[pre] + x[pre] * site.seconds_per_token, now)
+        adm: Admissions = predict_admissions(
+            now=now,
+            horizon=S,
+            instances=len(site.names),
+            inflight_instance=pinned,
+            inflight_finish=finish,
+            inflight_x=x[pre],
+            queued_x=x[ready_idx],
+            arrival_u=np.concatenate(arr_u) if arr_u else np.empty(0),
+            arrival_x=np.concatenate(arr_x) if arr_x else np.empty(0),
+            arrival_w=np.concatenate(arr_w) if arr_w else np.empty(0),
+            seconds_per_token=site.seconds_per_token,
+            kv_per_token=c.kv_per_token,
+        )
+        return ForecastResult(
+            sampler=a_factor * w_samp,
+            startup=a_factor * w_start,
+            ready=w_ready,
+            tool=a_factor * w_tool,
+            inflight=w_inflight,
+            prefill=prefill,
+            admission=d_factor * adm.tokens,
+            admission_kv=d_factor * adm.kv_tokens,
+            raw_arrivals=raw_arrivals,
+            raw_admission=adm.tokens,
+            arrival_factor=a_factor,
+            admission_factor=d_factor,
+            sampler_launches=launches,
+            launch_horizon=s_pw,
+        )
+
+    def _group_replenish(
+        self,
+        table: TrajectoryTable,
+        rew: np.ndarray,
+        q: np.ndarray,
+        res: np.ndarray,
+        xhat: np.ndarray,
+        *,
+        now: float,
+        d_hat: float,
+        out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+    ) -> tuple[float, float]:
+        """Eq. 4 with f = group replenishment: a group whose live members are all in reward
+        ends within the horizon with probability Π q_i (members independent; known group
+        state held fixed), and then brings groupSize new samples."""
+        groups = table.cols["group"][: table.hwm][rew]
+        member = groups >= 0
+        if not member.any():
+            return 0.0, 0.0
+        g = groups[member]
+        live = table.group_live_counts()
+        size = len(live)
+        in_reward = np.bincount(g, minlength=size)
+        logq = np.bincount(g, weights=np.log(np.maximum(q[member], 1e-300)), minlength=size)
+        last = np.zeros(size)
+        np.maximum.at(last, g, res[member])
+        xsum = np.bincount(g, weights=xhat[member], minlength=size)
+        complete = (in_reward > 0) & (in_reward == live)
+        p_group = np.where(complete, np.exp(logq), 0.0)
+        k = self.config.group_size
+        launches = float(k * p_group.sum())
+        xbar = np.where(in_reward > 0, xsum / np.maximum(in_reward, 1), 0.0)
+        tokens = float(k * np.dot(p_group, xbar))
+        sel = np.flatnonzero(p_group > 0)
+        u, xs, ws = out
+        u.append(now + last[sel] + d_hat)
+        xs.append(xbar[sel])
+        ws.append(k * p_group[sel])
+        return launches, tokens

@@ -1,0 +1,229 @@
+"""Duration statistics of Appendix B: empirical distributions, the tool EMA, p̂ and d̂.
+
+Everything keeps a sliding window so memory stays bounded however long a job runs, and
+every conditioned statistic falls back to a coarser class when its own has too few samples
+(a new sandbox image should borrow from its startup mode, not start from nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# A class key is a tuple, finest first; ``coarsen`` drops trailing parts one by one.
+Key = tuple[Hashable, ...]
+
+
+def coarsen(key: Key) -> list[Key]:
+    """``(a, b, c)`` -> ``[(a, b, c), (a, b), (a,), ()]``: the fallback chain."""
+    return [key[:i] for i in range(len(key), -1, -1)]
+
+
+class EmpiricalDistribution:
+    """A sliding window of observed durations, queried as a conditional distribution.
+
+    The sorted copy and prefix sums are rebuilt lazily, once per tick at most, so adding a
+    sample stays O(1) on the event path.
+    """
+
+    __slots__ = ("_cum", "_dirty", "_samples", "_sorted")
+
+    def __init__(self, *, window: int) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._sorted = np.empty(0)
+        self._cum = np.zeros(1)
+        self._dirty = False
+
+    def add(self, value: float) -> None:
+        if value >= 0 and math.isfinite(value):
+            self._samples.append(value)
+            self._dirty = True
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def _refresh(self) -> None:
+        if self._dirty:
+            self._sorted = np.sort(np.fromiter(self._samples, float, len(self._samples)))
+            self._cum = np.concatenate(([0.0], np.cumsum(self._sorted)))
+            self._dirty = False
+
+    def mean(self) -> float:
+        return float(np.mean(self._samples)) if self._samples else math.nan
+
+    def conditional(self, elapsed: np.ndarray, horizon: float) -> tuple[np.ndarray, np.ndarray]:
+        """For each elapsed e: q = P(T < e + S | T > e) and E[T - e | e < T < e + S].
+
+        This is Eq. 2 (reward) and Eq. 6 (sandbox startup). Past the longest observed
+        duration the window says nothing; a memoryless tail with the window's mean stands
+        in, so an overdue trajectory keeps a sensible, non-zero chance of finishing.
+        """
+        self._refresh()
+        s, cum, n = self._sorted, self._cum, len(self._sorted)
+        e = np.asarray(elapsed, dtype=float)
+        if n == 0 or horizon <= 0:
+            return np.zeros_like(e), np.full_like(e, horizon / 2)
+        lo = np.searchsorted(s, e, side="right")  # samples <= e have already ended
+        hi = np.searchsorted(s, e + horizon, side="left")  # samples < e + S
+        alive = n - lo
+        done = hi - lo
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(alive > 0, done / np.maximum(alive, 1), 0.0)
+            mean_end = np.where(done > 0, (cum[hi] - cum[lo]) / np.maximum(done, 1), e)
+        residual = np.clip(mean_end - e, 0.0, horizon)
+        tail = alive == 0
+        if tail.any():
+            mu = max(float(cum[-1]) / n, 1e-9)
+            q = np.where(tail, 1.0 - math.exp(-horizon / mu), q)
+            # Mean of an exponential truncated to [0, S).
+            r = mu - horizon * math.exp(-horizon / mu) / max(1.0 - math.exp(-horizon / mu), 1e-12)
+            residual = np.where(tail, min(max(r, 0.0), horizon), residual)
+        residual = np.where((done == 0) & ~tail, horizon / 2, residual)
+        return q, residual
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """What to assume before any sample: an exponential duration with this mean."""
+
+    mean_seconds: float
+
+
+class ClassedDistributions:
+    """Empirical distributions per conditioning class, with fallback to coarser classes.
+
+    Every sample feeds its class and all coarser ones, so the fallback chain always holds
+    data. The number of classes is capped: past the cap a new fine class is not created and
+    lookups fall back, which bounds memory against unbounded label values.
+    """
+
+    def __init__(
+        self, *, window: int, min_samples: int, prior: Prior, max_classes: int = 4096
+    ) -> None:
+        self._window = window
+        self._min = min_samples
+        self._prior = prior
+        self._max = max_classes
+        self._by_key: dict[Key, EmpiricalDistribution] = {}
+
+    def add(self, key: Key, value: float) -> None:
+        for k in coarsen(key):
+            dist = self._by_key.get(k)
+            if dist is None:
+                if len(self._by_key) >= self._max and k:
+                    continue
+                dist = self._by_key[k] = EmpiricalDistribution(window=self._window)
+            dist.add(value)
+
+    def lookup(self, key: Key) -> EmpiricalDistribution | None:
+        """The finest class with enough samples; the coarsest with any; else None."""
+        best: EmpiricalDistribution | None = None
+        for k in coarsen(key):
+            dist = self._by_key.get(k)
+            if dist is None or not len(dist):
+                continue
+            if len(dist) >= self._min:
+                return dist
+            best = best or dist
+        return best
+
+    def conditional(
+        self, key: Key, elapsed: np.ndarray, horizon: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        dist = self.lookup(key)
+        if dist is not None:
+            return dist.conditional(elapsed, horizon)
+        e = np.asarray(elapsed, dtype=float)
+        mu = max(self._prior.mean_seconds, 1e-9)
+        q = 1.0 - math.exp(-horizon / mu) if horizon > 0 else 0.0
+        return np.full_like(e, q), np.full_like(e, min(mu, horizon / 2))
+
+    def mean(self, key: Key) -> float:
+        dist = self.lookup(key)
+        return dist.mean() if dist is not None else self._prior.mean_seconds
+
+    def classes(self) -> int:
+        return len(self._by_key)
+
+    def export(self) -> dict[str, list[float]]:
+        """Samples by class, for persistence across operator restarts."""
+        return {"|".join(map(str, k)): list(d._samples) for k, d in self._by_key.items()}
+
+
+class EmaTable:
+    """Eq. 9–10: τ ← (1 − α)·τ + α·τ̂ per conditioning class, with fallback.
+
+    A class is trusted once it has ``min_samples`` updates; before that the next coarser
+    trusted class answers. The first sample of a class seeds τ directly (an EMA seeded at
+    zero would under-predict for ~1/α samples).
+    """
+
+    def __init__(self, *, alpha: float, min_samples: int, prior: float, max_classes: int = 4096):
+        self.alpha = alpha
+        self._min = min_samples
+        self._prior = prior
+        self._max = max_classes
+        self._tau: dict[Key, float] = {}
+        self._count: dict[Key, int] = {}
+
+    def update(self, key: Key, observed: float) -> None:
+        if not (observed >= 0 and math.isfinite(observed)):
+            return
+        a = self.alpha
+        for k in coarsen(key):
+            old = self._tau.get(k)
+            if old is None:
+                if len(self._tau) >= self._max and k:
+                    continue
+                self._tau[k] = observed
+                self._count[k] = 1
+            else:
+                self._tau[k] = (1.0 - a) * old + a * observed
+                self._count[k] += 1
+
+    def get(self, key: Key) -> float:
+        fallback: float | None = None
+        for k in coarsen(key):
+            n = self._count.get(k, 0)
+            if n >= self._min:
+                return self._tau[k]
+            if n and fallback is None:
+                fallback = self._tau[k]
+        return self._prior if fallback is None else fallback
+
+    def classes(self) -> int:
+        return len(self._tau)
+
+
+class WindowMean:
+    """Mean of the last ``window`` observations, O(1) per update (p̂, d̂, prompt sizes)."""
+
+    __slots__ = ("_sum", "_values", "default")
+
+    def __init__(self, *, window: int, default: float) -> None:
+        self._values: deque[float] = deque(maxlen=window)
+        self._sum = 0.0
+        self.default = default
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        if len(self._values) == self._values.maxlen:
+            self._sum -= self._values[0]
+        self._values.append(value)
+        self._sum += value
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def value(self) -> float:
+        return self._sum / len(self._values) if self._values else self.default
+
+
+def weighted_sum(values: Sequence[float], weights: Sequence[float]) -> float:
+    return float(np.dot(np.asarray(values, float), np.asarray(weights, float)))

@@ -1,0 +1,226 @@
+"""CONTRACT: the RolloutCluster custom resource (group prorsa.io, version v1alpha1).
+
+These pydantic models are the single source of the CRD schema (``prorsa crd``), of the
+admission checks and of the Controller's configuration. Wire names are camelCase.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+GROUP = "prorsa.io"
+VERSION = "v1alpha1"
+KIND = "RolloutCluster"
+PLURAL = "rolloutclusters"
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelSpec(_Spec):
+    path: Annotated[str, Field(min_length=1)] = Field(description="Model weights path.")
+    served_name: str | None = Field(None, alias="servedName")
+
+
+class EngineSpec(_Spec):
+    image: str = Field("lmsysorg/sglang:v0.5.23", description="Engine image (SGLang + agent).")
+    gpus_per_instance: PosInt = Field(8, alias="gpusPerInstance")
+    prefill_gpus_per_instance: PosInt | None = Field(
+        None,
+        alias="prefillGpusPerInstance",
+        description="m_P when prefill instances use another size than decode (Eq. 1); "
+        "defaults to gpusPerInstance.",
+    )
+    tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
+    transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
+    extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
+
+    @property
+    def m_prefill(self) -> int:
+        return self.prefill_gpus_per_instance or self.gpus_per_instance
+
+    @property
+    def m_decode(self) -> int:
+        return self.gpus_per_instance
+
+
+class RoleSpec(_Spec):
+    min: NonNegInt = 1
+    initial: NonNegInt | None = None
+
+
+class RolesSpec(_Spec):
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+
+
+class InjectionSpec(_Spec):
+    """How the trainer injects new samples (the f of Eq. 4)."""
+
+    policy: Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"] = "replaceOnReward"
+    group_size: PosInt = Field(1, alias="groupSize")
+    rate_per_second: NonNegFloat = Field(0.0, alias="ratePerSecond")
+
+    @model_validator(mode="after")
+    def _rate_needed(self) -> InjectionSpec:
+        if self.policy == "fixedRate" and self.rate_per_second <= 0:
+            raise ValueError("ratePerSecond must be > 0 when policy is fixedRate")
+        return self
+
+
+class ForecastSpec(_Spec):
+    horizon_seconds: Annotated[float, Field(gt=0, le=600)] = Field(10.0, alias="horizonSeconds")
+    tool_ema_alpha: Annotated[float, Field(gt=0, le=1)] = Field(0.1, alias="toolEmaAlpha")
+    bias_correction: bool = Field(True, alias="biasCorrection")
+    injection: InjectionSpec = InjectionSpec()
+
+
+class CapacitySpec(_Spec):
+    prefill_tokens_per_second: PosFloat = Field(20000.0, alias="prefillTokensPerSecond")
+    decode_kv_tokens: PosInt | None = Field(None, alias="decodeKvTokens")
+
+
+class SwitchingSpec(_Spec):
+    mode: Literal["Auto", "Recommend", "Off"] = "Auto"
+    cooldown_seconds: NonNegFloat = Field(30.0, alias="cooldownSeconds")
+    max_concurrent: PosInt = Field(1, alias="maxConcurrent")
+    drain_timeout_seconds: NonNegFloat = Field(30.0, alias="drainTimeoutSeconds")
+    hysteresis: Annotated[float, Field(ge=0, le=10)] = Field(
+        0.1,
+        description="Switch only when the best split's demand/capacity headroom beats the "
+        "current split's by this fraction; keeps forecast noise from flapping roles.",
+    )
+
+
+class RouterSpec(_Spec):
+    enabled: bool = True
+    image: str = "lightseekorg/smg:1.13.0"
+    policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = "cache_aware"
+
+
+class SecretKeyRef(_Spec):
+    name: Annotated[str, Field(min_length=1)]
+    key: Annotated[str, Field(min_length=1)] = "token"
+
+
+class TrainerSpec(_Spec):
+    token_secret_ref: SecretKeyRef | None = Field(None, alias="tokenSecretRef")
+
+
+class RolloutClusterSpec(_Spec):
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    gpu_budget: PosInt = Field(alias="gpuBudget")
+    roles: RolesSpec = RolesSpec()
+    forecast: ForecastSpec = ForecastSpec()
+    capacity: CapacitySpec = CapacitySpec()
+    switching: SwitchingSpec = SwitchingSpec()
+    router: RouterSpec = RouterSpec()
+    trainer: TrainerSpec = TrainerSpec()
+
+    @property
+    def instances(self) -> int:
+        """Instance count when every instance has m GPUs (the in-place switching case)."""
+        return self.gpu_budget // self.engine.gpus_per_instance
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutClusterSpec:
+        m = self.engine.gpus_per_instance
+        if self.gpu_budget % m:
+            raise ValueError(
+                f"gpuBudget ({self.gpu_budget}) must be a multiple of engine.gpusPerInstance ({m})"
+            )
+        if self.engine.tensor_parallel_size > m:
+            raise ValueError(
+                f"engine.tensorParallelSize ({self.engine.tensor_parallel_size}) exceeds "
+                f"engine.gpusPerInstance ({m})"
+            )
+        need = self.roles.prefill.min * self.engine.m_prefill + self.roles.decode.min * m
+        if need > self.gpu_budget:
+            raise ValueError(
+                f"roles.prefill.min and roles.decode.min need {need} GPUs, more than "
+                f"gpuBudget ({self.gpu_budget})"
+            )
+        initial = self.roles.prefill.initial
+        if initial is not None:
+            n = self.instances
+            if initial < self.roles.prefill.min or n - initial < self.roles.decode.min:
+                raise ValueError(
+                    f"roles.prefill.initial ({initial}) must leave both roles at their "
+                    f"minimums among {n} instances"
+                )
+        return self
+
+    def initial_prefill(self) -> int:
+        """roles.prefill.initial, or a quarter of the instances within the minimums."""
+        n = self.instances
+        if self.roles.prefill.initial is not None:
+            return self.roles.prefill.initial
+        guess = max(self.roles.prefill.min, round(n / 4))
+        return min(guess, n - self.roles.decode.min)
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=63)]
+    namespace: str = "default"
+
+
+class RolloutCluster(BaseModel):
+    """A whole manifest, as ``kubectl apply`` would take it."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    api_version: Literal["prorsa.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["RolloutCluster"]
+    metadata: Metadata
+    spec: RolloutClusterSpec
+
+
+class SpecError(ValueError):
+    """A RolloutCluster that does not validate; the message names each bad field."""
+
+
+def format_validation_error(exc: ValidationError, *, root: str = "") -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"])
+        where = ".".join(p for p in (root, loc) if p) or root or "manifest"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+def parse_cluster(data: dict[str, Any]) -> RolloutCluster:
+    try:
+        return RolloutCluster.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc)) from None
+
+
+def load_cluster(path: str | Path) -> RolloutCluster:
+    """Read a RolloutCluster manifest (YAML or JSON); the first RolloutCluster document wins."""
+    text = Path(path).read_text()
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d]
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == KIND:
+            return parse_cluster(doc)
+    raise SpecError(f"{path}: no document of kind {KIND}")
