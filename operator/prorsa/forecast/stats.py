@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,7 +120,8 @@ class ClassedDistributions:
             dist.add(value)
 
     def lookup(self, key: Key) -> EmpiricalDistribution | None:
-        """The finest class with enough samples; the coarsest with any; else None."""
+        """The finest class with enough samples, else the coarsest with any (every sample
+        also feeds the coarser classes, so that one holds the most data), else None."""
         best: EmpiricalDistribution | None = None
         for k in coarsen(key):
             dist = self._by_key.get(k)
@@ -128,7 +129,7 @@ class ClassedDistributions:
                 continue
             if len(dist) >= self._min:
                 return dist
-            best = best or dist
+            best = dist
         return best
 
     def conditional(
@@ -174,16 +175,18 @@ class EmaTable:
         if not (observed >= 0 and math.isfinite(observed)):
             return
         a = self.alpha
-        for k in coarsen(key):
-            old = self._tau.get(k)
+        tau, count = self._tau, self._count
+        for i in range(len(key), -1, -1):
+            k = key[:i]
+            old = tau.get(k)
             if old is None:
-                if len(self._tau) >= self._max and k:
+                if len(tau) >= self._max and i:
                     continue
-                self._tau[k] = observed
-                self._count[k] = 1
+                tau[k] = observed
+                count[k] = 1
             else:
-                self._tau[k] = (1.0 - a) * old + a * observed
-                self._count[k] += 1
+                tau[k] = (1.0 - a) * old + a * observed
+                count[k] += 1
 
     def get(self, key: Key) -> float:
         fallback: float | None = None
@@ -223,7 +226,3 @@ class WindowMean:
     @property
     def value(self) -> float:
         return self._sum / len(self._values) if self._values else self.default
-
-
-def weighted_sum(values: Sequence[float], weights: Sequence[float]) -> float:
-    return float(np.dot(np.asarray(values, float), np.asarray(weights, float)))

@@ -1,9 +1,10 @@
 """The trajectory table: every live trajectory's place in the Figure 4 state machine.
 
-Columns live in numpy arrays indexed by a slot per trajectory (struct of arrays), so a
-control tick reads 100k trajectories with a handful of vectorised masks instead of a Python
-loop, while applying one event stays a dict lookup and a few scalar writes. A live
-trajectory costs ~100 bytes of columns plus its id and dict entry.
+Columns live in typed ``array.array`` buffers indexed by a slot per trajectory (struct of
+arrays). Applying an event is a dict lookup and a few native scalar writes; a control tick
+wraps the buffers as numpy arrays without copying (:attr:`TrajectoryTable.cols`) and reads
+100k trajectories with a handful of vectorised masks instead of a Python loop. A live
+trajectory costs ~70 bytes of columns plus its id and dict entry.
 
 Events that do not fit the current state never raise: each is resolved by a fixed rule and
 counted by kind in :attr:`TrajectoryTable.anomalies`, so a trainer bug shows up in metrics
@@ -13,10 +14,11 @@ instead of crashing the controller.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,6 +41,18 @@ ANOMALY_KINDS = (
     "unexpected_transition",  # valid state change not allowed from the current state: applied
     "evicted",  # silent for longer than the TTL: removed at a tick
 )
+
+
+# Figure 4: the states each event may arrive in. Anything else is applied but counted.
+_FROM_STARTING = frozenset({STARTING})
+_TO_READY = frozenset({STARTING, TOOL, READY, DECODE})
+_TO_PREFILL = frozenset({READY, PREFILL})
+_TO_DECODE = frozenset({PREFILL, READY})
+_AFTER_DECODE = frozenset({DECODE, PREFILL})
+_TO_TOOL = frozenset({TOOL, DECODE})
+_FROM_TOOL = frozenset({TOOL})
+_TO_REWARD = frozenset({REWARD, DECODE, TOOL})
+_REMOVALS = frozenset({"reward_finished", "trajectory_dropped"})
 
 
 class Observer(Protocol):
@@ -104,25 +118,26 @@ class ApplyResult:
     anomalies: int
 
 
-_COLUMNS: tuple[tuple[str, type, float], ...] = (
-    ("state", np.int8, FREE),
-    ("since", np.float64, 0.0),  # entry into the current state (trainer clock)
-    ("x", np.float64, 0.0),  # full prompt of the current request; context in tool/reward
-    ("result", np.float64, -1.0),  # tool result tokens when tool_finished said so
-    ("dispatched", np.float64, math.nan),
-    ("launched", np.float64, math.nan),  # sandbox launch a_k
-    ("first_prompt", np.float64, math.nan),  # prompt_tokens announced at dispatch
-    ("tool_done", np.bool_, False),
-    ("queued_once", np.bool_, False),  # has any request been queued yet
-    ("mode", np.int8, MODE_UNKNOWN),
-    ("task", np.int32, -1),
-    ("group", np.int32, -1),
-    ("tool", np.int32, -1),
-    ("image", np.int32, -1),
-    ("node", np.int32, -1),
-    ("instance", np.int32, -1),
-    ("turn", np.int32, 0),
-    ("tool_load", np.int8, 0),
+# (name, array typecode, numpy dtype, fill value of a fresh slot)
+_COLUMNS: tuple[tuple[str, str, type, float], ...] = (
+    ("state", "b", np.int8, FREE),
+    ("since", "d", np.float64, 0.0),  # entry into the current state (trainer clock)
+    ("x", "d", np.float64, 0.0),  # full prompt of the current request; context in tool/reward
+    ("result", "d", np.float64, -1.0),  # tool result tokens when tool_finished said so
+    ("dispatched", "d", np.float64, math.nan),
+    ("launched", "d", np.float64, math.nan),  # sandbox launch a_k
+    ("first_prompt", "d", np.float64, math.nan),  # prompt_tokens announced at dispatch
+    ("tool_done", "b", np.int8, 0),
+    ("queued_once", "b", np.int8, 0),  # has any request been queued yet
+    ("mode", "b", np.int8, MODE_UNKNOWN),
+    ("task", "i", np.int32, -1),
+    ("group", "i", np.int32, -1),
+    ("tool", "i", np.int32, -1),
+    ("image", "i", np.int32, -1),
+    ("node", "i", np.int32, -1),
+    ("instance", "i", np.int32, -1),
+    ("turn", "i", np.int32, 0),
+    ("tool_load", "b", np.int8, 0),
 )
 
 
@@ -142,9 +157,14 @@ class TrajectoryTable:
         self._free: list[int] = []
         self._hwm = 0  # slots [0, hwm) have been used at least once
         self._capacity = 0
-        self.cols: dict[str, np.ndarray] = {}
+        self._arrays: dict[str, array] = {
+            name: array(code) for name, code, _dtype, _fill in _COLUMNS
+        }
+        for name, arr in self._arrays.items():
+            setattr(self, "_" + name, arr)
+        self._fresh = [(self._arrays[name], fill) for name, _c, _d, fill in _COLUMNS]
         self._grow(initial_capacity)
-        self._seen_ids: OrderedDict[str, None] = OrderedDict()
+        self._seen_ids: dict[str, None] = {}
         self._dedupe_window = dedupe_window
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_window = finished_window
@@ -163,7 +183,7 @@ class TrajectoryTable:
         self._group_free: list[int] = []
         # Per prefill instance, the busy interval in progress: [in flight, start, tokens].
         self._busy: dict[int, list[float]] = {}
-        self._handlers: dict[str, Callable[[ev.Event], None]] = {
+        self._handlers: dict[str, Callable[[Any, int | None], None]] = {
             "sample_dispatched": self._sample_dispatched,
             "sandbox_started": self._sandbox_started,
             "request_queued": self._request_queued,
@@ -180,14 +200,23 @@ class TrajectoryTable:
     # -- storage -------------------------------------------------------------------------
 
     def _grow(self, capacity: int) -> None:
-        for name, dtype, fill in _COLUMNS:
-            new = np.full(capacity, fill, dtype=dtype)
-            old = self.cols.get(name)
-            if old is not None:
-                new[: len(old)] = old
-            self.cols[name] = new
-            setattr(self, "_" + name, new)
+        # In place, so the attribute aliases stay valid. No numpy view may be alive here.
+        for name, code, _dtype, fill in _COLUMNS:
+            arr = self._arrays[name]
+            arr.extend(array(code, [int(fill) if code != "d" else fill]) * (capacity - len(arr)))
         self._capacity = capacity
+
+    @property
+    def cols(self) -> dict[str, np.ndarray]:
+        """Zero-copy numpy views of the columns, valid until the next applied event.
+
+        Readers (the tick) must drop them before more events are applied: a live view pins
+        the buffers, and growing the table would then fail.
+        """
+        return {
+            name: np.frombuffer(self._arrays[name], dtype=dtype)
+            for name, _code, dtype, _fill in _COLUMNS
+        }
 
     def _alloc(self, trajectory: str, state: int, ts: float) -> int:
         if self._free:
@@ -197,8 +226,8 @@ class TrajectoryTable:
                 self._grow(self._capacity * 2)
             slot = self._hwm
             self._hwm += 1
-        for name, _dtype, fill in _COLUMNS:
-            self.cols[name][slot] = fill
+        for arr, fill in self._fresh:
+            arr[slot] = fill
         self._state[slot] = state
         self._since[slot] = ts
         self.counts[state] += 1
@@ -222,14 +251,6 @@ class TrajectoryTable:
         self._finished[trajectory] = None
         if len(self._finished) > self._finished_window:
             self._finished.popitem(last=False)
-
-    def _set_state(self, slot: int, state: int, ts: float) -> None:
-        old = int(self._state[slot])
-        if old != state:
-            self.counts[old] -= 1
-            self.counts[state] += 1
-            self._state[slot] = state
-        self._since[slot] = ts
 
     def _join_group(self, slot: int, name: str | None) -> None:
         if name is None or self._group[slot] >= 0:
@@ -261,52 +282,67 @@ class TrajectoryTable:
     # -- applying events -----------------------------------------------------------------
 
     def apply(self, events: Iterable[ev.Event]) -> ApplyResult:
-        applied = duplicates = 0
+        applied = duplicates = stale = 0
         before = sum(self.anomalies.values())
         seen = self._seen_ids
         handlers = self._handlers
+        slots = self._slots
+        since = self._since
+        latest = -math.inf
         for event in events:
-            if event.id in seen:
+            eid = event.id
+            if eid in seen:
                 duplicates += 1
-                self.anomalies["duplicate"] += 1
                 continue
-            seen[event.id] = None
-            handlers[event.type](event)
+            seen[eid] = None
             applied += 1
-            if self.last_event_ts is None or event.ts > self.last_event_ts:
-                self.last_event_ts = event.ts
-        while len(seen) > self._dedupe_window:
-            seen.popitem(last=False)
+            ts = event.ts
+            if ts > latest:
+                latest = ts
+            slot = slots.get(event.trajectory)
+            if slot is not None and ts < since[slot] and event.type not in _REMOVALS:
+                stale += 1  # the table already holds newer news of this trajectory
+                continue
+            handlers[event.type](event, slot)
+        self.anomalies["duplicate"] += duplicates
+        self.anomalies["stale"] += stale
+        if applied and (self.last_event_ts is None or latest > self.last_event_ts):
+            self.last_event_ts = latest
+        excess = len(seen) - self._dedupe_window
+        if excess > 0:  # dicts keep insertion order: the oldest ids come first
+            for old_id in [k for k, _ in zip(seen, range(excess), strict=False)]:
+                del seen[old_id]
         self.events_applied += applied
         anomalies = sum(self.anomalies.values()) - before - duplicates
         return ApplyResult(applied=applied, duplicates=duplicates, anomalies=anomalies)
 
-    def _lookup(self, event: ev.Event, *, create_state: int | None) -> int | None:
-        """The event's slot, or None when it must be ignored (counted)."""
-        slot = self._slots.get(event.trajectory)
-        if slot is not None:
-            if event.ts < self._since[slot]:
-                self.anomalies["stale"] += 1
-                return None
-            return slot
-        if event.trajectory in self._finished:
+    def _create(self, e: ev.Event, state: int, *, expected: bool = False) -> int | None:
+        """A slot for a trajectory first heard of now, or None if it already finished."""
+        if e.trajectory in self._finished:
             self.anomalies["finished_trajectory"] += 1
             return None
-        if create_state is None:
+        if not expected:
             self.anomalies["unknown_trajectory"] += 1
-            return None
-        return self._alloc(event.trajectory, create_state, event.ts)
+        return self._alloc(e.trajectory, state, e.ts)
 
-    def _expect(self, slot: int, allowed: tuple[int, ...]) -> None:
-        if int(self._state[slot]) not in allowed:
+    def _move(self, slot: int, state: int, ts: float, allowed: frozenset[int]) -> int:
+        """Enter ``state`` at ``ts``; count the move if the state machine does not allow it."""
+        old = self._state[slot]
+        if old not in allowed:
             self.anomalies["unexpected_transition"] += 1
+        if old != state:
+            counts = self.counts
+            counts[old] -= 1
+            counts[state] += 1
+            self._state[slot] = state
+        self._since[slot] = ts
+        return old
 
-    def _sample_dispatched(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.SampleDispatched)
-        if e.trajectory in self._slots:
-            self.anomalies["unexpected_transition"] += 1
+    def _sample_dispatched(self, e: ev.SampleDispatched, slot: int | None) -> None:
+        if slot is not None:
+            self.anomalies["unexpected_transition"] += 1  # dispatched twice: keep the first
             return
-        slot = self._lookup(e, create_state=STARTING)
+        slot = self._create(e, STARTING, expected=True)
         if slot is None:
             return
         self._dispatched[slot] = e.ts
@@ -315,17 +351,13 @@ class TrajectoryTable:
             self._first_prompt[slot] = e.prompt_tokens
         self._join_group(slot, e.group)
 
-    def _sandbox_started(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.SandboxStarted)
-        known = e.trajectory in self._slots
-        slot = self._lookup(e, create_state=STARTING)
+    def _sandbox_started(self, e: ev.SandboxStarted, slot: int | None) -> None:
         if slot is None:
-            return
-        if known:
-            self._expect(slot, (STARTING,))
+            slot = self._create(e, STARTING)
+            if slot is None:
+                return
         else:
-            self.anomalies["unknown_trajectory"] += 1
-        self._set_state(slot, STARTING, e.ts)
+            self._move(slot, STARTING, e.ts, _FROM_STARTING)
         self._launched[slot] = e.ts
         self._mode[slot] = MODE_CODE[e.mode]
         self._image[slot] = self.images.code(e.image)
@@ -333,60 +365,56 @@ class TrajectoryTable:
 
     def startup_key(self, slot: int) -> tuple[object, ...]:
         """Conditioning class of Eq. 6: (mode, image, node class)."""
-        return (int(self._mode[slot]), int(self._image[slot]), int(self._node[slot]))
+        return (self._mode[slot], self._image[slot], self._node[slot])
 
     def tool_key(self, slot: int) -> tuple[object, ...]:
         """Conditioning class of Eq. 9: (task, tool, turn, concurrent tool load)."""
         return (
-            int(self._task[slot]),
-            int(self._tool[slot]),
-            turn_bucket(int(self._turn[slot])),
-            int(self._tool_load[slot]),
+            self._task[slot],
+            self._tool[slot],
+            turn_bucket(self._turn[slot]),
+            self._tool_load[slot],
         )
 
-    def _request_queued(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.RequestQueued)
-        known = e.trajectory in self._slots
-        slot = self._lookup(e, create_state=READY)
-        if slot is None:
-            return
-        if not known:
-            self.anomalies["unknown_trajectory"] += 1
-        state = int(self._state[slot])
+    def _request_queued(self, e: ev.RequestQueued, slot: int | None) -> None:
         obs = self._obs
-        if known:
-            self._expect(slot, (STARTING, TOOL, READY, DECODE))
-            if state == STARTING and not self._queued_once[slot]:
-                if not math.isnan(self._launched[slot]):
-                    obs.on_startup(key=self.startup_key(slot), seconds=e.ts - self._launched[slot])
-                elif not math.isnan(self._dispatched[slot]):
-                    obs.on_startup(key=("dispatch",), seconds=e.ts - self._dispatched[slot])
-                if not math.isnan(self._dispatched[slot]) and self._mode[slot] != MODE_COLD:
-                    obs.on_dispatch_delay(seconds=e.ts - self._dispatched[slot])
-            elif state == TOOL:
-                known_result = self._result[slot] >= 0
-                base = self._x[slot] + (self._result[slot] if known_result else 0.0)
+        if slot is None:
+            slot = self._create(e, READY)
+            if slot is None:
+                return
+        else:
+            old = self._move(slot, READY, e.ts, _TO_READY)
+            if old == STARTING and not self._queued_once[slot]:
+                launched, dispatched = self._launched[slot], self._dispatched[slot]
+                if launched == launched:  # not NaN: the sandbox launch time is known
+                    obs.on_startup(key=self.startup_key(slot), seconds=e.ts - launched)
+                elif dispatched == dispatched:
+                    obs.on_startup(key=("dispatch",), seconds=e.ts - dispatched)
+                if dispatched == dispatched and self._mode[slot] != MODE_COLD:
+                    obs.on_dispatch_delay(seconds=e.ts - dispatched)
+            elif old == TOOL:
+                result = self._result[slot]
+                known = result >= 0
                 obs.on_growth(
-                    key=(int(self._task[slot]), int(self._tool[slot])),
-                    tokens=e.prompt_tokens - base,
-                    result_known=bool(known_result),
+                    key=(self._task[slot], self._tool[slot]),
+                    tokens=e.prompt_tokens - self._x[slot] - (result if known else 0.0),
+                    result_known=known,
                 )
         if not self._queued_once[slot]:
-            obs.on_first_prompt(task=int(self._task[slot]), tokens=float(e.prompt_tokens))
-            self._queued_once[slot] = True
-        self._set_state(slot, READY, e.ts)
+            obs.on_first_prompt(task=self._task[slot], tokens=float(e.prompt_tokens))
+            self._queued_once[slot] = 1
         self._x[slot] = e.prompt_tokens
         self._turn[slot] = e.turn
         self._instance[slot] = -1
         obs.on_arrival(ts=e.ts, tokens=float(e.prompt_tokens))
 
-    def _prefill_started(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.PrefillStarted)
-        slot = self._lookup(e, create_state=PREFILL)
+    def _prefill_started(self, e: ev.PrefillStarted, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (READY, PREFILL))
-        self._set_state(slot, PREFILL, e.ts)
+            slot = self._create(e, PREFILL)
+            if slot is None:
+                return
+        else:
+            self._move(slot, PREFILL, e.ts, _TO_PREFILL)
         if e.instance is not None:
             m = self.instances.code(e.instance)
             self._instance[slot] = m
@@ -396,15 +424,17 @@ class TrajectoryTable:
             else:
                 busy[0] += 1
 
-    def _prefill_finished(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.PrefillFinished)
-        slot = self._lookup(e, create_state=DECODE)
+    def _prefill_finished(self, e: ev.PrefillFinished, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (PREFILL, READY))
-        tokens = float(self._x[slot])
-        m = int(self._instance[slot])
-        if e.instance is not None and m < 0:
+            slot = self._create(e, DECODE)
+            if slot is None:
+                return
+        else:
+            # Trainers that only see the first token skip prefill_started: ready is fine.
+            self._move(slot, DECODE, e.ts, _TO_DECODE)
+        tokens = self._x[slot]
+        m = self._instance[slot]
+        if m < 0 and e.instance is not None:
             m = self.instances.code(e.instance)
         busy = self._busy.get(m)
         if busy is not None and busy[0] > 0:
@@ -412,83 +442,77 @@ class TrajectoryTable:
             busy[2] += tokens
             if busy[0] <= 0:
                 self._obs.on_prefill_interval(tokens=busy[2], seconds=e.ts - busy[1])
-        self._set_state(slot, DECODE, e.ts)
         self._obs.on_admission(ts=e.ts, tokens=tokens)
 
-    def _decode_finished(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.DecodeFinished)
-        slot = self._lookup(e, create_state=DECODE)
+    def _decode_finished(self, e: ev.DecodeFinished, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (DECODE, PREFILL))
+            slot = self._create(e, DECODE)
+            if slot is None:
+                return
         self._x[slot] += e.output_tokens
         if e.finish == "tool":
-            self._enter_tool(slot, e.ts)
+            self._enter_tool(slot, e.ts, _AFTER_DECODE)
         elif e.finish == "abort":
             # Cancel-and-resend: prompt + partial output goes back to the ready queue.
-            self._set_state(slot, READY, e.ts)
+            self._move(slot, READY, e.ts, _AFTER_DECODE)
         else:
-            self._set_state(slot, REWARD, e.ts)
+            self._move(slot, REWARD, e.ts, _AFTER_DECODE)
 
-    def _enter_tool(self, slot: int, ts: float) -> None:
-        self._set_state(slot, TOOL, ts)
-        self._tool_done[slot] = False
+    def _enter_tool(self, slot: int, ts: float, allowed: frozenset[int]) -> None:
+        self._move(slot, TOOL, ts, allowed)
+        self._tool_done[slot] = 0
         self._result[slot] = -1.0
         self._tool_load[slot] = load_bucket(self.counts[TOOL])
 
-    def _tool_started(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.ToolStarted)
-        slot = self._lookup(e, create_state=TOOL)
+    def _tool_started(self, e: ev.ToolStarted, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (TOOL, DECODE))
-        self._enter_tool(slot, e.ts)
+            slot = self._create(e, TOOL)
+            if slot is None:
+                return
+        self._enter_tool(slot, e.ts, _TO_TOOL)
         self._tool[slot] = self.tools.code(e.tool)
 
-    def _tool_finished(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.ToolFinished)
-        slot = self._lookup(e, create_state=TOOL)
+    def _tool_finished(self, e: ev.ToolFinished, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (TOOL,))
-        if int(self._state[slot]) == TOOL and not self._tool_done[slot]:
+            slot = self._create(e, TOOL)
+            if slot is None:
+                return
+        elif self._state[slot] == TOOL and not self._tool_done[slot]:
             self._obs.on_tool(key=self.tool_key(slot), seconds=e.ts - self._since[slot])
         else:
-            self._set_state(slot, TOOL, e.ts)
-        self._tool_done[slot] = True
+            self._move(slot, TOOL, e.ts, _FROM_TOOL)
+        self._tool_done[slot] = 1
         if e.result_tokens is not None:
             self._result[slot] = e.result_tokens
 
-    def _reward_started(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.RewardStarted)
-        slot = self._lookup(e, create_state=REWARD)
+    def _reward_started(self, e: ev.RewardStarted, slot: int | None) -> None:
         if slot is None:
-            return
-        self._expect(slot, (REWARD, DECODE, TOOL))
-        self._set_state(slot, REWARD, e.ts)
+            slot = self._create(e, REWARD)
+            if slot is None:
+                return
+        self._move(slot, REWARD, e.ts, _TO_REWARD)
 
-    def _reward_finished(self, e: ev.Event) -> None:
-        assert isinstance(e, ev.RewardFinished)
-        slot = self._slots.get(e.trajectory)
+    def _reward_finished(self, e: ev.RewardFinished, slot: int | None) -> None:
         if slot is None:
-            kind = "finished_trajectory" if e.trajectory in self._finished else "unknown_trajectory"
-            self.anomalies[kind] += 1
+            self._gone(e)
             return
-        if int(self._state[slot]) == REWARD and e.ts >= self._since[slot]:
+        if self._state[slot] == REWARD and e.ts >= self._since[slot]:
             self._obs.on_reward(
-                task=int(self._task[slot]), seconds=e.ts - self._since[slot], accepted=e.accepted
+                task=self._task[slot], seconds=e.ts - self._since[slot], accepted=e.accepted
             )
         else:
             self.anomalies["unexpected_transition"] += 1
         self._release(e.trajectory, slot)
 
-    def _trajectory_dropped(self, e: ev.Event) -> None:
-        slot = self._slots.get(e.trajectory)
+    def _trajectory_dropped(self, e: ev.TrajectoryDropped, slot: int | None) -> None:
         if slot is None:
-            kind = "finished_trajectory" if e.trajectory in self._finished else "unknown_trajectory"
-            self.anomalies[kind] += 1
+            self._gone(e)
             return
         self._release(e.trajectory, slot)
+
+    def _gone(self, e: ev.Event) -> None:
+        kind = "finished_trajectory" if e.trajectory in self._finished else "unknown_trajectory"
+        self.anomalies[kind] += 1
 
     # -- snapshot and housekeeping -------------------------------------------------------
 
@@ -525,12 +549,14 @@ class TrajectoryTable:
     def evict_older_than(self, cutoff: float) -> int:
         """Drop trajectories that have sat in one state since before ``cutoff``."""
         n = self._hwm
-        live = self._state[:n] != FREE
-        old = np.flatnonzero(live & (self._since[:n] < cutoff))
-        if not len(old):
+        cols = self.cols
+        live = cols["state"][:n] != FREE
+        old = np.flatnonzero(live & (cols["since"][:n] < cutoff)).tolist()
+        del cols, live
+        if not old:
             return 0
         by_slot = {slot: t for t, slot in self._slots.items()}
-        for slot in old.tolist():
+        for slot in old:
             self._release(by_slot[slot], slot)
         self.anomalies["evicted"] += len(old)
         return len(old)

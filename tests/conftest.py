@@ -1,0 +1,52 @@
+"""Shared fixtures: a small RolloutCluster spec and an event builder."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from prorsa.events import Event, parse_events
+from prorsa.spec import RolloutClusterSpec, parse_cluster
+
+
+def make_spec(**spec: Any) -> RolloutClusterSpec:
+    body: dict[str, Any] = {"model": {"path": "/models/m"}, "gpuBudget": 64}
+    for key, value in spec.items():
+        body[key] = value
+    manifest = {
+        "apiVersion": "prorsa.io/v1alpha1",
+        "kind": "RolloutCluster",
+        "metadata": {"name": "c", "namespace": "rl"},
+        "spec": body,
+    }
+    return parse_cluster(manifest).spec
+
+
+class EventLog:
+    """Builds valid lifecycle events with unique ids, in the order written."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.raw: list[dict[str, Any]] = []
+
+    def __call__(self, type: str, trajectory: str, ts: float, **fields: Any) -> EventLog:
+        self.raw.append(
+            {"id": f"e{next(self._ids)}", "type": type, "trajectory": trajectory, "ts": ts} | fields
+        )
+        return self
+
+    def take(self) -> list[Event]:
+        out, self.raw = parse_events(self.raw), []
+        return out
+
+
+@pytest.fixture
+def log() -> EventLog:
+    return EventLog()
+
+
+@pytest.fixture
+def spec() -> RolloutClusterSpec:
+    return make_spec()

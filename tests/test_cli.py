@@ -1,0 +1,158 @@
+"""The `prorsa` command as a user runs it: subprocesses, real files, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+CLUSTER = {
+    "apiVersion": "prorsa.io/v1alpha1",
+    "kind": "RolloutCluster",
+    "metadata": {"name": "qwen3-coder", "namespace": "rl"},
+    "spec": {
+        "model": {"path": "/models/Qwen3-235B-A22B-FP8", "servedName": "qwen3"},
+        "engine": {"gpusPerInstance": 8, "tensorParallelSize": 8},
+        "gpuBudget": 64,
+        "roles": {"prefill": {"min": 1, "initial": 4}, "decode": {"min": 1}},
+        "capacity": {"prefillTokensPerSecond": 20000, "decodeKvTokens": 1300000},
+    },
+}
+
+
+def prorsa(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prorsa.cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(CLUSTER))
+    return path
+
+
+def write_events(path: Path, events: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_help_lists_subcommands() -> None:
+    out = prorsa("--help")
+    assert out.returncode == 0
+    assert "plan" in out.stdout and "bench" in out.stdout
+
+
+def test_unknown_input_is_a_one_line_error_with_exit_2() -> None:
+    for args in (["frobnicate"], ["plan", "--nope"]):
+        out = prorsa(*args)
+        assert out.returncode == 2
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_plan_prints_the_decision(tmp_path: Path, cluster: Path) -> None:
+    events = [
+        {
+            "id": f"q{i}",
+            "ts": 100.0 + i,
+            "trajectory": f"t{i}",
+            "type": "request_queued",
+            "prompt_tokens": 50_000,
+            "turn": 0,
+        }
+        for i in range(20)
+    ]
+    engines = [
+        {
+            "instance": f"qwen3-coder-engine-{i}",
+            "role": "prefill" if i < 4 else "decode",
+            "kvUsedTokens": 100_000,
+            "kvCapacityTokens": 1_300_000,
+        }
+        for i in range(8)
+    ]
+    (tmp_path / "engines.json").write_text(json.dumps(engines))
+    out = prorsa(
+        "plan",
+        "--cluster",
+        str(cluster),
+        "--events",
+        str(write_events(tmp_path / "ev.ndjson", events)),
+        "--engines",
+        str(tmp_path / "engines.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    decision = json.loads(out.stdout)
+    assert set(decision) == {
+        "at",
+        "mode",
+        "target",
+        "safetyMargin",
+        "forecast",
+        "capacity",
+        "switches",
+        "reason",
+    }
+    assert decision["at"] == 119.0 and decision["mode"] == "predictive"
+    # 1M tokens queued = 1e6 / (10 s · 20k) = 5 instances: more prefill than 4.
+    assert decision["forecast"]["components"]["ready"] == 1_000_000
+    assert decision["target"]["prefill"] > 4
+    assert decision["switches"][0]["from"] == "decode"
+
+
+def test_plan_at_a_chosen_time_and_from_stdin(cluster: Path) -> None:
+    line = json.dumps(
+        {
+            "id": "a",
+            "ts": 5.0,
+            "trajectory": "t",
+            "type": "request_queued",
+            "prompt_tokens": 10,
+            "turn": 0,
+        }
+    )
+    out = prorsa(
+        "plan", "--cluster", str(cluster), "--events", "-", "--at", "100", stdin=line + "\n"
+    )
+    assert out.returncode == 0, out.stderr
+    decision = json.loads(out.stdout)
+    assert decision["at"] == 100.0 and decision["mode"] == "reactive"  # 95 s > 3 horizons
+
+
+def test_plan_names_the_bad_line_and_field(tmp_path: Path, cluster: Path) -> None:
+    good = {
+        "id": "a",
+        "ts": 5.0,
+        "trajectory": "t",
+        "type": "request_queued",
+        "prompt_tokens": 10,
+        "turn": 0,
+    }
+    path = write_events(tmp_path / "ev.ndjson", [good, good | {"id": "b", "prompt_tokens": 2.5}])
+    out = prorsa("plan", "--cluster", str(cluster), "--events", str(path))
+    assert out.returncode == 2
+    assert f"{path}:2: prompt_tokens:" in out.stderr
+    assert out.stdout == ""
+
+
+def test_plan_refuses_a_bad_cluster_naming_the_field(tmp_path: Path) -> None:
+    bad = json.loads(json.dumps(CLUSTER))
+    bad["spec"]["gpuBudget"] = 60
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = prorsa("plan", "--cluster", str(path), "--events", "-", "--at", "1", stdin="")
+    assert out.returncode == 2
+    assert "gpuBudget (60) must be a multiple of engine.gpusPerInstance (8)" in out.stderr
+    bad["spec"]["engine"]["transferBackend"] = "nixl"
+    path.write_text(yaml.safe_dump(bad))
+    out = prorsa("plan", "--cluster", str(path), "--events", "-", "--at", "1", stdin="")
+    assert "spec.engine.transferBackend" in out.stderr

@@ -1,0 +1,265 @@
+"""The Controller end to end: events + engine states + now -> Decision (DESIGN.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import EventLog, make_spec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prorsa.controller import Controller
+from prorsa.engine_state import EngineState
+
+DECISION_KEYS = {
+    "at",
+    "mode",
+    "target",
+    "safetyMargin",
+    "forecast",
+    "capacity",
+    "switches",
+    "reason",
+}
+FORECAST_KEYS = {"prefillTokens", "decodeAdmissionTokens", "decodeKvTokens", "components"}
+COMPONENT_KEYS = {"sampler", "startup", "ready", "tool", "inflight"}
+
+
+def engines(prefill: int, decode: int, **overrides) -> list[EngineState]:
+    out = []
+    for i in range(prefill + decode):
+        name = f"c-engine-{i}"
+        body = {
+            "instance": name,
+            "role": "prefill" if i < prefill else "decode",
+            "kvCapacityTokens": 1_000_000,
+            "kvUsedTokens": 100_000,
+            "runningRequests": 10 + i,
+        } | overrides.get(name, {})
+        out.append(EngineState.model_validate(body))
+    return out
+
+
+def spec8(**switching):
+    return make_spec(
+        engine={"gpusPerInstance": 8},
+        capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
+        switching={"cooldownSeconds": 30, "maxConcurrent": 1} | switching,
+    )
+
+
+def queue(log: EventLog, n: int, tokens: int, ts: float, prefix: str = "t") -> None:
+    for i in range(n):
+        log("request_queued", f"{prefix}{i}", ts, prompt_tokens=tokens, turn=0)
+
+
+def test_decision_has_exactly_the_contract_keys(log) -> None:
+    c = Controller(spec8())
+    queue(log, 3, 1000, 1.0)
+    c.observe(log.take())
+    wire = c.tick(2.0).wire()
+    assert set(wire) == DECISION_KEYS
+    assert set(wire["forecast"]) == FORECAST_KEYS
+    assert set(wire["forecast"]["components"]) == COMPONENT_KEYS
+    assert set(wire["capacity"]) == {"prefillTokensPerSecond", "decodeKvTokens"}
+    json.dumps(wire)
+
+
+def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> None:
+    c = Controller(spec8())
+    # 600k tokens queued: 600k / (10 s · 10k tok/s) = 6 prefill instances of demand.
+    queue(log, 60, 10_000, 1.0)
+    c.observe(log.take())
+    busy = {f"c-engine-{i}": {"runningRequests": 50} for i in range(2, 8)}
+    busy["c-engine-6"] = {"runningRequests": 1}
+    c.observe_engines(engines(2, 6, **busy))
+    d = c.tick(2.0)
+    assert d.mode == "predictive"
+    assert d.target.prefill > 2
+    assert [(s.instance, s.from_, s.to) for s in d.switches] == [
+        ("c-engine-6", "decode", "prefill")
+    ]  # maxConcurrent = 1: one at a time, the least loaded first
+    assert "best margin" in d.reason
+
+
+def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> None:
+    c = Controller(spec8())
+    queue(log, 60, 10_000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    first = c.tick(2.0).switches[0].instance
+    # The executor reports the switch as started (intent written).
+    states = engines(2, 6, **{first: {"switching": True}})
+    c.observe_engines(states)
+    d = c.tick(3.0)
+    assert d.switches == ()  # maxConcurrent = 1 is taken by the running switch
+    c.observe_engines(engines(2, 6, **{first: {"role": "prefill"}}))
+    c.record_switch(first, to="prefill", at=8.0, ok=True)
+    nxt = c.tick(9.0).switches
+    assert nxt and nxt[0].instance != first  # cooldown keeps the fresh one out
+
+
+def test_cooldown_excludes_recently_switched_instances(log) -> None:
+    c = Controller(spec8(cooldownSeconds=100))
+    queue(log, 60, 10_000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(7, 1))
+    # Demand now wants decode; the only flippable prefill instances all just switched.
+    for i in range(7):
+        c.record_switch(f"c-engine-{i}", to="prefill", at=1.0, ok=True)
+    c2_states = engines(1, 7, **{f"c-engine-{i}": {"kvUsedTokens": 990_000} for i in range(1, 8)})
+    c.observe_engines(c2_states)
+    assert all(s.instance != "c-engine-0" for s in c.tick(50.0).switches)
+
+
+def test_role_minimums_are_never_violated(log) -> None:
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        roles={"prefill": {"min": 1}, "decode": {"min": 3}},
+        capacity={"prefillTokensPerSecond": 1000, "decodeKvTokens": 1_000_000},
+        switching={"maxConcurrent": 8},
+    )
+    c = Controller(spec)
+    queue(log, 100, 100_000, 1.0)  # enormous prefill demand
+    c.observe(log.take())
+    c.observe_engines(engines(4, 4))
+    d = c.tick(2.0)
+    assert (d.target.prefill, d.target.decode) == (5, 3)
+    assert len(d.switches) == 1 and d.safety_margin < 0
+    assert "over budget" in d.reason
+
+
+@pytest.mark.parametrize(("hysteresis", "expected"), [(0.5, (3, 5)), (0.0, (2, 6))])
+def test_hysteresis_holds_the_split_under_small_changes(log, hysteresis, expected) -> None:
+    c = Controller(spec8(hysteresis=hysteresis, maxConcurrent=8))
+    # a = 200k / (10 s · 10k tok/s) = 2; b = (5 · 1.0M used + 200k admitted) / 1M = 5.2.
+    # 3P:5D: min(3/2, 5/5.2) = 0.96; 2P:6D: min(2/2, 6/5.2) = 1.0: a 4% gain.
+    queue(log, 20, 10_000, 1.0)
+    c.observe(log.take())
+    full = {f"c-engine-{i}": {"kvUsedTokens": 1_000_000} for i in range(3, 8)}
+    c.observe_engines(engines(3, 5, **full))
+    d = c.tick(2.0)
+    assert d.forecast.decode_kv_tokens == 5_200_000
+    assert (d.target.prefill, d.target.decode) == expected
+    assert len(d.switches) == 3 - expected[0]
+    if hysteresis:
+        assert "hysteresis" in d.reason
+
+
+def test_reactive_mode_without_trainer_events() -> None:
+    c = Controller(spec8())
+    states = engines(
+        2, 6, **{"c-engine-0": {"waitingTokens": 500_000}, "c-engine-1": {"waitingTokens": 500_000}}
+    )
+    c.observe_engines(states)
+    d = c.tick(100.0)
+    assert d.mode == "reactive" and "no trainer events" in d.reason
+    assert d.forecast.components.ready == 1_000_000
+    assert d.target.prefill > 2 and d.switches
+
+
+def test_stale_trainer_falls_back_to_reactive(log) -> None:
+    c = Controller(spec8())
+    queue(log, 5, 1000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    assert c.tick(25.0).mode == "predictive"  # 24 s < 3 horizons
+    d = c.tick(40.0)
+    assert d.mode == "reactive" and "silent for 39s" in d.reason
+
+
+def test_no_inputs_at_all_holds_the_initial_split() -> None:
+    c = Controller(spec8())
+    d = c.tick(0.0)
+    assert d.mode == "reactive" and d.switches == ()
+    assert (d.target.prefill, d.target.decode) == (2, 6)  # a quarter of 8 instances
+
+
+def test_unhealthy_and_missing_engines_are_unavailable(log) -> None:
+    c = Controller(spec8(maxConcurrent=8))
+    queue(log, 60, 10_000, 1.0)
+    c.observe(log.take())
+    states = engines(2, 6, **{"c-engine-5": {"healthy": False}})[:-1]  # engine-7 missing
+    c.observe_engines(states)
+    d = c.tick(2.0)
+    assert d.target.prefill + d.target.decode == 6
+    assert all(s.instance not in ("c-engine-5", "c-engine-7") for s in d.switches)
+
+
+def test_prefill_speed_learned_from_engine_counters(log) -> None:
+    c = Controller(spec8())
+    c.observe_engines(
+        engines(2, 6, **{"c-engine-0": {"prefillBusySeconds": 10.0, "prefillTokens": 100_000}})
+    )
+    c.observe_engines(
+        engines(2, 6, **{"c-engine-0": {"prefillBusySeconds": 14.0, "prefillTokens": 200_000}})
+    )
+    assert c.tick(1.0).capacity.prefill_tokens_per_second == pytest.approx(25_000)
+
+
+def test_prefill_speed_learned_from_events_when_engines_say_nothing(log) -> None:
+    c = Controller(spec8())
+    for i in range(2):
+        log("request_queued", f"a{i}", 0.0, prompt_tokens=30_000, turn=0)
+        log("prefill_started", f"a{i}", 1.0, instance="c-engine-0")
+    log("prefill_finished", "a0", 2.0)
+    log("prefill_finished", "a1", 3.0)  # one busy interval: 60k tokens over 2 s
+    c.observe(log.take())
+    assert c.tick(4.0).capacity.prefill_tokens_per_second == pytest.approx(30_000)
+
+
+def script(seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    log = EventLog()
+    for i in range(40):
+        t = f"t{i}"
+        ts = rng.uniform(0, 5)
+        log("sample_dispatched", t, ts, task=rng.choice(["a", "b"]), group=f"g{i % 4}")
+        log("sandbox_started", t, ts + 0.5, mode=rng.choice(["prewarm", "cold"]))
+        log("request_queued", t, ts + 2, prompt_tokens=rng.randint(100, 9000), turn=0)
+        if rng.random() < 0.7:
+            log("prefill_started", t, ts + 3, instance=f"c-engine-{rng.randint(0, 1)}")
+            log("prefill_finished", t, ts + 4)
+            log(
+                "decode_finished",
+                t,
+                ts + 9,
+                output_tokens=rng.randint(1, 900),
+                finish=rng.choice(["tool", "stop"]),
+            )
+    return log.raw
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), at=st.floats(10, 60))
+def test_replaying_the_same_events_gives_the_same_decision(seed: int, at: float) -> None:
+    from prorsa.events import parse_events
+
+    raw = script(seed)
+    wires = []
+    for _ in range(2):
+        c = Controller(spec8())
+        c.observe(parse_events(raw))
+        c.observe_engines(engines(2, 6))
+        wires.append(json.dumps(c.tick(at).wire(), sort_keys=True))
+    assert wires[0] == wires[1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(prefill=st.integers(1, 7), tokens=st.integers(0, 2_000_000), kv=st.integers(0, 1_000_000))
+def test_any_engine_mix_keeps_budget_and_minimums(prefill, tokens, kv) -> None:
+    c = Controller(spec8(maxConcurrent=8))
+    states = engines(
+        prefill,
+        8 - prefill,
+        **{f"c-engine-{i}": {"waitingTokens": tokens, "kvUsedTokens": kv} for i in range(8)},
+    )
+    c.observe_engines(states)
+    d = c.tick(1.0)
+    assert d.target.prefill + d.target.decode == 8
+    assert d.target.prefill >= 1 and d.target.decode >= 1
+    moved = sum(1 if s.to == "prefill" else -1 for s in d.switches)
+    assert prefill + moved == d.target.prefill or len(d.switches) == 8

@@ -1,0 +1,146 @@
+"""The trajectory table follows Figure 4 and survives whatever a trainer sends."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+
+from prorsa.forecast.model import ForecastConfig, Forecaster
+from prorsa.forecast.table import TrajectoryTable
+
+
+def table() -> TrajectoryTable:
+    return TrajectoryTable(observer=Forecaster(ForecastConfig()))
+
+
+def test_full_lifecycle_moves_through_every_state(log) -> None:
+    t = table()
+    steps = [
+        ("sample_dispatched", {"task": "swe", "group": "g"}, "starting"),
+        ("sandbox_started", {"mode": "prewarm"}, "starting"),
+        ("request_queued", {"prompt_tokens": 1000, "turn": 0}, "ready"),
+        ("prefill_started", {"instance": "p0"}, "prefill"),
+        ("prefill_finished", {}, "decode"),
+        ("decode_finished", {"output_tokens": 50, "finish": "tool"}, "tool"),
+        ("tool_started", {"tool": "bash"}, "tool"),
+        ("tool_finished", {"result_tokens": 200}, "tool"),
+        ("request_queued", {"prompt_tokens": 1300, "turn": 1}, "ready"),
+        ("prefill_started", {}, "prefill"),
+        ("prefill_finished", {}, "decode"),
+        ("decode_finished", {"output_tokens": 20, "finish": "stop"}, "reward"),
+        ("reward_started", {}, "reward"),
+    ]
+    for i, (kind, fields, state) in enumerate(steps):
+        log(kind, "a", float(i), **fields)
+        t.apply(log.take())
+        assert t.state_counts()[state] == 1, kind
+    log("reward_finished", "a", 20.0, accepted=True)
+    t.apply(log.take())
+    assert len(t) == 0 and sum(t.state_counts().values()) == 0
+    assert sum(t.anomalies.values()) == 0
+
+
+def test_duplicate_ids_are_ignored(log) -> None:
+    t = table()
+    log("request_queued", "a", 1.0, prompt_tokens=10, turn=0)
+    batch = log.take()
+    assert t.apply(batch).applied == 1
+    again = t.apply(batch)
+    assert (again.applied, again.duplicates) == (0, 1)
+    assert t.anomalies["duplicate"] == 1
+
+
+def test_stale_event_does_not_rewind_state(log) -> None:
+    t = table()
+    log("request_queued", "a", 10.0, prompt_tokens=10, turn=0)
+    log("prefill_started", "a", 11.0)
+    log("request_queued", "a", 5.0, prompt_tokens=99, turn=0)  # late retry of an old event
+    t.apply(log.take())
+    assert t.state_counts()["prefill"] == 1
+    assert t.anomalies["stale"] == 1
+
+
+def test_unknown_and_finished_trajectories_are_counted_not_fatal(log) -> None:
+    t = table()
+    log("tool_finished", "ghost", 1.0)  # first heard of mid-life: created in Tool
+    log("reward_finished", "nobody", 1.0, accepted=True)
+    log("request_queued", "b", 1.0, prompt_tokens=5, turn=0)
+    log("trajectory_dropped", "b", 2.0)
+    log("prefill_started", "b", 3.0)  # after it left: ignored, not resurrected
+    t.apply(log.take())
+    assert t.state_counts()["tool"] == 1 and len(t) == 1
+    assert t.anomalies["unknown_trajectory"] == 3  # ghost, nobody, and b (no dispatch)
+    assert t.anomalies["finished_trajectory"] == 1
+
+
+def test_unexpected_transition_is_applied_and_counted(log) -> None:
+    t = table()
+    log("request_queued", "a", 1.0, prompt_tokens=5, turn=0)
+    log("tool_started", "a", 2.0, tool="bash")  # the decode events were lost
+    t.apply(log.take())
+    assert t.state_counts()["tool"] == 1
+    assert t.anomalies["unexpected_transition"] == 1
+
+
+def test_abort_sends_prompt_plus_partial_output_back_to_ready(log) -> None:
+    t = table()
+    log("request_queued", "a", 1.0, prompt_tokens=100, turn=0)
+    log("prefill_started", "a", 2.0)
+    log("prefill_finished", "a", 3.0)
+    log("decode_finished", "a", 4.0, output_tokens=40, finish="abort")
+    t.apply(log.take())
+    slot = t.slot_of("a")
+    assert t.state_counts()["ready"] == 1
+    assert t.cols["x"][slot] == 140
+
+
+def test_groups_are_released_with_their_last_member(log) -> None:
+    t = table()
+    for name in ("a", "b"):
+        log("sample_dispatched", name, 1.0, group="g1")
+    t.apply(log.take())
+    assert list(t.group_live_counts()) == [2]
+    log("trajectory_dropped", "a", 2.0)
+    log("trajectory_dropped", "b", 2.0)
+    t.apply(log.take())
+    assert t.groups == {}
+
+
+def test_eviction_of_silent_trajectories(log) -> None:
+    t = table()
+    log("request_queued", "old", 1.0, prompt_tokens=5, turn=0)
+    log("request_queued", "new", 100.0, prompt_tokens=5, turn=0)
+    t.apply(log.take())
+    assert t.evict_older_than(50.0) == 1
+    assert t.slot_of("old") is None and t.slot_of("new") is not None
+
+
+def test_slots_are_reused_so_memory_follows_live_count(log) -> None:
+    t = table()
+    for wave in range(3):
+        for i in range(500):
+            log("request_queued", f"w{wave}-{i}", float(wave), prompt_tokens=5, turn=0)
+        t.apply(log.take())
+        for i in range(500):
+            log("trajectory_dropped", f"w{wave}-{i}", float(wave) + 0.5)
+        t.apply(log.take())
+    assert t.hwm == 500
+
+
+def test_memory_per_live_trajectory_is_under_1kb(log) -> None:
+    n = 20_000
+    events = []
+    for i in range(n):
+        log("sample_dispatched", f"traj-{i:08d}", 1.0, task="swe", group=f"g{i // 32}")
+        log("request_queued", f"traj-{i:08d}", 2.0, prompt_tokens=4000, turn=0)
+        events += log.take()
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()), dedupe_window=0)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    t.apply(events)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per = (after - before) / n
+    assert per < 1024, f"{per:.0f} bytes per trajectory"
+    assert int(np.sum(t.cols["state"] > 0)) == n
