@@ -49,6 +49,10 @@ class AccuracyTracker:
     _admission_ratio: deque[tuple[float, float]] = field(default_factory=deque)
     scored: int = 0
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     def on_arrival(self, ts: float, tokens: float) -> None:
         for w in self._pending:
             if w.start <= ts < w.end:

@@ -143,22 +143,24 @@ class Forecaster:
                 mean = self.first_prompt[k] = WindowMean(window=256, default=math.nan)
             mean.add(tokens)
 
-    def on_growth(self, *, key: tuple[object, ...], tokens: float, result_known: bool) -> None:
+    def on_growth(self, key: tuple[object, ...], tokens: float, result_known: bool) -> None:
         # With the result size known, only the chat template's overhead is unknown.
         (self.template if result_known else self.growth).update(key, max(tokens, 0.0))
 
-    def on_tool(self, *, key: tuple[object, ...], seconds: float) -> None:
+    def on_tool(self, key: tuple[object, ...], seconds: float) -> None:
         self.tool.update(key, seconds)
 
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
         self.reward.add((task,), seconds)
         self.admit_rate.add(1.0 if accepted else 0.0)
 
-    def on_arrival(self, *, ts: float, tokens: float) -> None:
-        self.accuracy.on_arrival(ts, tokens)
+    def on_arrival(self, ts: float, tokens: float) -> None:
+        if self.accuracy.pending:
+            self.accuracy.on_arrival(ts, tokens)
 
-    def on_admission(self, *, ts: float, tokens: float) -> None:
-        self.accuracy.on_admission(ts, tokens)
+    def on_admission(self, ts: float, tokens: float) -> None:
+        if self.accuracy.pending:
+            self.accuracy.on_admission(ts, tokens)
 
     def on_prefill_interval(self, *, tokens: float, seconds: float) -> None:
         self.intervals.append((tokens, seconds))

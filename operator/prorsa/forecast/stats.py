@@ -109,9 +109,15 @@ class ClassedDistributions:
         self._prior = prior
         self._max = max_classes
         self._by_key: dict[Key, EmpiricalDistribution] = {}
+        self._chains: dict[Key, list[Key]] = {}
 
     def add(self, key: Key, value: float) -> None:
-        for k in coarsen(key):
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = coarsen(key)
+            if len(self._chains) < self._max:
+                self._chains[key] = chain
+        for k in chain:
             dist = self._by_key.get(k)
             if dist is None:
                 if len(self._by_key) >= self._max and k:
@@ -160,7 +166,8 @@ class EmaTable:
 
     A class is trusted once it has ``min_samples`` updates; before that the next coarser
     trusted class answers. The first sample of a class seeds τ directly (an EMA seeded at
-    zero would under-predict for ~1/α samples).
+    zero would under-predict for ~1/α samples). Updates sit on the event path, so each class
+    keeps one mutable ``[τ, count]`` entry and each key's fallback chain is computed once.
     """
 
     def __init__(self, *, alpha: float, min_samples: int, prior: float, max_classes: int = 4096):
@@ -168,38 +175,46 @@ class EmaTable:
         self._min = min_samples
         self._prior = prior
         self._max = max_classes
-        self._tau: dict[Key, float] = {}
-        self._count: dict[Key, int] = {}
+        self._entries: dict[Key, list[float]] = {}
+        self._chains: dict[Key, list[Key]] = {}
+
+    def _chain(self, key: Key) -> list[Key]:
+        chain = self._chains.get(key)
+        if chain is None:
+            chain = coarsen(key)
+            if len(self._chains) < self._max:
+                self._chains[key] = chain
+        return chain
 
     def update(self, key: Key, observed: float) -> None:
         if not (observed >= 0 and math.isfinite(observed)):
             return
         a = self.alpha
-        tau, count = self._tau, self._count
-        for i in range(len(key), -1, -1):
-            k = key[:i]
-            old = tau.get(k)
-            if old is None:
-                if len(tau) >= self._max and i:
+        entries = self._entries
+        for k in self._chain(key):
+            entry = entries.get(k)
+            if entry is None:
+                if len(entries) >= self._max and k:
                     continue
-                tau[k] = observed
-                count[k] = 1
+                entries[k] = [observed, 1]
             else:
-                tau[k] = (1.0 - a) * old + a * observed
-                count[k] += 1
+                entry[0] += a * (observed - entry[0])
+                entry[1] += 1
 
     def get(self, key: Key) -> float:
         fallback: float | None = None
-        for k in coarsen(key):
-            n = self._count.get(k, 0)
-            if n >= self._min:
-                return self._tau[k]
-            if n and fallback is None:
-                fallback = self._tau[k]
+        for k in self._chain(key):
+            entry = self._entries.get(k)
+            if entry is None:
+                continue
+            if entry[1] >= self._min:
+                return entry[0]
+            if fallback is None:
+                fallback = entry[0]
         return self._prior if fallback is None else fallback
 
     def classes(self) -> int:
-        return len(self._tau)
+        return len(self._entries)
 
 
 class WindowMean:

@@ -61,11 +61,12 @@ class Observer(Protocol):
     def on_startup(self, *, key: tuple[object, ...], seconds: float) -> None: ...
     def on_dispatch_delay(self, *, seconds: float) -> None: ...
     def on_first_prompt(self, *, task: int, tokens: float) -> None: ...
-    def on_growth(self, *, key: tuple[object, ...], tokens: float, result_known: bool) -> None: ...
-    def on_tool(self, *, key: tuple[object, ...], seconds: float) -> None: ...
+    # The hot ones (every request, every tool) take positional arguments.
+    def on_growth(self, key: tuple[object, ...], tokens: float, result_known: bool) -> None: ...
+    def on_tool(self, key: tuple[object, ...], seconds: float) -> None: ...
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None: ...
-    def on_arrival(self, *, ts: float, tokens: float) -> None: ...
-    def on_admission(self, *, ts: float, tokens: float) -> None: ...
+    def on_arrival(self, ts: float, tokens: float) -> None: ...
+    def on_admission(self, ts: float, tokens: float) -> None: ...
     def on_prefill_interval(self, *, tokens: float, seconds: float) -> None: ...
 
 
@@ -396,9 +397,9 @@ class TrajectoryTable:
                 result = self._result[slot]
                 known = result >= 0
                 obs.on_growth(
-                    key=(self._task[slot], self._tool[slot]),
-                    tokens=e.prompt_tokens - self._x[slot] - (result if known else 0.0),
-                    result_known=known,
+                    (self._task[slot], self._tool[slot]),
+                    e.prompt_tokens - self._x[slot] - (result if known else 0.0),
+                    known,
                 )
         if not self._queued_once[slot]:
             obs.on_first_prompt(task=self._task[slot], tokens=float(e.prompt_tokens))
@@ -406,7 +407,7 @@ class TrajectoryTable:
         self._x[slot] = e.prompt_tokens
         self._turn[slot] = e.turn
         self._instance[slot] = -1
-        obs.on_arrival(ts=e.ts, tokens=float(e.prompt_tokens))
+        obs.on_arrival(e.ts, e.prompt_tokens)
 
     def _prefill_started(self, e: ev.PrefillStarted, slot: int | None) -> None:
         if slot is None:
@@ -442,7 +443,7 @@ class TrajectoryTable:
             busy[2] += tokens
             if busy[0] <= 0:
                 self._obs.on_prefill_interval(tokens=busy[2], seconds=e.ts - busy[1])
-        self._obs.on_admission(ts=e.ts, tokens=tokens)
+        self._obs.on_admission(e.ts, tokens)
 
     def _decode_finished(self, e: ev.DecodeFinished, slot: int | None) -> None:
         if slot is None:
@@ -478,7 +479,7 @@ class TrajectoryTable:
             if slot is None:
                 return
         elif self._state[slot] == TOOL and not self._tool_done[slot]:
-            self._obs.on_tool(key=self.tool_key(slot), seconds=e.ts - self._since[slot])
+            self._obs.on_tool(self.tool_key(slot), e.ts - self._since[slot])
         else:
             self._move(slot, TOOL, e.ts, _FROM_TOOL)
         self._tool_done[slot] = 1
