@@ -33,7 +33,11 @@ class ModelSpec(_Spec):
 
 
 class EngineSpec(_Spec):
-    image: str = Field("lmsysorg/sglang:v0.5.23", description="Engine image (SGLang + agent).")
+    image: Annotated[str, Field(min_length=1)] = Field(
+        "prorsa/engine:0.5.23",
+        description="Engine image: SGLang 0.5.23 with the Prorsa agent, built from "
+        "engine_image/Dockerfile.",
+    )
     gpus_per_instance: PosInt = Field(8, alias="gpusPerInstance")
     prefill_gpus_per_instance: PosInt | None = Field(
         None,
@@ -224,3 +228,74 @@ def load_cluster(path: str | Path) -> RolloutCluster:
         if isinstance(doc, dict) and doc.get("kind") == KIND:
             return parse_cluster(doc)
     raise SpecError(f"{path}: no document of kind {KIND}")
+
+
+# -- status (written by the operator; the CRD's status subresource) ------------------------
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class InstanceCounts(_Status):
+    prefill: int = 0
+    decode: int = 0
+    switching: int = 0
+    unavailable: int = 0
+
+
+class StatusTarget(_Status):
+    prefill: int = 0
+    decode: int = 0
+    split: str = Field("", description="The target as text, e.g. 3P:5D (printer column).")
+    safety_margin: float = Field(0.0, alias="safetyMargin")
+    reason: str = ""
+    at: str = ""
+    mode: str = ""
+
+
+class StatusForecast(_Status):
+    prefill_tokens: int = Field(0, alias="prefillTokens")
+    decode_admission_tokens: int = Field(0, alias="decodeAdmissionTokens")
+    decode_kv_tokens: int = Field(0, alias="decodeKvTokens")
+    components: dict[str, int] = Field(default_factory=dict)
+
+
+class StatusCapacity(_Status):
+    prefill_tokens_per_second: float = Field(0.0, alias="prefillTokensPerSecond")
+    decode_kv_tokens: int = Field(0, alias="decodeKvTokens")
+
+
+class StatusAccuracy(_Status):
+    prefill_wape: float | None = Field(None, alias="prefillWape")
+    decode_wape: float | None = Field(None, alias="decodeWape")
+
+
+class SwitchRecord(_Status):
+    pod: str
+    from_: str = Field(alias="from")
+    to: str
+    started: str
+    seconds: float = 0.0
+    result: str = ""
+
+
+class Condition(_Status):
+    type: Literal["Ready", "ForecastFresh", "Switching", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = Field("", alias="lastTransitionTime")
+
+
+class RolloutClusterStatus(_Status):
+    phase: Literal["Pending", "Running", "Degraded"] = "Pending"
+    observed_generation: int = Field(0, alias="observedGeneration")
+    instances: InstanceCounts = InstanceCounts()
+    target: StatusTarget = StatusTarget()
+    forecast: StatusForecast = StatusForecast()
+    capacity: StatusCapacity = StatusCapacity()
+    accuracy: StatusAccuracy = StatusAccuracy()
+    switch_history: list[SwitchRecord] = Field(default_factory=list, alias="switchHistory")
+    conditions: list[Condition] = Field(default_factory=list)
+    epoch: str = Field("", description="The webhook epoch trainers see (changes on restart).")

@@ -1,0 +1,1 @@
+"""Kubernetes side of the operator: CRD, object builders, kopf handlers, switch executor."""

@@ -1,0 +1,303 @@
+"""Kubernetes objects of one RolloutCluster, as plain manifests (pure functions).
+
+The names, labels and annotations here are the CONTRACT of shared/DESIGN.md: engine pods
+``<cluster>-engine-<i>``, labels ``app.kubernetes.io/managed-by: prorsa``,
+``prorsa.io/cluster`` and ``prorsa.io/role`` (prefill | decode | draining), the
+``sglang.ai/bootstrap-port`` annotation on every engine pod (any pod may become prefill),
+and the ``prorsa.io/switch`` intent annotation of a switch in progress.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prorsa.spec import RolloutClusterSpec
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CLUSTER_LABEL = "prorsa.io/cluster"
+ROLE_LABEL = "prorsa.io/role"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+INDEX_LABEL = "prorsa.io/index"
+BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
+SWITCH_ANNOTATION = "prorsa.io/switch"
+DRAINING = "draining"
+
+ENGINE_PORT = 30000
+BOOTSTRAP_PORT = 8998
+AGENT_PORT = 8080
+ROUTER_PORT = 30000
+WEBHOOK_PORT = 8787
+TOKEN_PATH = "/var/run/prorsa/agent-token"
+
+
+def engine_name(cluster: str, index: int) -> str:
+    return f"{cluster}-engine-{index}"
+
+
+def router_name(cluster: str) -> str:
+    return f"{cluster}-router"
+
+
+def agent_secret_name(cluster: str) -> str:
+    return f"{cluster}-agent-token"
+
+
+def labels(cluster: str, component: str) -> dict[str, str]:
+    return {
+        MANAGED_BY: "prorsa",
+        CLUSTER_LABEL: cluster,
+        COMPONENT_LABEL: component,
+        "app.kubernetes.io/name": "prorsa",
+        "app.kubernetes.io/instance": cluster,
+    }
+
+
+def engine_pod(
+    *, cluster: str, namespace: str, index: int, role: str, spec: RolloutClusterSpec
+) -> dict[str, Any]:
+    """One engine pod: SGLang under the in-pod agent.
+
+    The agent launches every engine as decode, so decode CUDA graphs are captured at
+    start-up and any later flip back to decode finds them; ``role`` is the label the pod
+    is created with (the operator flips it to prefill, if wanted, once it is ready).
+    """
+    e = spec.engine
+    name = engine_name(cluster, index)
+    gpus = e.m_prefill if role == "prefill" else e.m_decode
+    resources: dict[str, Any] = json.loads(json.dumps(e.resources)) if e.resources else {}
+    resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    resources.setdefault("requests", {})["nvidia.com/gpu"] = gpus
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PRORSA_INSTANCE", "value": name},
+        {"name": "PRORSA_LAUNCH", "value": "1"},
+        {"name": "PRORSA_MODEL_PATH", "value": spec.model.path},
+        {"name": "PRORSA_TP_SIZE", "value": str(e.tensor_parallel_size)},
+        {"name": "PRORSA_TRANSFER_BACKEND", "value": e.transfer_backend},
+        {"name": "PRORSA_BOOTSTRAP_PORT", "value": str(BOOTSTRAP_PORT)},
+        {"name": "PRORSA_ENGINE_PORT", "value": str(ENGINE_PORT)},
+        {"name": "PRORSA_AGENT_LISTEN", "value": f"0.0.0.0:{AGENT_PORT}"},
+        {"name": "PRORSA_AGENT_TOKEN_FILE", "value": TOKEN_PATH + "/token"},
+        {"name": "PRORSA_EXTRA_ARGS", "value": json.dumps(list(e.extra_args))},
+    ]
+    if spec.model.served_name:
+        env.append({"name": "PRORSA_SERVED_MODEL_NAME", "value": spec.model.served_name})
+    volumes = [
+        {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},
+        # NCCL and SGLang's shared-memory transport need more than the 64 MiB default.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *e.volumes,
+    ]
+    mounts = [
+        {"name": "agent-token", "mountPath": TOKEN_PATH, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        *e.volume_mounts,
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": labels(cluster, "engine") | {ROLE_LABEL: role, INDEX_LABEL: str(index)},
+            "annotations": {BOOTSTRAP_ANNOTATION: str(BOOTSTRAP_PORT)},
+        },
+        "spec": {
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 60,
+            "nodeSelector": dict(e.node_selector),
+            "tolerations": list(e.tolerations),
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": e.image,
+                    "env": env,
+                    "ports": [
+                        {"name": "http", "containerPort": ENGINE_PORT},
+                        {"name": "bootstrap", "containerPort": BOOTSTRAP_PORT},
+                        {"name": "agent", "containerPort": AGENT_PORT},
+                    ],
+                    "resources": resources,
+                    "volumeMounts": mounts,
+                    # Loading a large model takes minutes: the startup probe covers it.
+                    "startupProbe": _probe("/healthz", period=10, failures=180),
+                    "livenessProbe": _probe("/healthz", period=10, failures=6),
+                    "readinessProbe": _probe("/readyz", period=5, failures=2),
+                }
+            ],
+            "volumes": volumes,
+        },
+    }
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": AGENT_PORT},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def agent_secret(*, cluster: str, namespace: str, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": agent_secret_name(cluster),
+            "namespace": namespace,
+            "labels": labels(cluster, "agent-token"),
+        },
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
+
+
+def engines_service(*, cluster: str, namespace: str) -> dict[str, Any]:
+    """Headless: stable DNS for every engine pod, whatever its role."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": f"{cluster}-engines",
+            "namespace": namespace,
+            "labels": labels(cluster, "engine"),
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {CLUSTER_LABEL: cluster, COMPONENT_LABEL: "engine"},
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT},
+                {"name": "bootstrap", "port": BOOTSTRAP_PORT},
+                {"name": "agent", "port": AGENT_PORT},
+            ],
+        },
+    }
+
+
+def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> list[str]:
+    """smg with Kubernetes discovery; ``draining`` matches neither selector (sglang.md)."""
+    base = f"{CLUSTER_LABEL}={cluster}"
+    return [
+        "launch",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ROUTER_PORT),
+        "--pd-disaggregation",
+        "--service-discovery",
+        "--service-discovery-namespace",
+        namespace,
+        "--service-discovery-port",
+        str(ENGINE_PORT),
+        "--prefill-selector",
+        base,
+        f"{ROLE_LABEL}=prefill",
+        "--decode-selector",
+        base,
+        f"{ROLE_LABEL}=decode",
+        "--policy",
+        spec.router.policy,
+    ]
+
+
+def router_objects(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> list[dict]:
+    """ServiceAccount, Role, RoleBinding (watch pods), Deployment and Service of the router."""
+    name = router_name(cluster)
+    meta = {"name": name, "namespace": namespace, "labels": labels(cluster, "router")}
+    selector = {CLUSTER_LABEL: cluster, COMPONENT_LABEL: "router"}
+    args = router_args(cluster=cluster, namespace=namespace, spec=spec)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": labels(cluster, "router")},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532},
+                        "containers": [
+                            {
+                                "name": "router",
+                                "image": spec.router.image,
+                                "command": ["smg"],
+                                "args": args,
+                                "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/health", "port": ROUTER_PORT},
+                                    "periodSeconds": 5,
+                                },
+                                "securityContext": {
+                                    "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]},
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"selector": selector, "ports": [{"name": "http", "port": ROUTER_PORT}]},
+        },
+    ]
+
+
+def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str, Any]:
+    """The one webhook Service shared by every cluster (in the operator's namespace)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {MANAGED_BY: "prorsa", "app.kubernetes.io/name": "prorsa"},
+        },
+        "spec": {
+            "selector": {"app.kubernetes.io/name": "prorsa", COMPONENT_LABEL: "operator"},
+            "ports": [{"name": "webhook", "port": WEBHOOK_PORT, "targetPort": WEBHOOK_PORT}],
+        },
+    }
+
+
+def switch_intent(*, to: str, phase: str, started: str, origin: str) -> str:
+    """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
+    return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})
+
+
+def parse_intent(value: str | None) -> dict[str, str] | None:
+    if not value:
+        return None
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("to") not in ("prefill", "decode"):
+        return None
+    return {k: str(v) for k, v in data.items()}
