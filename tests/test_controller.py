@@ -263,3 +263,40 @@ def test_any_engine_mix_keeps_budget_and_minimums(prefill, tokens, kv) -> None:
     assert d.target.prefill >= 1 and d.target.decode >= 1
     moved = sum(1 if s.to == "prefill" else -1 for s in d.switches)
     assert prefill + moved == d.target.prefill or len(d.switches) == 8
+
+
+def test_learned_statistics_survive_a_restart(log) -> None:
+    spec = spec8()
+    first = Controller(spec)
+    for i in range(30):
+        t = f"t{i}"
+        log("sample_dispatched", t, 0.0, task="swe")
+        log("sandbox_started", t, 0.0, mode="cold", image="py311")
+        log("request_queued", t, 20.0 + i % 3, prompt_tokens=3000 + i, turn=0)
+        log("decode_finished", t, 25.0, output_tokens=100, finish="tool")
+        log("tool_started", t, 25.0, tool="bash")
+        log("tool_finished", t, 31.0, result_tokens=40)
+        log("request_queued", t, 31.5, prompt_tokens=3200 + i, turn=1)
+        log("decode_finished", t, 35.0, output_tokens=10, finish="stop")
+        log("reward_started", t, 35.0)
+        log("reward_finished", t, 35.0 + 10 + i % 5, accepted=i % 4 != 0)
+    first.observe(log.take())
+    saved = json.loads(json.dumps(first.learned_state()))
+
+    second = Controller(spec)
+    log("request_queued", "warmup", 0.0, prompt_tokens=1, turn=0)  # codes differ by order
+    log("sample_dispatched", "other", 0.0, task="other-task")
+    second.observe(log.take())
+    second.restore_learned(saved)
+    f1, f2 = first.forecaster, second.forecaster
+    assert f2.admit_rate.value == pytest.approx(f1.admit_rate.value) == pytest.approx(22 / 30)
+    t1 = first.table.tasks.get("swe")
+    t2 = second.table.tasks.get("swe")
+    assert f2.reward.mean((t2,)) == pytest.approx(f1.reward.mean((t1,)))
+    b1, b2 = first.table.tools.get("bash"), second.table.tools.get("bash")
+    assert f2.tool.get((t2, b2, 1, 0)) == pytest.approx(f1.tool.get((t1, b1, 1, 0))) == 6.0
+    i1, i2 = first.table.images.get("py311"), second.table.images.get("py311")
+    assert f2.startup.mean((2, i2, -1)) == pytest.approx(f1.startup.mean((2, i1, -1)))
+    assert f2.first_prompt_tokens(t2) == pytest.approx(f1.first_prompt_tokens(t1))
+    with pytest.raises(ValueError, match="format"):
+        second.restore_learned({"format": 99})

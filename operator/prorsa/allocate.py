@@ -117,3 +117,10 @@ class PrefillSpeed:
     @property
     def intervals(self) -> int:
         return len(self._intervals)
+
+    def export(self) -> list[tuple[float, float]]:
+        return list(self._intervals)
+
+    def restore(self, intervals: list[tuple[float, float]]) -> None:
+        for tokens, seconds in intervals:
+            self.add_interval(tokens=float(tokens), seconds=float(seconds))

@@ -22,6 +22,7 @@ from prorsa.decision import Capacity, Components, Decision, Forecast, Switch, Ta
 from prorsa.engine_state import EngineState, Role
 from prorsa.events import Event, Snapshot
 from prorsa.forecast.model import ForecastConfig, Forecaster, ForecastResult, PrefillSite
+from prorsa.forecast.persist import export_state, restore_state
 from prorsa.forecast.table import DECODE, ApplyResult, TrajectoryTable
 from prorsa.spec import RolloutClusterSpec
 
@@ -67,6 +68,9 @@ class Controller:
         self._assumed_prefill = spec.initial_prefill()
         self.last_decision: Decision | None = None
         self.last_forecast: ForecastResult | None = None
+        # The last tick's demand in instances (a, b of Eq. 1) and K_D, for metrics.
+        self.last_demand: tuple[float, float] = (0.0, 0.0)
+        self.last_kv_now = 0.0
         self.ticks = 0
 
     # -- inputs ------------------------------------------------------------------------------
@@ -122,6 +126,14 @@ class Controller:
 
     # -- outputs -----------------------------------------------------------------------------
 
+    def learned_state(self) -> dict[str, object]:
+        """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
+        return export_state(table=self.table, forecaster=self.forecaster, theta=self.theta)
+
+    def restore_learned(self, data: dict[str, object]) -> None:
+        """Load :meth:`learned_state` output; raises ValueError on an unknown format."""
+        restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta)
+
     def accuracy(self) -> dict[str, float | None]:
         acc = self.forecaster.accuracy
         return {"prefillWape": acc.prefill_wape, "decodeWape": acc.decode_wape}
@@ -151,6 +163,8 @@ class Controller:
         c_kv = self._kv_capacity()
         capacity = Capacity(prefillTokensPerSecond=round(theta, 3), decodeKvTokens=c_kv)
         demand = self._demand(now, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
+        self.last_demand = (demand.a, demand.b)
+        self.last_kv_now = self._decode_kv_now()
 
         min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
         min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)

@@ -134,14 +134,18 @@ class Forecaster:
     def on_dispatch_delay(self, *, seconds: float) -> None:
         self.dispatch_delay.add(seconds)
 
+    def first_prompt_for(self, task: int) -> WindowMean | None:
+        """First-prompt sizes of a task (-2: every task together), created on first use."""
+        mean = self.first_prompt.get(task)
+        if mean is None and len(self.first_prompt) < 4096:
+            mean = self.first_prompt[task] = WindowMean(window=256, default=math.nan)
+        return mean
+
     def on_first_prompt(self, *, task: int, tokens: float) -> None:
-        for k in (task, -2):  # -2: every task together
-            mean = self.first_prompt.get(k)
-            if mean is None:
-                if len(self.first_prompt) >= 4096:
-                    continue
-                mean = self.first_prompt[k] = WindowMean(window=256, default=math.nan)
-            mean.add(tokens)
+        for k in (task, -2):
+            mean = self.first_prompt_for(k)
+            if mean is not None:
+                mean.add(tokens)
 
     def on_growth(self, key: tuple[object, ...], tokens: float, result_known: bool) -> None:
         # With the result size known, only the chat template's overhead is unknown.

@@ -156,9 +156,19 @@ class ClassedDistributions:
     def classes(self) -> int:
         return len(self._by_key)
 
-    def export(self) -> dict[str, list[float]]:
+    def export(self) -> list[tuple[Key, list[float]]]:
         """Samples by class, for persistence across operator restarts."""
-        return {"|".join(map(str, k)): list(d._samples) for k, d in self._by_key.items()}
+        return [(k, list(d._samples)) for k, d in self._by_key.items()]
+
+    def restore(self, items: list[tuple[Key, list[float]]]) -> None:
+        for key, samples in items:
+            dist = self._by_key.get(key)
+            if dist is None:
+                if len(self._by_key) >= self._max and key:
+                    continue
+                dist = self._by_key[key] = EmpiricalDistribution(window=self._window)
+            for v in samples:
+                dist.add(float(v))
 
 
 class EmaTable:
@@ -216,6 +226,14 @@ class EmaTable:
     def classes(self) -> int:
         return len(self._entries)
 
+    def export(self) -> list[tuple[Key, float, int]]:
+        return [(k, e[0], int(e[1])) for k, e in self._entries.items()]
+
+    def restore(self, items: list[tuple[Key, float, int]]) -> None:
+        for key, tau, count in items:
+            if math.isfinite(tau) and count > 0 and len(self._entries) < self._max:
+                self._entries[key] = [float(tau), int(count)]
+
 
 class WindowMean:
     """Mean of the last ``window`` observations, O(1) per update (p̂, d̂, prompt sizes)."""
@@ -241,3 +259,10 @@ class WindowMean:
     @property
     def value(self) -> float:
         return self._sum / len(self._values) if self._values else self.default
+
+    def export(self) -> list[float]:
+        return list(self._values)
+
+    def restore(self, values: list[float]) -> None:
+        for v in values:
+            self.add(float(v))
