@@ -27,7 +27,7 @@ class OperatorMetrics:
             registry=r,
         )
         self.forecast_total = Gauge(
-            "prorsa_forecast_prefill_tokens_total",
+            "prorsa_forecast_prefill_demand_tokens",
             "Forecast prefill demand W_P over the horizon (bias-corrected), tokens.",
             _CLUSTER,
             registry=r,

@@ -1,0 +1,70 @@
+"""``prorsa operator``: run the operator (kopf), cluster-wide or for some namespaces."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+HELP = "run the Kubernetes operator (kopf): RolloutClusters, webhook, metrics"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeat)"
+    )
+    parser.add_argument("--listen", default="0.0.0.0:8787", help="webhook and /metrics HOST:PORT")
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL"
+    )
+    parser.add_argument("--agent-port", type=int, default=8080, help="engine agents' port")
+    parser.add_argument(
+        "--operator-namespace", help="create the shared webhook Service in this namespace"
+    )
+    parser.add_argument(
+        "--router-url-template",
+        default="http://{name}-router.{namespace}.svc:{port}",
+        help="how to reach a cluster's router ({name}, {namespace}, {port})",
+    )
+    parser.add_argument("--admission", action="store_true", help="serve validating admission")
+    parser.add_argument("--kubeconfig", help="use this kubeconfig instead of in-cluster config")
+    parser.add_argument(
+        "--tick-seconds", type=float, help="control period (default: forecast.horizonSeconds)"
+    )
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from prorsa.k8s.handlers import OperatorConfig, build_registry
+    from prorsa.k8s.runtime import OperatorOptions
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"prorsa operator: error: --listen must be HOST:PORT, got {args.listen!r}")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = OperatorConfig(
+        listen_host=host,
+        listen_port=int(port),
+        operator_namespace=args.operator_namespace,
+        admission=args.admission,
+        login_kubeconfig=args.kubeconfig,
+        options=OperatorOptions(
+            agent_port=args.agent_port,
+            router_url_template=args.router_url_template,
+            tick_seconds=args.tick_seconds,
+        ),
+    )
+    kopf.run(
+        registry=build_registry(config),
+        standalone=True,
+        clusterwide=args.all_namespaces or not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0

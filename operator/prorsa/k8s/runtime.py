@@ -1,0 +1,439 @@
+"""One RolloutCluster at run time: its pods, its control loop, its status.
+
+The loop runs every ``forecast.horizonSeconds``: make the objects match the spec (engine
+pods by index, router, services), poll every agent concurrently, feed the Controller
+through the webhook's handle (which serialises access and runs ticks off the event loop),
+execute the Decision through the switch executor according to ``switching.mode``, and
+write status, metrics and Kubernetes Events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.decision import Decision, Switch
+from prorsa.engine_state import EngineState
+from prorsa.ingest import ClusterHandle
+from prorsa.k8s import objects as obj
+from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
+from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
+from prorsa.k8s.kube import Kube
+from prorsa.metrics import OperatorMetrics
+from prorsa.spec import RolloutClusterSpec
+
+log = logging.getLogger("prorsa.runtime")
+
+PERSIST_EVERY_TICKS = 6
+EventPoster = Callable[[str, str, str], Awaitable[None]]  # (type, reason, message)
+
+
+@dataclass(kw_only=True)
+class OperatorOptions:
+    """Process-wide settings of the operator (flags of ``prorsa operator``)."""
+
+    agent_port: int = obj.AGENT_PORT
+    router_url_template: str = "http://{name}-router.{namespace}.svc:{port}"
+    router_settle_timeout: float = 30.0
+    tick_seconds: float | None = None  # None: each cluster's forecast.horizonSeconds
+    persist: bool = True
+
+
+@dataclass(kw_only=True)
+class ClusterRuntime:
+    namespace: str
+    name: str
+    spec: RolloutClusterSpec
+    uid: str
+    handle: ClusterHandle
+    kube: Kube
+    agents: AgentClient
+    metrics: OperatorMetrics
+    options: OperatorOptions
+    post_event: EventPoster
+    agent_token: str = ""
+    generation: int = 0
+    executor: SwitchExecutor | None = None
+    bootstrapped: bool = False
+    ticks: int = 0
+    last_status: dict[str, Any] = field(default_factory=dict)
+    _conditions: dict[str, dict[str, str]] = field(default_factory=dict)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    @property
+    def selector(self) -> str:
+        return f"{obj.CLUSTER_LABEL}={self.name},{obj.COMPONENT_LABEL}=engine"
+
+    def owner(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "prorsa.io/v1alpha1",
+            "kind": "RolloutCluster",
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+    def _owned(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        manifest["metadata"]["ownerReferences"] = [self.owner()]
+        return manifest
+
+    def router_url(self) -> str | None:
+        if not self.spec.router.enabled:
+            return None
+        return self.options.router_url_template.format(
+            name=self.name, namespace=self.namespace, port=obj.ROUTER_PORT
+        )
+
+    async def setup(self) -> None:
+        """Secret, services, router; the executor; switches a previous process left."""
+        ns, name = self.namespace, self.name
+        secret_name = obj.agent_secret_name(name)
+        token = await self.kube.read_secret_key(ns, secret_name, "token")
+        if token is None:
+            token = secrets.token_urlsafe(32)
+            await self.kube.ensure(
+                self._owned(obj.agent_secret(cluster=name, namespace=ns, token=token))
+            )
+            token = await self.kube.read_secret_key(ns, secret_name, "token") or token
+        self.agent_token = token
+        await self.kube.ensure(self._owned(obj.engines_service(cluster=name, namespace=ns)))
+        if self.spec.router.enabled:
+            for manifest in obj.router_objects(cluster=name, namespace=ns, spec=self.spec):
+                await self.kube.ensure(self._owned(manifest))
+        router_url = self.router_url()
+        self.executor = SwitchExecutor(
+            kube=self.kube,
+            agents=self.agents,
+            router=RouterClient(client=self.agents._client) if router_url else None,
+            namespace=ns,
+            token=lambda: self.agent_token,
+            settings=ExecutorSettings(
+                agent_port=self.options.agent_port,
+                drain_timeout=self.spec.switching.drain_timeout_seconds,
+                router_url=router_url,
+                router_settle_timeout=self.options.router_settle_timeout,
+            ),
+            on_done=self._switch_done,
+        )
+        await self._restore_learned()
+        for pod in await self.kube.list_pods(ns, self.selector):
+            if self.executor.resume(pod):
+                log.info("%s/%s: resuming the switch of %s", ns, name, pod["metadata"]["name"])
+
+    def update_spec(self, spec: RolloutClusterSpec) -> None:
+        """A spec change: the Controller keeps what it learned; settings follow the spec."""
+        self.spec = spec
+        self.handle.controller.spec = spec
+        if self.executor is not None:
+            self.executor.settings.drain_timeout = spec.switching.drain_timeout_seconds
+            self.executor.settings.router_url = self.router_url()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Tick now instead of at the end of the period (a pod failed or was deleted)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.tick_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep controlling; report
+                log.exception("%s/%s: tick failed", self.namespace, self.name)
+                self._condition("Degraded", "True", "TickFailed", repr(exc)[:300])
+            period = self.options.tick_seconds or self.spec.forecast.horizon_seconds
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=period)
+            self._wake.clear()
+        if self.executor is not None:
+            await self.executor.cancel_all()
+        await self._persist()
+
+    async def tick_once(self) -> Decision:
+        self.ticks += 1
+        pods = await self._reconcile_pods()
+        states = await self._poll(pods)
+        await self.handle.observe_engines(list(states.values()))
+        start = time.perf_counter()
+        decision = await self.handle.tick()
+        self.metrics.tick_seconds.labels(self.namespace, self.name).observe(
+            time.perf_counter() - start
+        )
+        switches = list(decision.switches)
+        if not self.bootstrapped:
+            switches = self._bootstrap(states) or switches
+        mode = self.spec.switching.mode
+        if mode == "Auto":
+            by_name = {p["metadata"]["name"]: p for p in pods}
+            for switch in switches:
+                pod = by_name.get(switch.instance)
+                if pod is not None and self.executor and self.executor.start(switch, pod=pod):
+                    await self.post_event(
+                        "Normal",
+                        "SwitchStarted",
+                        f"{switch.instance}: {switch.from_} -> {switch.to}",
+                    )
+        await self._write_status(decision, pods, states)
+        if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
+            await self._persist()
+        return decision
+
+    def _bootstrap(self, states: dict[str, EngineState]) -> list[Switch]:
+        """Bring fresh engines (which all start as decode) to roles.prefill.initial once."""
+        expected = self.spec.instances
+        healthy = [s for s in states.values() if s.healthy]
+        if len(healthy) < expected:
+            return []  # wait until every engine is up
+        want = self.spec.initial_prefill()
+        have = sum(1 for s in healthy if s.role == "prefill")
+        switching = sum(1 for s in states.values() if s.switching)
+        if have >= want:
+            self.bootstrapped = True
+            return []
+        slots = self.spec.switching.max_concurrent - switching
+        if slots <= 0:
+            return []
+        todo = sorted(
+            (s for s in healthy if s.role == "decode" and not s.switching),
+            key=lambda s: s.instance,
+        )[: min(want - have, slots)]
+        return [Switch(instance=s.instance, **{"from": "decode"}, to="prefill") for s in todo]
+
+    async def _reconcile_pods(self) -> list[dict[str, Any]]:
+        """One engine pod per index 0..n-1; failed ones are replaced, extra ones removed."""
+        ns = self.namespace
+        pods = await self.kube.list_pods(ns, self.selector)
+        n = self.spec.instances
+        by_index: dict[int, dict[str, Any]] = {}
+        busy = self.executor.busy() if self.executor else set()
+        for pod in pods:
+            meta = pod["metadata"]
+            try:
+                index = int((meta.get("labels") or {}).get(obj.INDEX_LABEL, "-1"))
+            except ValueError:
+                index = -1
+            phase = (pod.get("status") or {}).get("phase")
+            if meta.get("deletionTimestamp"):
+                continue
+            if index < 0 or index >= n:
+                if meta["name"] not in busy:
+                    await self.kube.delete_pod(ns, meta["name"])
+                    await self.post_event("Normal", "ScaledDown", f"removed {meta['name']}")
+                continue
+            if phase in ("Failed", "Succeeded"):
+                await self.kube.delete_pod(ns, meta["name"])
+                await self.post_event(
+                    "Warning", "EngineFailed", f"{meta['name']} {phase}: replacing"
+                )
+                continue
+            by_index[index] = pod
+        for index in range(n):
+            if index not in by_index:
+                manifest = self._owned(
+                    obj.engine_pod(
+                        cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
+                    )
+                )
+                if await self.kube.ensure(manifest):
+                    await self.post_event("Normal", "EngineCreated", manifest["metadata"]["name"])
+        return [p for _, p in sorted(by_index.items())]
+
+    async def _poll(self, pods: list[dict[str, Any]]) -> dict[str, EngineState]:
+        """Agent states by instance; a pod mid-switch is reported as switching."""
+        addresses = []
+        for pod in pods:
+            url = agent_url(pod, port=self.options.agent_port)
+            if url is not None:
+                addresses.append(AgentAddress(pod["metadata"]["name"], url))
+        answers = await self.agents.states(addresses)
+        busy = self.executor.busy() if self.executor else set()
+        out: dict[str, EngineState] = {}
+        for pod in pods:
+            name = pod["metadata"]["name"]
+            state = answers.get(name)
+            if state is None:
+                if name in answers:
+                    self.metrics.agent_errors.labels(self.namespace, self.name).inc()
+                continue
+            annotations = pod["metadata"].get("annotations") or {}
+            if name in busy or obj.SWITCH_ANNOTATION in annotations:
+                state = state.model_copy(update={"switching": True})
+            out[name] = state
+        return out
+
+    async def _switch_done(self, outcome: SwitchOutcome) -> None:
+        ns, name = self.namespace, self.name
+        self.metrics.switches.labels(ns, name, outcome.origin, outcome.to, outcome.result).inc()
+        self.metrics.switch_seconds.labels(ns, name).observe(outcome.seconds)
+        ok = outcome.result == "succeeded"
+        async with self.handle.exclusive() as controller:
+            controller.record_switch(
+                outcome.pod, to=outcome.to, at=self.handle.trainer_now(), ok=ok
+            )
+        message = (
+            f"{outcome.pod}: {outcome.origin} -> {outcome.to} {outcome.result} "
+            f"in {outcome.seconds:.1f}s"
+        )
+        if outcome.message and not ok:
+            message += f" ({outcome.message})"
+        await self.post_event(
+            "Normal" if ok else "Warning", f"Switch{outcome.result.title()}", message
+        )
+
+    # -- status ------------------------------------------------------------------------------
+
+    def _condition(self, kind: str, status: str, reason: str, message: str) -> None:
+        old = self._conditions.get(kind)
+        changed = old is None or old["status"] != status
+        self._conditions[kind] = {
+            "type": kind,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": utcnow() if changed else old["lastTransitionTime"],
+        }
+
+    async def _write_status(
+        self, decision: Decision, pods: list[dict[str, Any]], states: dict[str, EngineState]
+    ) -> None:
+        ns, name = self.namespace, self.name
+        controller = self.handle.controller
+        roles = {"prefill": 0, "decode": 0, "switching": 0, "unavailable": 0}
+        for pod in pods:
+            state = states.get(pod["metadata"]["name"])
+            if state is None or not state.healthy:
+                roles["unavailable"] += 1
+            elif state.switching:
+                roles["switching"] += 1
+            else:
+                roles[state.role] += 1
+        for role, count in roles.items():
+            self.metrics.instances.labels(ns, name, role).set(count)
+        a, b = controller.last_demand
+        self.metrics.record_decision(
+            ns, name, decision, demand_prefill=a, demand_decode=b, kv_now=controller.last_kv_now
+        )
+        acc = controller.accuracy()
+        for kind, value in (("prefill", acc["prefillWape"]), ("decode", acc["decodeWape"])):
+            if value is not None:
+                self.metrics.wape.labels(ns, name, kind).set(value)
+        for state_name, count in controller.live_trajectories().items():
+            self.metrics.trajectories.labels(ns, name, state_name).set(count)
+        for kind, count in controller.table.anomalies.items():
+            self.metrics.anomalies.labels(ns, name, kind).set(count)
+        last = controller.table.last_event_ts
+        silence = math.inf if last is None else max(0.0, decision.at - last)
+        if math.isfinite(silence):
+            self.metrics.forecast_age.labels(ns, name).set(silence)
+
+        expected = self.spec.instances
+        fresh = decision.mode == "predictive"
+        self._condition(
+            "ForecastFresh",
+            "True" if fresh else "False",
+            "TrainerEvents" if fresh else "NoTrainerEvents",
+            "forecasting from trainer lifecycle events"
+            if fresh
+            else "no recent trainer events: deciding from engine states alone",
+        )
+        switching = roles["switching"] > 0
+        self._condition(
+            "Switching",
+            "True" if switching else "False",
+            "SwitchInProgress" if switching else "Idle",
+            f"{roles['switching']} instance(s) switching" if switching else "",
+        )
+        degraded = roles["unavailable"] > 0
+        self._condition(
+            "Degraded",
+            "True" if degraded else "False",
+            "EnginesUnavailable" if degraded else "AllEnginesAvailable",
+            f"{roles['unavailable']} of {expected} engine(s) unavailable" if degraded else "",
+        )
+        ready = roles["prefill"] + roles["decode"] + roles["switching"] == expected
+        self._condition(
+            "Ready",
+            "True" if ready else "False",
+            "EnginesReady" if ready else "EnginesStarting",
+            f"{expected - roles['unavailable']}/{expected} engines answering",
+        )
+        target = decision.target
+        available = roles["prefill"] + roles["decode"] + roles["switching"]
+        phase = "Running" if ready else ("Degraded" if available else "Pending")
+        status = {
+            "phase": phase,
+            "observedGeneration": self.generation,
+            "instances": roles,
+            "target": {
+                "prefill": target.prefill,
+                "decode": target.decode,
+                "split": f"{target.prefill}P:{target.decode}D",
+                "safetyMargin": decision.safety_margin,
+                "reason": decision.reason,
+                "at": utcnow(),
+                "mode": decision.mode,
+            },
+            "forecast": decision.forecast.model_dump(by_alias=True),
+            "capacity": decision.capacity.model_dump(by_alias=True),
+            "accuracy": acc,
+            "switchHistory": [o.record() for o in (self.executor.history if self.executor else [])],
+            "conditions": list(self._conditions.values()),
+            "epoch": str(self.handle.epoch),
+        }
+        self.last_status = status
+        await self.kube.patch_status(ns, name, status)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _state_name(self) -> str:
+        return f"{self.name}-prorsa-state"
+
+    async def _persist(self) -> None:
+        if not self.options.persist:
+            return
+        async with self.handle.exclusive() as controller:
+            data = controller.learned_state()
+        text = await asyncio.to_thread(json.dumps, data, separators=(",", ":"))
+        try:
+            await self.kube.write_config_map(
+                self.namespace,
+                self._state_name(),
+                {"learned.json": text},
+                labels=obj.labels(self.name, "state"),
+            )
+        except Exception:
+            log.exception("%s/%s: could not persist learned statistics", self.namespace, self.name)
+
+    async def _restore_learned(self) -> None:
+        if not self.options.persist:
+            return
+        data = await self.kube.read_config_map(self.namespace, self._state_name())
+        if not data or "learned.json" not in data:
+            return
+        try:
+            learned = json.loads(data["learned.json"])
+            async with self.handle.exclusive() as controller:
+                controller.restore_learned(learned)
+            log.info("%s/%s: restored learned statistics", self.namespace, self.name)
+        except (ValueError, TypeError) as exc:
+            log.warning(
+                "%s/%s: ignoring unreadable learned statistics: %s", self.namespace, self.name, exc
+            )
