@@ -58,11 +58,14 @@ class Controller:
             )
         )
         self.table = TrajectoryTable(observer=self.forecaster)
-        self.theta = PrefillSpeed(profiled=spec.capacity.prefill_tokens_per_second)
+        profiled = spec.capacity.prefill_tokens_per_second
+        # θ_P from trainer events counts full prompts, as §4.2 asks; the agents' counters
+        # count only tokens not served from the prefix cache, so they are the fallback.
+        self.theta_events = PrefillSpeed(profiled=profiled)
+        self.theta_engines = PrefillSpeed(profiled=profiled)
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
         self._engines: dict[str, EngineState] = {}
         self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
-        self._engine_counters = False
         self._issued: dict[str, Role] = {}
         self._cooldown_until: dict[str, float] = {}
         self._assumed_prefill = spec.initial_prefill()
@@ -106,8 +109,6 @@ class Controller:
 
     def _engine_interval(self, s: EngineState) -> None:
         """θ_P from the agent's cumulative busy-time counters (two readings, §4.2)."""
-        if s.prefill_busy_seconds > 0:
-            self._engine_counters = True
         prev = self._counters.get(s.instance)
         cur = (s.prefill_busy_seconds, s.prefill_tokens)
         if prev is None or cur[0] < prev[0] or cur[1] < prev[1]:
@@ -115,7 +116,7 @@ class Controller:
             return
         busy, tokens = cur[0] - prev[0], cur[1] - prev[1]
         if busy >= 1.0 and s.waiting_requests == 0:
-            self.theta.add_interval(tokens=tokens, seconds=busy)
+            self.theta_engines.add_interval(tokens=tokens, seconds=busy)
             self._counters[s.instance] = cur
 
     def record_switch(self, instance: str, *, to: Role, at: float, ok: bool) -> None:
@@ -126,13 +127,22 @@ class Controller:
 
     # -- outputs -----------------------------------------------------------------------------
 
+    @property
+    def theta(self) -> PrefillSpeed:
+        """The θ_P estimate in use: from events when any was measured, else from engines."""
+        return self.theta_events if self.theta_events.measured else self.theta_engines
+
     def learned_state(self) -> dict[str, object]:
         """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
-        return export_state(table=self.table, forecaster=self.forecaster, theta=self.theta)
+        return export_state(
+            table=self.table, forecaster=self.forecaster, theta=self.theta_events
+        )
 
     def restore_learned(self, data: dict[str, object]) -> None:
         """Load :meth:`learned_state` output; raises ValueError on an unknown format."""
-        restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta)
+        restore_state(
+            data, table=self.table, forecaster=self.forecaster, theta=self.theta_events
+        )
 
     def accuracy(self) -> dict[str, float | None]:
         acc = self.forecaster.accuracy
@@ -150,9 +160,8 @@ class Controller:
         acc = self.forecaster.accuracy
         acc.close_until(now)
         intervals, self.forecaster.intervals = self.forecaster.intervals, []
-        if not self._engine_counters:
-            for tokens, seconds in intervals:
-                self.theta.add_interval(tokens=tokens, seconds=seconds)
+        for tokens, seconds in intervals:
+            self.theta_events.add_interval(tokens=tokens, seconds=seconds)
 
         spec = self.spec
         m_p, m_d = spec.engine.m_prefill, spec.engine.m_decode

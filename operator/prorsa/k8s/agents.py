@@ -72,18 +72,25 @@ class AgentClient:
         headers = {"Authorization": f"Bearer {token}"}
         timeout = httpx.Timeout(drain_timeout + 900.0, connect=5.0)
         last_error = ""
-        for attempt in range(3):
+        failures = 0
+        while failures < 3:
             try:
                 reply = await self._client.post(
                     f"{address.url}/v1/role", json=body, headers=headers, timeout=timeout
                 )
             except httpx.HTTPError as exc:
+                failures += 1
                 last_error = f"agent unreachable: {exc!r}"
-                await asyncio.sleep(min(2.0 * (attempt + 1), 10.0))
+                await asyncio.sleep(min(2.0 * failures, 10.0))
+                continue
+            if reply.status_code == 202:
+                # The same switch is still running (we reconnected): ask again shortly.
+                await asyncio.sleep(1.0)
                 continue
             if reply.status_code == 409:
+                failures += 1
                 last_error = f"agent busy with another switch: {reply.text[:200]}"
-                await asyncio.sleep(min(2.0 * (attempt + 1), 10.0))
+                await asyncio.sleep(min(2.0 * failures, 10.0))
                 continue
             try:
                 return RoleResult.model_validate_json(reply.content)

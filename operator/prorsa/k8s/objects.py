@@ -120,9 +120,11 @@ def engine_pod(
                     ],
                     "resources": resources,
                     "volumeMounts": mounts,
-                    # Loading a large model takes minutes: the startup probe covers it.
+                    # Loading a large model takes minutes: the startup probe covers it. An
+                    # engine that crashed is restarted by the agent, so liveness asks only
+                    # whether the agent itself runs.
                     "startupProbe": _probe("/healthz", period=10, failures=180),
-                    "livenessProbe": _probe("/healthz", period=10, failures=6),
+                    "livenessProbe": _probe("/livez", period=10, failures=6),
                     "readinessProbe": _probe("/readyz", period=5, failures=2),
                 }
             ],

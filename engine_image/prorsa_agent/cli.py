@@ -1,0 +1,200 @@
+"""``prorsa agent``: flags, their environment defaults, and the process main loop.
+
+Every flag has a ``PRORSA_*`` environment default, because the operator configures engine
+pods through their environment (the image's entrypoint is just ``prorsa agent --launch``).
+This module stays light to import (no aiohttp): ``prorsa --help`` loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from prorsa_agent.config import (
+    SGLANG_COMMAND,
+    AgentConfig,
+    Backoff,
+    ConfigError,
+    LaunchSpec,
+    Timeouts,
+    args_from_env,
+    engine_argv,
+    parse_listen,
+)
+
+HELP = "run the in-pod agent: supervise SGLang, report its state, flip its PD role"
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    value = os.environ.get(name, "").strip()
+    return float(value) if value else default
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    env = os.environ
+    parser.add_argument(
+        "--engine-url",
+        default=env.get("PRORSA_ENGINE_URL")
+        or f"http://127.0.0.1:{env.get('PRORSA_ENGINE_PORT', '30000')}",
+        help="the engine's base URL (env PRORSA_ENGINE_URL; default http://127.0.0.1:"
+        "$PRORSA_ENGINE_PORT, port 30000)",
+    )
+    parser.add_argument(
+        "--listen",
+        default=env.get("PRORSA_AGENT_LISTEN", "0.0.0.0:8080"),
+        help="HOST:PORT to serve on; port 0 picks a free port (env PRORSA_AGENT_LISTEN)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=env.get("PRORSA_AGENT_TOKEN_FILE"),
+        help="file holding the bearer token of POST /v1/role (env PRORSA_AGENT_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--instance",
+        default=env.get("PRORSA_INSTANCE") or env.get("POD_NAME") or socket.gethostname(),
+        help="instance name in /v1/state (env PRORSA_INSTANCE, POD_NAME; default hostname)",
+    )
+    parser.add_argument(
+        "--engine-api-key-file",
+        default=env.get("PRORSA_ENGINE_API_KEY_FILE"),
+        help="bearer key for the engine's admin endpoints, if it runs with one",
+    )
+    parser.add_argument(
+        "--decode-cuda-graph-memory-gb",
+        type=float,
+        default=_env_float("PRORSA_DECODE_CUDA_GRAPH_MEMORY_GB", None),
+        help="decode CUDA graph memory to pass on a flip to decode when the engine has none "
+        "captured (it was launched as prefill); read it from a decode peer's /server_info",
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        default=env.get("PRORSA_LAUNCH", "") in ("1", "true"),
+        help="start and supervise the engine (flags from PRORSA_* and after '--')",
+    )
+    parser.add_argument(
+        "--engine-command",
+        default=env.get("PRORSA_ENGINE_COMMAND"),
+        help="the engine command for --launch (shell-quoted; default: python -m "
+        "sglang.launch_server with this interpreter)",
+    )
+    t = parser.add_argument_group("timing (seconds)")
+    defaults = Timeouts()
+    t.add_argument("--switch-timeout", type=float, default=defaults.switch)
+    t.add_argument("--verify-timeout", type=float, default=defaults.verify)
+    t.add_argument("--abort-settle-timeout", type=float, default=defaults.abort_settle)
+    t.add_argument("--request-timeout", type=float, default=defaults.request)
+    t.add_argument("--poll-interval", type=float, default=defaults.poll)
+    t.add_argument("--health-interval", type=float, default=defaults.health_interval)
+    t.add_argument("--health-timeout", type=float, default=defaults.health_probe)
+    backoff = Backoff()
+    t.add_argument("--restart-backoff", type=float, default=backoff.initial)
+    t.add_argument("--restart-backoff-max", type=float, default=backoff.maximum)
+    t.add_argument("--stop-grace", type=float, default=30.0)
+    parser.add_argument("--max-switch-attempts", type=int, default=3)
+    parser.add_argument("--log-level", default=env.get("PRORSA_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "engine_args",
+        nargs=argparse.REMAINDER,
+        help="-- then SGLang flags for --launch (appended after the PRORSA_* ones)",
+    )
+
+
+def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AgentConfig:
+    env = os.environ if env is None else env
+    if not args.token_file:
+        raise ConfigError("--token-file is required (or PRORSA_AGENT_TOKEN_FILE)")
+    host, port = parse_listen(args.listen)
+    explicit = list(args.engine_args or [])
+    if explicit and explicit[0] == "--":
+        explicit = explicit[1:]
+    if explicit and not args.launch:
+        raise ConfigError("engine flags after '--' need --launch")
+    launch = None
+    if args.launch:
+        command: Sequence[str] = (
+            shlex.split(args.engine_command) if args.engine_command else SGLANG_COMMAND
+        )
+        launch = LaunchSpec(
+            argv=tuple(
+                engine_argv(
+                    command=command,
+                    engine_url=args.engine_url,
+                    env_args=args_from_env(env),
+                    explicit=explicit,
+                )
+            ),
+            backoff=Backoff(
+                initial=args.restart_backoff,
+                maximum=max(args.restart_backoff, args.restart_backoff_max),
+            ),
+            stop_grace=args.stop_grace,
+        )
+    timeouts = Timeouts(
+        request=args.request_timeout,
+        switch=args.switch_timeout,
+        verify=args.verify_timeout,
+        abort_settle=args.abort_settle_timeout,
+        poll=args.poll_interval,
+        health_interval=args.health_interval,
+        health_probe=args.health_timeout,
+    )
+    return AgentConfig(
+        engine_url=args.engine_url,
+        token_file=Path(args.token_file),
+        instance=args.instance,
+        listen_host=host,
+        listen_port=port,
+        engine_api_key_file=Path(args.engine_api_key_file) if args.engine_api_key_file else None,
+        decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
+        max_switch_attempts=args.max_switch_attempts,
+        timeouts=timeouts,
+        launch=launch,
+    )
+
+
+async def serve(config: AgentConfig) -> None:
+    """Run until SIGINT/SIGTERM; the engine (if launched) is stopped on the way out."""
+    from prorsa_agent.server import Agent
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    agent = Agent(config)
+    url = await agent.start()
+    if config.launch is not None:
+        print(f"prorsa agent: engine command: {shlex.join(config.launch.argv)}", flush=True)
+    print(f"prorsa agent listening on {url} (engine {config.engine_url})", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await agent.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = build_config(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"prorsa agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"prorsa agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0

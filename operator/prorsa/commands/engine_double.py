@@ -1,0 +1,20 @@
+"""``prorsa engine-double``: an SGLang 0.5.23 HTTP double for tests, CI and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "run an HTTP double of an SGLang 0.5.23 engine (role switching, loads, aborts)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from prorsa.testing.engine_cli import configure as configure_engine
+
+    configure_engine(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prorsa.testing.engine_cli import run as run_engine
+
+    return run_engine(args, sys.argv[2:])

@@ -1,0 +1,180 @@
+"""How the agent assembles the SGLang command line and reads its own settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prorsa_agent.cli import build_config, configure
+from prorsa_agent.config import (
+    AgentConfig,
+    Backoff,
+    ConfigError,
+    Timeouts,
+    args_from_env,
+    engine_argv,
+    parse_listen,
+)
+from prorsa_agent.engine_client import EngineProtocolError, Loads
+
+SGLANG = ("python", "-m", "sglang.launch_server")
+
+
+def test_every_engine_starts_as_decode_with_role_switching_and_metrics():
+    argv = engine_argv(
+        command=SGLANG,
+        engine_url="http://127.0.0.1:30000",
+        env_args=["--model-path", "/models/qwen", "--tp-size", "8"],
+    )
+    assert argv == [
+        *SGLANG,
+        "--model-path", "/models/qwen", "--tp-size", "8",
+        "--disaggregation-mode", "decode", "--enable-pd-role-switch", "--enable-metrics",
+        "--port", "30000",
+    ]  # fmt: skip
+
+
+def test_explicit_flags_come_after_env_flags_and_are_not_duplicated():
+    argv = engine_argv(
+        command=SGLANG,
+        engine_url="http://127.0.0.1:31000",
+        env_args=["--tp-size", "8"],
+        explicit=["--tp-size", "4", "--disaggregation-mode=prefill", "--port", "31000"],
+    )
+    assert argv.index("8") < argv.index("4")  # argparse keeps the last: explicit wins
+    assert argv.count("--port") == 1
+    assert "--disaggregation-mode" not in argv  # given as --disaggregation-mode=prefill
+    assert "--enable-pd-role-switch" in argv
+
+
+def test_a_port_flag_that_contradicts_the_engine_url_is_refused():
+    with pytest.raises(ConfigError, match="does not match"):
+        engine_argv(command=SGLANG, engine_url="http://127.0.0.1:30000", explicit=["--port=1"])
+
+
+def test_env_flags_from_json_or_shell_quoting():
+    env = {
+        "PRORSA_MODEL_PATH": "/m",
+        "PRORSA_TRANSFER_BACKEND": "mooncake",
+        "PRORSA_BOOTSTRAP_PORT": "8998",
+        "PRORSA_EXTRA_ARGS": json.dumps(["--chunked-prefill-size", "4096", "--x", "a b"]),
+    }
+    assert args_from_env(env) == [
+        "--model-path", "/m",
+        "--disaggregation-transfer-backend", "mooncake",
+        "--disaggregation-bootstrap-port", "8998",
+        "--chunked-prefill-size", "4096", "--x", "a b",
+    ]  # fmt: skip
+    assert args_from_env({"PRORSA_EXTRA_ARGS": "--x 'a b' --y"}) == ["--x", "a b", "--y"]
+    with pytest.raises(ConfigError, match="PRORSA_EXTRA_ARGS"):
+        args_from_env({"PRORSA_EXTRA_ARGS": '["--x", 3]'})
+    assert args_from_env({}) == []
+
+
+def test_listen_addresses():
+    assert parse_listen("0.0.0.0:8080") == ("0.0.0.0", 8080)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    assert parse_listen(":9000") == ("0.0.0.0", 9000)
+    for bad in ("8080", "host:", "host:99999", "host:http"):
+        with pytest.raises(ConfigError):
+            parse_listen(bad)
+
+
+def test_backoff_grows_and_caps():
+    backoff = Backoff(initial=1.0, factor=2.0, maximum=5.0)
+    delays = [1.0]
+    for _ in range(4):
+        delays.append(backoff.next(delays[-1]))
+    assert delays == [1.0, 2.0, 4.0, 5.0, 5.0]
+    with pytest.raises(ConfigError):
+        Backoff(initial=0.0)
+
+
+def test_invalid_settings_name_the_setting(tmp_path: Path):
+    token = tmp_path / "t"
+    with pytest.raises(ConfigError, match="engine-url"):
+        AgentConfig(engine_url="127.0.0.1:30000", token_file=token, instance="x")
+    with pytest.raises(ConfigError, match="instance"):
+        AgentConfig(engine_url="http://127.0.0.1:1", token_file=token, instance="")
+    with pytest.raises(ConfigError, match="switch"):
+        Timeouts(switch=0)
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(argv)
+
+
+def test_command_line_to_config(tmp_path: Path):
+    args = _args(
+        [
+            "--engine-url", "http://127.0.0.1:30001", "--listen", "127.0.0.1:0",
+            "--token-file", str(tmp_path / "t"), "--instance", "rc-engine-2",
+            "--switch-timeout", "90", "--launch", "--", "--model-path", "/m",
+        ]
+    )  # fmt: skip
+    config = build_config(args, env={"PRORSA_TP_SIZE": "4"})
+    assert config.instance == "rc-engine-2" and config.listen_port == 0
+    assert config.timeouts.switch == 90
+    assert config.launch is not None
+    argv = list(config.launch.argv)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[3:] == [
+        "--tp-size", "4", "--model-path", "/m", "--disaggregation-mode", "decode",
+        "--enable-pd-role-switch", "--enable-metrics", "--port", "30001",
+    ]  # fmt: skip
+    attach = build_config(_args(["--token-file", "t"]), env={})
+    assert attach.launch is None
+
+
+def test_loads_are_summed_over_dp_ranks():
+    rank = {
+        "num_running_reqs": 2,
+        "num_waiting_reqs": 1,
+        "num_waiting_uncached_tokens": 300,
+        "num_used_tokens": 1000,
+        "max_total_num_tokens": 5000,
+        "total_prefill_busy_us": 1_500_000,
+        "total_prefill_uncached_tokens": 9000,
+        "disaggregation": {"mode": "prefill", "prefill_inflight_queue_reqs": 4},
+    }
+    loads = Loads.parse({"loads": [rank, {**rank, "num_running_reqs": 5}]})
+    assert loads.role == "prefill" and loads.ranks == 2
+    assert (loads.running, loads.waiting, loads.inflight) == (7, 2, 8)
+    assert loads.busy == 17
+    assert loads.kv_capacity == 10_000 and loads.waiting_tokens == 600
+    assert loads.prefill_busy_seconds == 3.0 and loads.prefill_tokens == 18_000
+    with pytest.raises(EngineProtocolError):
+        Loads.parse({"loads": []})
+    with pytest.raises(EngineProtocolError):
+        Loads.parse({"loads": [{"num_running_reqs": 1}]})
+
+
+OPTIONAL_EXTRAS = ("kopf", "kubernetes", "kmock", "matplotlib", "schemathesis", "hypothesis")
+
+
+VIA_PRORSA = "from prorsa.cli import main; sys.exit(main(['agent', '--help']))"
+VIA_MODULE = (
+    "import runpy; sys.argv = ['prorsa_agent', '--help']; "
+    "runpy.run_module('prorsa_agent', run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("entry", [VIA_PRORSA, VIA_MODULE])
+def test_the_agent_command_needs_no_optional_extras(entry: str):
+    """The engine image installs `prorsa` without extras: `prorsa agent` must still start."""
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in OPTIONAL_EXTRAS)
+    result = subprocess.run(
+        [sys.executable, "-c", f"import sys; {blocked}; {entry}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--engine-url" in result.stdout and "--launch" in result.stdout

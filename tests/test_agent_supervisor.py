@@ -1,0 +1,271 @@
+"""The agent's ``--launch`` path: it runs the engine, restarts it with backoff, stops it.
+
+SGLang cannot run here, so the launched engine is the SGLang double as a process
+(``python -m prorsa.testing.engine``), started with the very command line the agent builds
+for SGLang; its injected crash ends the process as a real engine crash would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prorsa.engine_state import EngineState, RoleResult
+from prorsa.testing.engine import FAST_TIMEOUTS
+from prorsa_agent.config import AgentConfig, Backoff, LaunchSpec, engine_argv
+from prorsa_agent.server import Agent
+
+TOKEN = "launch-token-19"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DOUBLE = (sys.executable, "-m", "prorsa.testing.engine")
+FAST_BACKOFF = Backoff(initial=0.05, factor=2.0, maximum=0.4, stable_after=30.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(
+    tmp_path: Path,
+    *,
+    extra: Sequence[str] = (),
+    command: Sequence[str] = DOUBLE,
+) -> AgentConfig:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    url = f"http://127.0.0.1:{_free_port()}"
+    argv = engine_argv(
+        command=command,
+        engine_url=url,
+        env_args=["--host", "127.0.0.1"],
+        explicit=["--double-switch-seconds", "0.01", "--double-health-timeout", "1", *extra],
+    )
+    return AgentConfig(
+        engine_url=url,
+        token_file=token,
+        instance="launch-0",
+        listen_host="127.0.0.1",
+        listen_port=0,
+        timeouts=FAST_TIMEOUTS,
+        launch=LaunchSpec(argv=tuple(argv), backoff=FAST_BACKOFF, stop_grace=5.0),
+    )
+
+
+async def _until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def _healthz(client: httpx.AsyncClient, agent: Agent) -> httpx.Response:
+    return await client.get(f"{agent.url}/healthz")
+
+
+async def _wait_healthy(client: httpx.AsyncClient, agent: Agent) -> None:
+    async def healthy() -> bool:
+        return (await _healthz(client, agent)).status_code == 200
+
+    await _until(healthy)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_launch_switch_crash_restart(tmp_path):
+    config = _config(tmp_path)
+    async with httpx.AsyncClient(timeout=10.0) as client, Agent(config) as agent:
+        health = await _healthz(client, agent)
+        assert health.status_code == 503 and health.json()["status"] == "starting"
+        await _wait_healthy(client, agent)
+        state = EngineState.model_validate((await client.get(f"{agent.url}/v1/state")).json())
+        assert state.role == "decode" and state.healthy  # every engine starts as decode
+        result = await client.post(f"{agent.url}/v1/role", json={"role": "prefill"}, headers=AUTH)
+        assert RoleResult.model_validate(result.json()).ok
+        assert agent.supervisor is not None
+        first_pid = agent.supervisor.pid
+        assert first_pid is not None
+
+        # The engine process dies.
+        await client.post(f"{config.engine_url}/_double/crash")
+
+        async def down() -> bool:
+            return (await _healthz(client, agent)).json()["status"] in ("down", "starting")
+
+        await _until(down)
+        await _wait_healthy(client, agent)
+        assert agent.supervisor.restarts == 1 and agent.supervisor.pid != first_pid
+        assert agent.supervisor.last_exit == 70
+        state = EngineState.model_validate((await client.get(f"{agent.url}/v1/state")).json())
+        assert state.role == "decode"  # a restarted engine is back in its launch role
+        metrics = (await client.get(f"{agent.url}/metrics")).text
+        assert "prorsa_agent_engine_restarts_total 1.0" in metrics
+        assert (await _healthz(client, agent)).json()["engineRestarts"] == 1
+    assert _gone(agent.supervisor.pid or first_pid)
+
+
+async def test_crash_mid_switch_is_reported_then_the_engine_comes_back(tmp_path):
+    config = _config(tmp_path, extra=["--double-crash-on-switch"])
+    async with httpx.AsyncClient(timeout=10.0) as client, Agent(config) as agent:
+        await _wait_healthy(client, agent)
+        response = await client.post(f"{agent.url}/v1/role", json={"role": "prefill"}, headers=AUTH)
+        assert response.status_code == 502
+        result = RoleResult.model_validate(response.json())
+        assert result.safe_to_restore is False and "stopped answering" in result.message
+        # The supervisor restarts the engine; a fresh process clears the failed state.
+        await _wait_healthy(client, agent)
+        assert agent.supervisor is not None and agent.supervisor.restarts == 1
+
+
+async def test_a_crash_loop_backs_off_exponentially_up_to_the_cap(tmp_path):
+    command = (sys.executable, "-c", "import sys; sys.exit(3)")
+    config = _config(tmp_path, command=command)
+    async with httpx.AsyncClient(timeout=10.0) as client, Agent(config) as agent:
+        sup = agent.supervisor
+        assert sup is not None
+
+        async def five_restarts() -> bool:
+            return sup.restarts >= 5
+
+        await _until(five_restarts)
+        assert sup.delays[:5] == [0.05, 0.1, 0.2, 0.4, 0.4]
+        assert sup.last_exit == 3
+        health = await _healthz(client, agent)
+        assert health.status_code == 503
+        assert health.json()["status"] in ("down", "starting")
+        state = EngineState.model_validate((await client.get(f"{agent.url}/v1/state")).json())
+        assert state.healthy is False
+        refused = await client.post(f"{agent.url}/v1/role", json={"role": "prefill"}, headers=AUTH)
+        assert refused.status_code == 503
+
+
+async def test_stopping_the_agent_stops_the_engine(tmp_path):
+    config = _config(tmp_path)
+    agent = Agent(config)
+    await agent.start()
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            await _wait_healthy(client, agent)
+    finally:
+        await agent.stop()
+    assert agent.supervisor is not None and agent.supervisor.pid is not None
+    assert _gone(agent.supervisor.pid)
+    assert agent.supervisor.restarts == 0  # a requested stop is not a crash
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{config.engine_url}/health", timeout=2.0)
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill the process if it still runs, wait for it and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def _read_url(proc: subprocess.Popen[str], pattern: str, timeout: float = 30.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match.group(1)
+    proc.kill()
+    raise AssertionError(f"no {pattern!r} in {seen!r}")
+
+
+def test_prorsa_agent_command_launches_the_engine_from_the_environment(tmp_path):
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PRORSA_MODEL_PATH": "org/model-from-env",
+        "PRORSA_TP_SIZE": "2",
+        "PRORSA_ENGINE_HOST": "127.0.0.1",
+        "PRORSA_EXTRA_ARGS": '["--max-total-tokens", "12345"]',
+        "PRORSA_INSTANCE": "cli-engine-0",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "prorsa.cli", "agent",
+            "--listen", "127.0.0.1:0",
+            "--token-file", str(token),
+            "--engine-url", f"http://127.0.0.1:{port}",
+            "--engine-command", f"{sys.executable} -m prorsa.testing.engine",
+            "--health-interval", "0.1", "--poll-interval", "0.02",
+            "--launch", "--", "--double-switch-seconds", "0.01",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        url = _read_url(proc, r"prorsa agent listening on (http://\S+)")
+        with httpx.Client(timeout=10.0) as c:
+            deadline = time.monotonic() + 30
+            while c.get(f"{url}/healthz").status_code != 200:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            info = c.get(f"http://127.0.0.1:{port}/server_info").json()
+            assert info["model_path"] == "org/model-from-env"
+            assert info["tp_size"] == 2 and info["max_total_num_tokens"] == 12345
+            assert info["enable_pd_role_switch"] is True and info["enable_metrics"] is True
+            assert info["internal_states"][0]["disaggregation_mode"] == "decode"
+            assert c.get(f"{url}/v1/state").json()["instance"] == "cli-engine-0"
+            result = c.post(f"{url}/v1/role", json={"role": "prefill"}, headers=AUTH).json()
+            assert result["ok"] is True and result["newRole"] == "prefill"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0)
+    finally:
+        _reap(proc)
+
+
+def test_prorsa_agent_command_refuses_a_bad_configuration(tmp_path):
+    base = [sys.executable, "-m", "prorsa.cli", "agent", "--listen", "127.0.0.1:0"]
+    missing = subprocess.run(base, capture_output=True, text=True, env={**os.environ})
+    assert missing.returncode == 2 and "--token-file is required" in missing.stderr
+    token = tmp_path / "t"
+    token.write_text("x")
+    flags_without_launch = subprocess.run(
+        [*base, "--token-file", str(token), "--", "--model-path", "m"],
+        capture_output=True,
+        text=True,
+    )
+    assert flags_without_launch.returncode == 2
+    assert "need --launch" in flags_without_launch.stderr
+    mismatch = subprocess.run(
+        [*base, "--token-file", str(token), "--engine-url", "http://127.0.0.1:30000",
+         "--launch", "--", "--port", "31000"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert mismatch.returncode == 2 and "does not match --engine-url" in mismatch.stderr

@@ -1,0 +1,153 @@
+"""Static checks of engine_image/Dockerfile (no Docker engine here).
+
+hadolint runs when it is on PATH; the instruction-level checks below always run: the base is
+the official SGLang 0.5.23 image, the agent is installed from sources that exist, it runs as
+a non-root user, the entrypoint is ``prorsa agent --launch``, and every ``PRORSA_*`` variable
+the image sets is one the agent reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prorsa_agent import cli as agent_cli
+from prorsa_agent.config import ENV_VARS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    value: str
+    line: int
+
+
+def parse(text: str) -> list[Instruction]:
+    """Dockerfile instructions, with line continuations joined and comments dropped."""
+    instructions: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue  # comment lines inside a continued instruction are ignored
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending.append(stripped[:-1].strip())
+            continue
+        pending.append(stripped)
+        joined = " ".join(part for part in pending if part)
+        keyword, _, value = joined.partition(" ")
+        instructions.append(Instruction(keyword.upper(), value.strip(), start))
+        pending = []
+    assert not pending, "the Dockerfile ends inside a continued instruction"
+    return instructions
+
+
+def env_pairs(value: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in shlex.split(value))
+
+
+@pytest.fixture(scope="module")
+def instructions() -> list[Instruction]:
+    return parse(DOCKERFILE.read_text())
+
+
+def test_hadolint_when_available():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not on PATH; the instruction checks below still run")
+    result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_only_known_instructions(instructions):
+    known = {
+        "ARG", "FROM", "LABEL", "COPY", "RUN", "USER", "WORKDIR", "ENV", "EXPOSE",
+        "ENTRYPOINT", "CMD", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "VOLUME", "ADD", "ONBUILD",
+    }  # fmt: skip
+    unknown = [(i.line, i.keyword) for i in instructions if i.keyword not in known]
+    assert not unknown
+
+
+def test_base_is_the_official_sglang_0_5_23_image(instructions):
+    args = {}
+    for inst in instructions:
+        if inst.keyword == "FROM":
+            break
+        if inst.keyword == "ARG" and "=" in inst.value:
+            name, default = inst.value.split("=", 1)
+            args[name] = default
+    froms = [i for i in instructions if i.keyword == "FROM"]
+    assert len(froms) == 1, "one stage: the SGLang image itself"
+    image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], froms[0].value)
+    repository, _, tag = image.partition(":")
+    assert repository == "lmsysorg/sglang"
+    assert tag == "v0.5.23"
+
+
+def test_the_agent_is_installed_from_sources_that_exist(instructions):
+    copies = [i for i in instructions if i.keyword == "COPY"]
+    sources = [src for c in copies for src in shlex.split(c.value)[:-1] if not src.startswith("--")]
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
+    assert "operator" in sources and "engine_image/prorsa_agent" in sources
+    assert "pyproject.toml" in sources
+    runs = " ".join(i.value for i in instructions if i.keyword == "RUN")
+    assert "pip install --no-cache-dir /opt/prorsa-src" in runs
+    assert "--upgrade" not in runs and " -U " not in runs  # never disturb SGLang's pins
+
+
+def test_runs_as_a_non_root_user(instructions):
+    users = [i.value for i in instructions if i.keyword == "USER"]
+    assert users, "no USER: the engine would run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
+    entry_index = next(n for n, i in enumerate(instructions) if i.keyword == "ENTRYPOINT")
+    user_index = max(n for n, i in enumerate(instructions) if i.keyword == "USER")
+    assert user_index < entry_index
+
+
+def test_entrypoint_is_the_agent_in_exec_form(instructions):
+    (entry,) = [i for i in instructions if i.keyword == "ENTRYPOINT"]
+    assert json.loads(entry.value) == ["prorsa", "agent", "--launch"]
+    assert not [i for i in instructions if i.keyword == "CMD"]
+
+
+def test_environment_matches_what_the_agent_reads(instructions):
+    env: dict[str, str] = {}
+    for inst in instructions:
+        if inst.keyword == "ENV":
+            env.update(env_pairs(inst.value))
+    prorsa = {k for k in env if k.startswith("PRORSA_")}
+    assert prorsa <= ENV_VARS, f"unknown to the agent: {sorted(prorsa - ENV_VARS)}"
+    assert env["PRORSA_AGENT_LISTEN"].endswith(":8080")  # the CONTRACT's agent port
+    assert env["PRORSA_TRANSFER_BACKEND"] in ("mooncake", "mori")  # the two that switch
+    exposed = {p for i in instructions if i.keyword == "EXPOSE" for p in i.value.split()}
+    assert {"8080", env["PRORSA_ENGINE_PORT"], env["PRORSA_BOOTSTRAP_PORT"]} <= exposed
+    # The agent's source reads no PRORSA_* variable the image could not know about.
+    read = set(re.findall(r"PRORSA_[A-Z_]+", Path(agent_cli.__file__).read_text()))
+    assert read <= ENV_VARS
+
+
+def test_parser_handles_continuations_and_comments():
+    text = "# c\nFROM a:1\nRUN x \\\n    # inner\n    && y\nENV A=1 \\\n  B='two words'\n"
+    parsed = parse(text)
+    assert [(i.keyword, i.value) for i in parsed] == [
+        ("FROM", "a:1"),
+        ("RUN", "x && y"),
+        ("ENV", "A=1 B='two words'"),
+    ]
+    assert env_pairs(parsed[2].value) == {"A": "1", "B": "two words"}
