@@ -73,11 +73,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     if config.login_kubeconfig:
 
         @kopf.on.login(registry=registry)
-        def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-            import kubernetes
-
-            kubernetes.config.load_kube_config(config_file=config.login_kubeconfig)
-            return kopf.login_with_kubeconfig(**kwargs)  # type: ignore[no-any-return]
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return connection_from_kubeconfig(config.login_kubeconfig or "")
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -136,12 +133,14 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         ctx: OperatorContext = memo.prorsa
         return len(ctx.runtimes)
 
-    @kopf.on.validate(*resource, registry=registry, id="spec")
-    def validate(spec: kopf.Spec, **_: Any) -> None:
-        try:
-            parse_spec(spec)
-        except ValueError as exc:
-            raise kopf.AdmissionError(str(exc), code=422) from None
+    if config.admission:
+
+        @kopf.on.validate(*resource, registry=registry, id="spec")
+        def validate(spec: kopf.Spec, **_: Any) -> None:
+            try:
+                parse_spec(spec)
+            except ValueError as exc:
+                raise kopf.AdmissionError(str(exc), code=422) from None
 
     @kopf.daemon(*resource, registry=registry, id="control", cancellation_timeout=30.0)
     async def control(
@@ -283,6 +282,27 @@ async def _trainer_token(
     }
     await ctx.kube.ensure(manifest)
     return (await ctx.kube.read_secret_key(namespace, secret_name, "token") or "").strip()
+
+
+def connection_from_kubeconfig(path: str) -> kopf.ConnectionInfo:
+    """kopf credentials from a kubeconfig file given by path (not $KUBECONFIG)."""
+    import kubernetes
+
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
+    header = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme, _, token = (header or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
 
 
 def _load_kube_config() -> None:

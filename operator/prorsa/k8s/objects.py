@@ -66,8 +66,8 @@ def engine_pod(
     name = engine_name(cluster, index)
     gpus = e.m_prefill if role == "prefill" else e.m_decode
     resources: dict[str, Any] = json.loads(json.dumps(e.resources)) if e.resources else {}
-    resources.setdefault("limits", {})["nvidia.com/gpu"] = gpus
-    resources.setdefault("requests", {})["nvidia.com/gpu"] = gpus
+    resources.setdefault("limits", {})["nvidia.com/gpu"] = str(gpus)
+    resources.setdefault("requests", {})["nvidia.com/gpu"] = str(gpus)
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PRORSA_INSTANCE", "value": name},

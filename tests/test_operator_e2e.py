@@ -1,0 +1,222 @@
+"""The operator end to end: kopf against the Kubernetes API emulator, engine pods served by
+engine doubles with real agents, a trainer posting real lifecycle events to the webhook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
+
+from prorsa.k8s import objects as obj
+from prorsa.testing.engine import EngineConfig, TimingModel
+
+
+def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[dict]:
+    """n requests queued with big prompts: prefill demand n·tokens / (S·θ) instances."""
+    return [
+        env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
+        for i in range(n)
+    ]
+
+
+def decode_heavy(env: Deployment, prefill_pod: str, n: int = 6, tokens: int = 10_000) -> list:
+    """Requests already in prefill: they enter decode within the horizon (K̂_D), so the
+    decode side needs n·tokens / C_KV instances while prefill demand stays small."""
+    out = []
+    for i in range(n):
+        t = f"d{env._ids}-{i}"
+        out.append(env.event("request_queued", t, prompt_tokens=tokens, turn=0))
+        out.append(env.event("prefill_started", t, instance=prefill_pod))
+    return out
+
+
+async def ready_split(env: Deployment, prefill: int, decode: int) -> bool:
+    counts = await env.count_roles()
+    return counts.get("prefill", 0) == prefill and counts.get("decode", 0) == decode
+
+
+async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
+    async with deployment() as env:
+        await env.create_cluster(cluster_manifest())
+        # Four engine pods (32 GPUs / 8), the agents' Secret and the engines' Service.
+        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+        pods = await env.pods()
+        for pod in pods:
+            meta = pod["metadata"]
+            assert meta["labels"][obj.MANAGED_BY] == "prorsa"
+            assert meta["labels"][obj.CLUSTER_LABEL] == "demo"
+            assert meta["annotations"][obj.BOOTSTRAP_ANNOTATION] == "8998"
+            assert meta["ownerReferences"][0]["kind"] == "RolloutCluster"
+            limits = pod["spec"]["containers"][0]["resources"]["limits"]
+            assert limits["nvidia.com/gpu"] == "8"
+        assert await env.kube.read_secret_key(NAMESPACE, "demo-agent-token", "token")
+        # Every engine starts as decode; the operator brings roles.prefill.initial = 1.
+        await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
+
+        # Prefill-heavy demand: 300k tokens queued -> a = 3, b = 5 at 1P -> best 2P:2D.
+        phase_a = prefill_heavy(env)
+        reply = await env.post(phase_a)
+        assert reply.status_code == 200, reply.text
+        await env.wait_for(lambda: ready_split(env, 2, 2), what="a flip to 2P:2D")
+        flipped = [n for n, h in env.label_history.items() if "draining" in h]
+        assert flipped, env.label_history
+
+        # Decode-heavy: the queue is gone; 60k tokens in prefill finish within the horizon:
+        # a = 0.6, b = 3 -> best 1P:3D.
+        roles = await env.roles()
+        prefill_pod = next(n for n, r in roles.items() if r == "prefill")
+        gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
+        assert (await env.post(gone)).status_code == 200
+        assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+        await env.wait_for(lambda: ready_split(env, 1, 3), what="a flip back to 1P:3D")
+
+        cluster = await env.get_cluster()
+        status = cluster["status"]
+        assert status["instances"]["prefill"] + status["instances"]["decode"] == 4
+        assert status["target"]["split"] in ("1P:3D", "2P:2D")
+        assert any(h["result"] == "succeeded" for h in status["switchHistory"])
+        kinds = {c["type"]: c["status"] for c in status["conditions"]}
+        assert kinds["Ready"] == "True" and kinds["ForecastFresh"] == "True"
+        reasons = {e.get("reason") for e in await env.events()}
+        assert {"SwitchStarted", "SwitchSucceeded"} <= reasons
+        text = await env.metrics()
+        assert "prorsa_switches_total{" in text and 'result="succeeded"' in text
+        assert "prorsa_webhook_events_total" in text
+
+
+async def _count(pods_coro, n: int) -> bool:
+    return len(await pods_coro) == n
+
+
+async def test_recommend_mode_changes_only_status() -> None:
+    async with deployment() as env:
+        manifest = cluster_manifest(
+            switching={"mode": "Recommend"},
+            roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        )
+        await env.create_cluster(manifest)
+        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+        await env.kubelet.wait_running(4)
+        await asyncio.sleep(1.0)
+        before = await env.roles()
+        await env.post(prefill_heavy(env, n=60))
+
+        async def recommends_more_prefill() -> bool:
+            status = (await env.get_cluster()).get("status", {})
+            target = status.get("target", {})
+            return target.get("prefill", 0) > before_prefill(before)
+
+        await env.wait_for(recommends_more_prefill, what="a recommendation for more prefill")
+        await asyncio.sleep(1.5)  # several ticks: nothing may move
+        assert await env.roles() == before
+        assert all("draining" not in h for h in env.label_history.values())
+
+
+def before_prefill(roles: dict[str, str]) -> int:
+    return sum(1 for r in roles.values() if r == "prefill")
+
+
+async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None:
+    slow = TimingModel(switch_seconds=3.0)
+    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+        await env.create_cluster(cluster_manifest())
+        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+
+        async def someone_draining() -> str | None:
+            for name, role in (await env.roles()).items():
+                if role == obj.DRAINING:
+                    return name
+            return None
+
+        # The bootstrap flip to 1P:3D is slow (3 s): stop the operator while it runs.
+        name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
+        pod = next(p for p in await env.pods() if p["metadata"]["name"] == name)
+        intent = json.loads(pod["metadata"]["annotations"][obj.SWITCH_ANNOTATION])
+        assert intent["to"] == "prefill"
+        await env.stop_operator()
+        assert (await env.roles())[name] == obj.DRAINING  # left mid-switch
+        await env.start_operator()
+
+        async def converged() -> bool:
+            pods = await env.pods()
+            return all(
+                p["metadata"]["labels"][obj.ROLE_LABEL] != obj.DRAINING
+                and obj.SWITCH_ANNOTATION not in (p["metadata"].get("annotations") or {})
+                for p in pods
+            ) and await ready_split(env, 1, 3)
+
+        await env.wait_for(converged, timeout=60, what="convergence after the restart")
+
+
+async def test_pod_deleted_mid_switch_is_recreated() -> None:
+    slow = TimingModel(switch_seconds=2.0)
+    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+        await env.create_cluster(cluster_manifest())
+
+        async def someone_draining() -> str | None:
+            for name, role in (await env.roles()).items():
+                if role == obj.DRAINING:
+                    return name
+            return None
+
+        name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
+        await env.kube.delete_pod(NAMESPACE, name)
+
+        async def replaced() -> bool:
+            pods = {p["metadata"]["name"]: p for p in await env.pods()}
+            return name in pods and pods[name]["metadata"]["labels"][obj.ROLE_LABEL] != "draining"
+
+        await env.wait_for(replaced, timeout=60, what="the pod recreated")
+        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=60, what="1P:3D again")
+
+
+async def test_unsafe_switch_failure_replaces_the_pod() -> None:
+    async with deployment() as env:
+        await env.create_cluster(cluster_manifest())
+        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+        await env.kubelet.wait_running(4)
+        await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
+        # From now on every engine's next switch fails for good (safe_to_restore false).
+        uids = {}
+        for name, pod in env.kubelet.pods.items():
+            pod.engine.faults.switch_failure = "unsafe"
+            uids[name] = pod.uid
+        assert (await env.post(prefill_heavy(env))).status_code == 200
+
+        async def some_pod_replaced() -> bool:
+            for pod in await env.pods():
+                name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+                if name in uids and uid != uids[name]:
+                    return True
+            return False
+
+        await env.wait_for(some_pod_replaced, timeout=60, what="a failed pod replaced")
+        reasons = {e.get("reason") for e in await env.events()}
+        assert "SwitchReplaced" in reasons
+
+
+async def test_bad_rollout_clusters_are_refused_naming_the_field() -> None:
+    import kubernetes
+
+    async with deployment() as env:
+        bad = cluster_manifest(gpuBudget=30)
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            await env.create_cluster(bad)
+        assert info.value.status == 422
+        assert "gpuBudget" in info.value.body
+        worse = cluster_manifest(engine={"transferBackend": "nixl"})
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            await env.create_cluster(worse)
+        assert "transferBackend" in info.value.body
+
+
+async def test_gpu_budget_change_scales_the_instances() -> None:
+    async with deployment() as env:
+        await env.create_cluster(cluster_manifest())
+        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+        await env.patch_cluster("demo", {"spec": {"gpuBudget": 48}})
+        await env.wait_for(lambda: _count(env.pods(), 6), what="6 engine pods")
+        await env.patch_cluster("demo", {"spec": {"gpuBudget": 24}})
+        await env.wait_for(lambda: _count(env.pods(), 3), what="3 engine pods")
