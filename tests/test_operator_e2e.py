@@ -137,7 +137,17 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
         assert intent["to"] == "prefill"
         await env.stop_operator()
         assert (await env.roles())[name] == obj.DRAINING  # left mid-switch
+        saved = await env.kube.read_config_map(NAMESPACE, "demo-prorsa-state")
+        assert saved is not None and json.loads(saved["learned.json"])["format"] == 1
         await env.start_operator()
+
+        # The new process lost the trajectories: its replies ask the trainer to resync.
+        async def served() -> object:
+            reply = await env.post([env.event("request_queued", "t", prompt_tokens=1, turn=0)])
+            return reply if reply.status_code != 404 else None
+
+        reply = await env.wait_for(served, what="the cluster on the new webhook")
+        assert reply.status_code == 200 and reply.json()["resync"] is True
 
         async def converged() -> bool:
             pods = await env.pods()

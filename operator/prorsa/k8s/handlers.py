@@ -124,6 +124,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         ctx: OperatorContext | None = getattr(memo, "prorsa", None)
         if ctx is None:
             return
+        for runtime in list(ctx.runtimes.values()):  # daemons may still be winding down
+            runtime.stop()
+            await runtime.shutdown()
         if ctx.runner is not None:
             await ctx.runner.cleanup()
         await ctx.agents.aclose()
@@ -194,9 +197,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         try:
             await runtime.setup()
             task = asyncio.create_task(runtime.run())
-            await stopped.wait()
-            runtime.stop()
-            await task
+            try:
+                await stopped.wait()
+            finally:
+                runtime.stop()
+                await asyncio.shield(task)
         finally:
             ctx.runtimes.pop((namespace, name), None)
             if ctx.registry.get(namespace, name) is handle:

@@ -151,18 +151,25 @@ class ClusterRuntime:
         self._wake.set()
 
     async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.tick_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep controlling; report
-                log.exception("%s/%s: tick failed", self.namespace, self.name)
-                self._condition("Degraded", "True", "TickFailed", repr(exc)[:300])
-            period = self.options.tick_seconds or self.spec.forecast.horizon_seconds
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=period)
-            self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self.tick_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # keep controlling; report
+                    log.exception("%s/%s: tick failed", self.namespace, self.name)
+                    self._condition("Degraded", "True", "TickFailed", repr(exc)[:300])
+                period = self.options.tick_seconds or self.spec.forecast.horizon_seconds
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=period)
+                self._wake.clear()
+        finally:
+            # Also on cancellation (operator exit): what was learned survives the restart,
+            # and switches in flight keep their intents for the next process to finish.
+            await asyncio.shield(self.shutdown())
+
+    async def shutdown(self) -> None:
         if self.executor is not None:
             await self.executor.cancel_all()
         await self._persist()

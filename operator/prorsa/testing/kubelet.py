@@ -135,7 +135,8 @@ class FakeKubelet:
         if token is None:
             return  # the operator creates the Secret before the pods; try again next loop
         ip = self._ip()
-        config = dataclasses.replace(self.engine_config(name), host=ip, port=obj.ENGINE_PORT)
+        # Only the agent talks to its engine, so any free port will do for the engine.
+        config = dataclasses.replace(self.engine_config(name), host=ip, port=0)
         pod = EnginePod(
             instance=name,
             token=token,
