@@ -300,3 +300,13 @@ def test_learned_statistics_survive_a_restart(log) -> None:
     assert f2.first_prompt_tokens(t2) == pytest.approx(f1.first_prompt_tokens(t1))
     with pytest.raises(ValueError, match="format"):
         second.restore_learned({"format": 99})
+
+
+def test_no_instance_available_is_reported_not_a_crash(log) -> None:
+    c = Controller(spec8())
+    queue(log, 5, 10_000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(1, 1, **{f"c-engine-{i}": {"healthy": False} for i in range(2)}))
+    d = c.tick(2.0)
+    assert (d.target.prefill, d.target.decode) == (0, 0)
+    assert "no instance is available" in d.reason and d.switches == ()

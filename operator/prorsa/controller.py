@@ -196,8 +196,11 @@ class Controller:
         if why:
             notes.append(why)
         if best.margin < 0:
+            ratio = 1.0 + best.margin  # capacity over demand on the tighter side
             notes.append(
-                f"over budget: the tighter side needs {1 / (1 + best.margin):.2f}x the capacity"
+                f"over budget: the tighter side needs {1 / ratio:.2f}x the capacity"
+                if ratio > 0
+                else "over budget: a role with demand has no instance"
             )
         switches = self._plan_switches(target, cur_p, now=now)
         if not self._engines:

@@ -48,6 +48,17 @@ class EngineSpec(_Spec):
     tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
     transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra environment variables of the engine container (EnvVar list), "
+        "e.g. NCCL or Mooncake settings.",
+    )
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu",
+        alias="gpuResourceName",
+        description="Extended resource requested per GPU; empty requests none (tests on "
+        "clusters without GPUs).",
+    )
     resources: dict[str, Any] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: list[dict[str, Any]] = Field(default_factory=list)

@@ -66,8 +66,9 @@ def engine_pod(
     name = engine_name(cluster, index)
     gpus = e.m_prefill if role == "prefill" else e.m_decode
     resources: dict[str, Any] = json.loads(json.dumps(e.resources)) if e.resources else {}
-    resources.setdefault("limits", {})["nvidia.com/gpu"] = str(gpus)
-    resources.setdefault("requests", {})["nvidia.com/gpu"] = str(gpus)
+    if e.gpu_resource_name:
+        resources.setdefault("limits", {})[e.gpu_resource_name] = str(gpus)
+        resources.setdefault("requests", {})[e.gpu_resource_name] = str(gpus)
     env = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PRORSA_INSTANCE", "value": name},
@@ -83,6 +84,7 @@ def engine_pod(
     ]
     if spec.model.served_name:
         env.append({"name": "PRORSA_SERVED_MODEL_NAME", "value": spec.model.served_name})
+    env.extend(e.env)
     volumes = [
         {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},
         # NCCL and SGLang's shared-memory transport need more than the 64 MiB default.
@@ -112,6 +114,8 @@ def engine_pod(
                 {
                     "name": "engine",
                     "image": e.image,
+                    # Explicit, so any image with the prorsa distribution can run an engine.
+                    "command": ["prorsa", "agent"],
                     "env": env,
                     "ports": [
                         {"name": "http", "containerPort": ENGINE_PORT},

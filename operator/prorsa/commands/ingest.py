@@ -1,0 +1,214 @@
+"""``prorsa ingest``: the trainer webhook for one RolloutCluster manifest, without Kubernetes.
+
+The sandbox a trainer developer integrates against before going to a cluster: the same
+webhook application and the same Controller the operator runs, fed by the trainer's real
+events, ticking every ``forecast.horizonSeconds`` and printing each Decision as one
+compact line (or as JSON with ``--format json``). Ctrl-C (SIGINT) or SIGTERM stops it
+cleanly: the listener closes, in-flight batches finish, a summary is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prorsa.decision import Decision
+    from prorsa.ingest import ClusterHandle
+
+HELP = "serve the trainer webhook for one RolloutCluster manifest (no Kubernetes)"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cluster", required=True, type=Path, help="RolloutCluster manifest (YAML or JSON)"
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:8787",
+        metavar="HOST:PORT",
+        help="address to serve on (default 127.0.0.1:8787; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--token-file",
+        required=True,
+        type=Path,
+        help="file holding the bearer token trainers must send",
+    )
+    parser.add_argument(
+        "--tick",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between control ticks (default: the manifest's forecast.horizonSeconds)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("line", "json"),
+        default="line",
+        help="each tick's Decision as a compact line (default) or as one JSON object",
+    )
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[v6]:PORT`` or ``:PORT`` (loopback) -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep:
+        raise ValueError(f"--listen wants HOST:PORT, got {value!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"--listen port must be a number, got {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--listen port out of range: {port}")
+    return host, port
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from prorsa.spec import SpecError, load_cluster
+
+    def fail(message: str) -> int:
+        print(f"prorsa ingest: error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as exc:
+        return fail(str(exc))
+    try:
+        manifest = load_cluster(args.cluster)
+    except FileNotFoundError:
+        return fail(f"{args.cluster}: no such file")
+    except SpecError as exc:
+        return fail(str(exc))
+    try:
+        token = args.token_file.read_text()
+    except OSError as exc:
+        return fail(f"cannot read --token-file: {exc}")
+    from prorsa.ingest.auth import normalize_token
+
+    try:
+        normalize_token(token)
+    except ValueError as exc:
+        return fail(f"{args.token_file}: {exc}")
+    if args.tick is not None and not args.tick > 0:
+        return fail("--tick must be > 0")
+    try:
+        return asyncio.run(_serve(args, manifest, token.strip(), host, port))
+    except OSError as exc:
+        print(f"prorsa ingest: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str, port: int) -> int:
+    import asyncio
+    import contextlib
+    import json
+    import signal
+
+    from prorsa.controller import Controller
+    from prorsa.ingest import ClusterRegistry, WebhookServer
+
+    meta, spec = manifest.metadata, manifest.spec
+    registry = ClusterRegistry()
+    handle = registry.add(
+        namespace=meta.namespace, name=meta.name, token=token, controller=Controller(spec)
+    )
+    server = WebhookServer(registry)
+    running = await server.start(host=host, port=port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    interval = args.tick or spec.forecast.horizon_seconds
+    base = f"{running.url}/v1/namespaces/{meta.namespace}/rolloutclusters/{meta.name}"
+    print(
+        f"prorsa ingest: serving {meta.namespace}/{meta.name} on {running.url} "
+        f"(epoch {handle.epoch}; {spec.instances} instances of {spec.engine.gpus_per_instance} "
+        f"GPUs; tick every {interval:g}s)",
+        flush=True,
+    )
+    if args.format == "line":
+        print(f"  events:   POST {base}/events  (Authorization: Bearer <token>)", flush=True)
+        print(f"  forecast: GET  {base}/forecast   docs: {running.url}/openapi.json", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            "prorsa ingest: warning: plain HTTP on a non-loopback address sends the token "
+            "in clear text",
+            file=sys.stderr,
+            flush=True,
+        )
+    applied_before = 0
+    next_tick = loop.time()
+    try:
+        while not stop.is_set():
+            decision = await handle.tick()
+            if args.format == "json":
+                print(json.dumps(decision.wire()), flush=True)
+            else:
+                print(format_decision(decision, handle, since=applied_before), flush=True)
+            applied_before = handle.applied
+            next_tick += interval
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, next_tick - loop.time()))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await running.stop()
+        await handle.idle()
+    print(
+        f"prorsa ingest: stopped after {handle.batches} batches: {handle.applied} events "
+        f"applied, {handle.duplicates} duplicates, {handle.superseded} superseded, "
+        f"{handle.snapshots} snapshots",
+        flush=True,
+    )
+    return 0
+
+
+def _tokens(n: float) -> str:
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if abs(n) >= 1e3:
+        return f"{n / 1e3:.1f}k"
+    return f"{n:.0f}"
+
+
+def format_decision(decision: Decision, handle: ClusterHandle, *, since: int = 0) -> str:
+    """One line per tick: what a trainer developer watches while integrating."""
+    import time
+
+    f = decision.forecast
+    parts = [
+        f"{decision.mode:<10}",
+        f"target {decision.target.prefill}P:{decision.target.decode}D",
+        f"margin {decision.safety_margin:+.2f}",
+    ]
+    comps = [f"{k} {_tokens(v)}" for k, v in f.components.model_dump().items() if v]
+    parts.append(
+        f"prefill {_tokens(f.prefill_tokens)} tok" + (f" ({', '.join(comps)})" if comps else "")
+    )
+    parts.append(
+        f"decode adm {_tokens(f.decode_admission_tokens)} kv {_tokens(f.decode_kv_tokens)}"
+    )
+    live = {k: v for k, v in handle.controller.live_trajectories().items() if v}
+    total = sum(live.values())
+    parts.append(
+        f"live {total}" + (": " + " ".join(f"{k} {v}" for k, v in live.items()) if live else "")
+    )
+    parts.append(f"events {handle.applied} (+{handle.applied - since})")
+    skew = handle.clock.skew()
+    if skew is not None and abs(skew) >= 0.05:
+        parts.append(f"trainer clock {skew:+.2f}s")
+    if handle.resync:
+        parts.append("awaiting snapshot")
+    if decision.switches:
+        parts.append(
+            "switch " + ", ".join(f"{s.instance} {s.from_}->{s.to}" for s in decision.switches)
+        )
+    clock = time.strftime("%H:%M:%S", time.localtime(decision.at))
+    return f"{clock} " + " | ".join(parts) + f" | {decision.reason}"

@@ -1,0 +1,391 @@
+"""The trainer webhook as an aiohttp application, for any number of RolloutClusters.
+
+``WebhookServer(registry).make_app()`` is a complete application (the standalone
+``prorsa ingest`` serves it); ``WebhookServer.add_routes(app)`` mounts the same handlers on
+an application the operator already runs in its own asyncio loop.
+
+Order of checks on a request, cheapest and least revealing first: cluster known (404),
+token (401), header sanity (400), declared size (413), server-wide bytes in flight (429),
+body read within the limit (413), the cluster's queue (429), parse and validate (400/422),
+then dedupe and apply. Nothing is read into memory before the token is checked, and the
+bytes held at once across all requests are bounded, so memory stays bounded under any
+input; parsing a large body happens in a worker thread so the loop never stalls on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from prorsa.events import BatchError, Event, FieldError, parse_batch, parse_ndjson, parse_snapshot
+from prorsa.ingest.auth import bearer_token
+from prorsa.ingest.metrics import WebhookMetrics
+from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
+from prorsa.ingest.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.ingest.wire import (
+    BatchReply,
+    ClusterStatus,
+    ErrorDetail,
+    ErrorReply,
+    Health,
+    SnapshotReply,
+)
+
+log = logging.getLogger("prorsa.ingest")
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# A lifecycle event is ~100 bytes of JSON: bodies above offload_events * this parse in a
+# thread (about 1 ms per 400 events with pydantic-core).
+_BYTES_PER_EVENT = 100
+_READ_CHUNK = 1 << 16
+
+
+class Refusal(Exception):
+    """A request refused whole; becomes an :class:`ErrorReply` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        reason: str | None,
+        message: str,
+        *,
+        handle: ClusterHandle | None = None,
+        errors: list[FieldError] | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.handle = handle
+        self.errors = errors
+        self.retry_after = retry_after
+
+    def response(self) -> web.Response:
+        h = self.handle
+        details = None
+        if self.errors is not None:
+            details = [
+                ErrorDetail(index=e.index, field=e.field, message=e.message) for e in self.errors
+            ]
+        body = ErrorReply(
+            error=self.message,
+            epoch=None if h is None else h.epoch,
+            resync=None if h is None else h.resync,
+            errors=details,
+            retry_after=self.retry_after,
+        )
+        headers: dict[str, str] = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="prorsa"'
+        return web.json_response(body.wire(), status=self.status, headers=headers)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningServer:
+    """A started listener: ``url`` is its base URL; ``stop()`` closes it."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+class WebhookServer:
+    """HTTP handlers over a :class:`ClusterRegistry`; one listener, many clusters."""
+
+    def __init__(
+        self,
+        registry: ClusterRegistry | None = None,
+        *,
+        metrics: WebhookMetrics | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else ClusterRegistry()
+        self.limits: IngestLimits = self.registry.limits
+        self.metrics = metrics if metrics is not None else WebhookMetrics()
+        self.metrics.pending.set_function(self.registry.pending_events)
+        self._inflight_bytes = 0
+
+    # -- assembly ------------------------------------------------------------------------
+
+    def add_routes(
+        self, app: web.Application, *, health: bool = True, metrics: bool = True
+    ) -> None:
+        """Mount the webhook on ``app`` (the operator's), optionally with health and metrics."""
+        app.router.add_post(f"{CLUSTER_PATH}/events", self._guard(self.post_events))
+        app.router.add_post(f"{CLUSTER_PATH}/snapshot", self._guard(self.post_snapshot))
+        app.router.add_get(f"{CLUSTER_PATH}/forecast", self._guard(self.get_forecast))
+        app.router.add_get(f"{CLUSTER_PATH}/status", self._guard(self.get_status))
+        app.router.add_get("/openapi.json", self.get_openapi)
+        if health:
+            app.router.add_get("/healthz", self.get_health)
+        if metrics:
+            app.router.add_get("/metrics", self.get_metrics)
+
+    def make_app(self) -> web.Application:
+        """A complete application: the webhook, /healthz, /metrics, JSON errors everywhere."""
+        app = web.Application(middlewares=[_json_errors])
+        self.add_routes(app)
+        return app
+
+    async def start(self, *, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+        """Listen on ``host:port`` (port 0: any free port) in the running loop."""
+        runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        bound = runner.addresses[0][1] if runner.addresses else port
+        return RunningServer(runner=runner, host=host, port=bound)
+
+    @asynccontextmanager
+    async def serving(self, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+        """``async with server.serving() as url:`` for tests and scripts."""
+        running = await self.start(host=host, port=port)
+        try:
+            yield running.url
+        finally:
+            await running.stop()
+
+    def _guard(self, handler: Handler) -> Handler:
+        """Turn :class:`Refusal` into its JSON reply and count it by reason."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request)
+            except Refusal as refusal:
+                if refusal.reason is not None:
+                    self.metrics.reject(refusal.reason)
+                return refusal.response()
+
+        return guarded
+
+    # -- shared steps --------------------------------------------------------------------
+
+    def _cluster(self, request: web.Request) -> ClusterHandle:
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        handle = self.registry.get(ns, name)
+        if handle is None:
+            raise Refusal(404, "unknown_cluster", f"no RolloutCluster {ns}/{name} is served here")
+        if not handle.authorized(bearer_token(request.headers.get("Authorization"))):
+            raise Refusal(401, "unauthorized", "missing or wrong bearer token", handle=handle)
+        return handle
+
+    def _sent_at(self, request: web.Request, handle: ClusterHandle) -> float | None:
+        raw = request.headers.get(SENT_AT_HEADER)
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0:
+            raise Refusal(
+                400,
+                "unreadable",
+                f"{SENT_AT_HEADER} must be unix seconds, got {raw[:40]!r}",
+                handle=handle,
+            )
+        return value
+
+    async def _read(self, request: web.Request, handle: ClusterHandle, *, limit: int) -> bytes:
+        """The body, refusing (413) past ``limit`` bytes without reading further."""
+        declared = request.content_length
+        if declared is not None and declared > limit:
+            raise Refusal(
+                413, "too_large", f"body of {declared} bytes exceeds {limit}", handle=handle
+            )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(_READ_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise Refusal(413, "too_large", f"body exceeds {limit} bytes", handle=handle)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @asynccontextmanager
+    async def _reserve(
+        self, request: web.Request, handle: ClusterHandle, *, limit: int
+    ) -> AsyncIterator[None]:
+        """Hold the body's bytes against the server-wide in-flight budget while in use."""
+        declared = request.content_length
+        plain = not request.headers.get("Content-Encoding")
+        need = min(declared, limit) if declared is not None and plain else limit
+        if self._inflight_bytes and self._inflight_bytes + need > self.limits.max_inflight_bytes:
+            raise Refusal(
+                429,
+                "busy",
+                "too many request bodies in flight; retry shortly",
+                handle=handle,
+                retry_after=1,
+            )
+        self._inflight_bytes += need
+        try:
+            yield
+        finally:
+            self._inflight_bytes -= need
+
+    async def _parse(self, body: bytes, fn: Callable[[bytes], T], handle: ClusterHandle) -> T:
+        try:
+            if len(body) > self.limits.offload_events * _BYTES_PER_EVENT:
+                return await asyncio.to_thread(fn, body)
+            return fn(body)
+        except UnicodeDecodeError as exc:
+            raise Refusal(400, "unreadable", f"body is not UTF-8: {exc}", handle=handle) from None
+        except BatchError as exc:
+            if _unreadable(exc.errors):
+                raise Refusal(400, "unreadable", exc.errors[0].message, handle=handle) from None
+            raise Refusal(
+                422,
+                "invalid",
+                f"{len(exc.errors)} problem(s); the batch was not applied",
+                handle=handle,
+                errors=exc.errors[:1000],
+            ) from None
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def post_events(self, request: web.Request) -> web.Response:
+        start = time.perf_counter()
+        handle = self._cluster(request)
+        received = handle.clock.monotonic()
+        sent_at = self._sent_at(request, handle)
+        try:
+            handle.check_capacity()
+        except QueueFull as full:
+            raise _queue_full(full, handle) from None
+        ndjson = request.content_type in NDJSON_TYPES
+        limit = self.limits.max_batch_bytes
+        async with self._reserve(request, handle, limit=limit):
+            body = await self._read(request, handle, limit=limit)
+            events: list[Event] = await self._parse(
+                body, parse_ndjson if ndjson else parse_batch, handle
+            )
+        try:
+            outcome = await handle.apply(events, received=received, sent_at=sent_at)
+        except QueueFull as full:
+            raise _queue_full(full, handle) from None
+        m = self.metrics
+        if outcome.applied:
+            m.count_events(e.type for e in events)
+        if outcome.duplicates:
+            m.duplicates.inc(outcome.duplicates)
+        if outcome.superseded:
+            m.superseded.inc(outcome.superseded)
+        reply = BatchReply(
+            epoch=handle.epoch,
+            resync=handle.resync,
+            accepted=outcome.accepted,
+            applied=outcome.applied,
+            duplicates=outcome.duplicates,
+            superseded=outcome.superseded,
+            anomalies=outcome.anomalies,
+        )
+        m.batch_seconds.observe(time.perf_counter() - start)
+        return web.json_response(reply.wire())
+
+    async def post_snapshot(self, request: web.Request) -> web.Response:
+        handle = self._cluster(request)
+        received = handle.clock.monotonic()
+        sent_at = self._sent_at(request, handle)
+        limit = self.limits.max_snapshot_bytes
+        async with self._reserve(request, handle, limit=limit):
+            body = await self._read(request, handle, limit=limit)
+            snapshot = await self._parse(body, parse_snapshot, handle)
+        await handle.apply_snapshot(snapshot, received=received, sent_at=sent_at)
+        log.info(
+            "%s/%s: resync snapshot with %d live trajectories",
+            handle.namespace,
+            handle.name,
+            len(snapshot.trajectories),
+        )
+        reply = SnapshotReply(
+            epoch=handle.epoch, resync=handle.resync, trajectories=len(snapshot.trajectories)
+        )
+        return web.json_response(reply.wire())
+
+    async def get_forecast(self, request: web.Request) -> web.Response:
+        handle = self._cluster(request)
+        decision = handle.last_decision
+        if decision is None:
+            raise Refusal(
+                404, None, "no Decision yet: the controller has not ticked", handle=handle
+            )
+        return web.json_response(decision.wire())
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        handle = self._cluster(request)
+        return web.json_response(ClusterStatus.model_validate(handle.status()).wire())
+
+    async def get_health(self, request: web.Request) -> web.Response:
+        return web.json_response(Health(clusters=len(self.registry)).wire())
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def get_openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+
+def _unreadable(errors: list[FieldError]) -> bool:
+    """A body that is not JSON at all (400), as opposed to JSON that fails validation (422)."""
+    return (
+        len(errors) == 1
+        and errors[0].index is None
+        and errors[0].field == "body"
+        and errors[0].message.startswith("Invalid JSON")
+    )
+
+
+def _queue_full(full: QueueFull, handle: ClusterHandle) -> Refusal:
+    return Refusal(
+        429,
+        "queue_full",
+        f"{full.pending} events are waiting for the controller; retry after {full.retry_after}s",
+        handle=handle,
+        retry_after=full.retry_after,
+    )
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404/405/5xx as JSON :class:`ErrorReply` bodies, headers kept."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return web.json_response(
+            ErrorReply(error=exc.reason or "error").wire(), status=exc.status, headers=headers
+        )
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return web.json_response(ErrorReply(error="internal error").wire(), status=500)

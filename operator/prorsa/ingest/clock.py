@@ -1,0 +1,99 @@
+"""The trainer's clock, seen from the server: estimated from batch arrivals, then corrected.
+
+Event timestamps are the trainer's wall clock, and the Controller measures every elapsed
+time (tool time, reward time, time in the ready queue) as ``now - event.ts``. If the
+server ticked with its own clock, a trainer whose clock runs 5 s fast would look as if
+every tool call had run 5 s less, and the forecast would be skewed by exactly that much.
+
+Method. Each batch gives one sample ``d = server_receive - trainer_send``, measured on the
+server's *monotonic* clock (immune to NTP steps on the server):
+
+* ``trainer_send`` is the ``X-Prorsa-Sent-At`` header when the client sends it (the SDK
+  does: its clock when the request left), else the newest event timestamp of the batch.
+* ``d`` = (server clock - trainer clock) + delay, with delay >= 0: network transit, plus,
+  without the header, how long the newest event sat in the client's buffer or in retries.
+
+The offset is therefore a *low* quantile of recent samples: the least-delayed batches
+carry the truth, retried or long-buffered batches only inflate samples. A plain minimum
+would let one bogus future timestamp pin the estimate for the whole window, so the
+estimator takes the 10th percentile over the last 64 samples (and over at most the last
+five minutes, so a trainer whose clock is stepped backwards is followed within that
+time; a step forwards lowers the samples and is followed at once). With the header the
+residual error is the one-way loopback/LAN latency, under a millisecond; without it,
+about the smallest buffering delay the client ever achieves (its flush interval at most).
+
+``trainer_now()`` = server monotonic now - offset. Until a batch has arrived the server
+assumes the clocks agree and returns its own wall clock.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+DEFAULT_WINDOW = 64
+DEFAULT_QUANTILE = 0.1
+DEFAULT_MAX_AGE = 300.0
+
+
+class ClockOffset:
+    """Robust running estimate of (server monotonic clock - trainer clock)."""
+
+    __slots__ = ("_max_age", "_mono", "_offset", "_quantile", "_samples", "_wall", "_window")
+
+    def __init__(
+        self,
+        *,
+        window: int = DEFAULT_WINDOW,
+        quantile: float = DEFAULT_QUANTILE,
+        max_age: float = DEFAULT_MAX_AGE,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if window < 1 or not 0.0 <= quantile < 1.0 or max_age <= 0:
+            raise ValueError("window >= 1, 0 <= quantile < 1 and max_age > 0 are required")
+        self._window = window
+        self._quantile = quantile
+        self._max_age = max_age
+        self._mono = monotonic
+        self._wall = wall
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (received, d)
+        self._offset: float | None = None
+
+    def monotonic(self) -> float:
+        """The server clock the samples are measured on (for ``received``)."""
+        return self._mono()
+
+    def observe(self, *, received: float, trainer_sent: float) -> None:
+        """Add one batch: ``received`` on :meth:`monotonic`, ``trainer_sent`` on the trainer's."""
+        if not (math.isfinite(received) and math.isfinite(trainer_sent)):
+            return
+        samples = self._samples
+        samples.append((received, received - trainer_sent))
+        while samples and samples[0][0] < received - self._max_age:
+            samples.popleft()
+        ordered = sorted(d for _, d in samples)
+        self._offset = ordered[int(self._quantile * len(ordered))]
+
+    @property
+    def offset(self) -> float | None:
+        """Server monotonic minus trainer clock, in seconds; None before any sample."""
+        return self._offset
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def trainer_now(self) -> float:
+        """The present on the trainer's clock."""
+        if self._offset is None:
+            return self._wall()
+        return self._mono() - self._offset
+
+    def skew(self) -> float | None:
+        """How far the trainer's clock is ahead of the server's wall clock (s), for display."""
+        if self._offset is None:
+            return None
+        return self.trainer_now() - self._wall()

@@ -1,0 +1,232 @@
+"""``GET /openapi.json``: the webhook's OpenAPI 3.1 document, generated from the models.
+
+Schemas come from the same pydantic models that validate requests and build replies, so
+the document cannot drift from the server (the schemathesis test holds it to that).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from prorsa import __version__
+from prorsa.decision import Decision
+from prorsa.events import EventBatch, Snapshot
+from prorsa.ingest.wire import BatchReply, ClusterStatus, ErrorReply, Health, SnapshotReply
+
+CLUSTER_PATH = "/v1/namespaces/{namespace}/rolloutclusters/{name}"
+SENT_AT_HEADER = "X-Prorsa-Sent-At"
+NDJSON_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines")
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _error(description: str, **headers: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": _ref("ErrorReply")}},
+    }
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
+_WWW_AUTH = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+
+_CLUSTER_PARAMS = [
+    {
+        "name": "namespace",
+        "in": "path",
+        "required": True,
+        "description": "The RolloutCluster's namespace.",
+        "schema": {"type": "string", "minLength": 1},
+    },
+    {
+        "name": "name",
+        "in": "path",
+        "required": True,
+        "description": "The RolloutCluster's name.",
+        "schema": {"type": "string", "minLength": 1},
+    },
+]
+
+_SENT_AT_PARAM = {
+    "name": SENT_AT_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "The client's clock (unix seconds) when it sent the request; sharpens the "
+    "server's estimate of the trainer clock offset. Without it the newest event ts is used.",
+    "schema": {"type": "number", "minimum": 0},
+}
+
+_BODY_ERRORS = {
+    "400": _error("Unreadable: not JSON (or NDJSON), not UTF-8, or a malformed header."),
+    "401": _error("Missing or wrong bearer token.", **_WWW_AUTH),
+    "404": _error("No such RolloutCluster is served here."),
+    "413": _error("The body is over the size limit."),
+    "422": _error("Some events do not validate; `errors` names the index and field of each."),
+    "429": _error("The cluster's queue is full; retry after Retry-After seconds.", **_RETRY_AFTER),
+}
+
+_READ_ERRORS = {
+    "401": _error("Missing or wrong bearer token.", **_WWW_AUTH),
+    "404": _error("No such RolloutCluster (or, for forecast, no Decision yet)."),
+}
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    """The whole document (cached: it depends on the models only)."""
+    _, defs = models_json_schema(
+        [
+            (EventBatch, "validation"),
+            (Snapshot, "validation"),
+            (BatchReply, "serialization"),
+            (SnapshotReply, "serialization"),
+            (ErrorReply, "serialization"),
+            (ClusterStatus, "serialization"),
+            (Decision, "serialization"),
+            (Health, "serialization"),
+        ],
+        ref_template=_REF,
+    )
+    secured = [{"bearerAuth": []}]
+    events_op = {
+        "operationId": "postEvents",
+        "summary": "Post a batch of trajectory lifecycle events.",
+        "description": "The batch is validated whole and applied whole, or refused whole. "
+        'Send JSON `{"events": [...]}` or one event per line (NDJSON). Event ids are '
+        "idempotency keys: a replayed id is counted in `duplicates` and not applied again. "
+        "When the reply says `resync: true`, POST a snapshot before more events.",
+        "security": secured,
+        "parameters": [_SENT_AT_PARAM],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": _ref("EventBatch")},
+                "application/x-ndjson": {
+                    "schema": {
+                        **defs["$defs"]["EventBatch"]["properties"]["events"],
+                        "description": "The events, serialized one JSON object per line "
+                        "(newline-delimited), not as a JSON array.",
+                    }
+                },
+            },
+        },
+        "responses": {
+            "200": {
+                "description": "Accepted and applied.",
+                "content": {"application/json": {"schema": _ref("BatchReply")}},
+            },
+            **_BODY_ERRORS,
+        },
+    }
+    snapshot_op = {
+        "operationId": "postSnapshot",
+        "summary": "Replace the server's view with every live trajectory (resync).",
+        "description": "Events stamped before the snapshot's `ts` that arrive later are "
+        "counted as `superseded` and not applied: the snapshot already reflects them.",
+        "security": secured,
+        "parameters": [_SENT_AT_PARAM],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _ref("Snapshot")}},
+        },
+        "responses": {
+            "200": {
+                "description": "Loaded; `resync` is now false.",
+                "content": {"application/json": {"schema": _ref("SnapshotReply")}},
+            },
+            **_BODY_ERRORS,
+        },
+    }
+    forecast_op = {
+        "operationId": "getForecast",
+        "summary": "The latest Decision of the cluster's Controller.",
+        "security": secured,
+        "responses": {
+            "200": {
+                "description": "The latest Decision.",
+                "content": {"application/json": {"schema": _ref("Decision")}},
+            },
+            **_READ_ERRORS,
+        },
+    }
+    status_op = {
+        "operationId": "getStatus",
+        "summary": "Epoch, resync flag, clock skew, counts and live trajectories.",
+        "security": secured,
+        "responses": {
+            "200": {
+                "description": "The cluster as the webhook sees it.",
+                "content": {"application/json": {"schema": _ref("ClusterStatus")}},
+            },
+            **_READ_ERRORS,
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Prorsa trainer webhook",
+            "version": __version__,
+            "description": "Trajectory lifecycle events from an RL trainer to the Prorsa "
+            "controller (the webhook CONTRACT of shared/DESIGN.md).",
+        },
+        "paths": {
+            f"{CLUSTER_PATH}/events": {"parameters": _CLUSTER_PARAMS, "post": events_op},
+            f"{CLUSTER_PATH}/snapshot": {"parameters": _CLUSTER_PARAMS, "post": snapshot_op},
+            f"{CLUSTER_PATH}/forecast": {"parameters": _CLUSTER_PARAMS, "get": forecast_op},
+            f"{CLUSTER_PATH}/status": {"parameters": _CLUSTER_PARAMS, "get": status_op},
+            "/healthz": {
+                "get": {
+                    "operationId": "getHealth",
+                    "summary": "Liveness.",
+                    "responses": {
+                        "200": {
+                            "description": "Serving.",
+                            "content": {"application/json": {"schema": _ref("Health")}},
+                        }
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "getMetrics",
+                    "summary": "Prometheus metrics (prorsa_webhook_*).",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text exposition format.",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "operationId": "getOpenApi",
+                    "summary": "This document.",
+                    "responses": {
+                        "200": {
+                            "description": "OpenAPI 3.1.",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": defs["$defs"],
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,299 @@
+"""ResumableGeneration against an engine that aborts mid-generation, over loopback HTTP.
+
+The engine double speaks SGLang 0.5.23's shapes: ``/generate`` returns ``output_ids``,
+``text`` and ``meta_info.finish_reason = {"type": "abort", ...}`` with the partial output
+(HTTP 200), and ``/v1/chat/completions`` returns ``finish_reason: "abort"`` and honours
+``continue_final_message``. Its tokens are a deterministic function of everything before
+them, so a resumed generation must equal an uninterrupted one token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+from conftest import make_spec
+
+from prorsa.client import AsyncEventEmitter, ResumableGeneration, ResumeExhausted
+from prorsa.controller import Controller
+from prorsa.ingest import ClusterRegistry, WebhookServer
+
+
+def next_token(seq: list[int]) -> int:
+    return (seq[-1] * 31 + len(seq)) % 997 + 3 if seq else 7
+
+
+@dataclass
+class Engine:
+    """Cuts the next requests after ``abort_after[i]`` tokens; ``faults`` fail requests."""
+
+    abort_after: list[int | None] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def _fault(self, request: web.Request) -> web.Response | None:
+        if not self.faults:
+            return None
+        fault = self.faults.pop(0)
+        if fault == "close":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"detail": "engine unavailable"}, status=int(fault))
+
+    def _budget(self) -> int | None:
+        return self.abort_after.pop(0) if self.abort_after else None
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if (fault := self._fault(request)) is not None:
+            return fault
+        params = body.get("sampling_params") or {}
+        limit = params.get("max_new_tokens", 16)
+        # Text mode tokenizes "xxx" as id 3, so text round-trips through token ids.
+        text_mode = "input_ids" not in body
+        seq = [len(w) for w in body["text"].split()] if text_mode else list(body["input_ids"])
+        prompt = len(seq)
+        cut = self._budget()
+        out: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": limit}
+        while len(out) < limit:
+            if cut is not None and len(out) >= cut:
+                finish = {"type": "abort", "message": "Abort before role switch"}
+                break
+            tok = next_token(seq) % 7 + 1 if text_mode else next_token(seq)
+            seq.append(tok)
+            out.append(tok)
+            if tok in params.get("stop_token_ids", []):
+                finish = {"type": "stop", "matched": tok}
+                break
+        text = "".join(" " + "x" * (t if text_mode else t % 7 + 1) for t in out)
+        return web.json_response(
+            {
+                "text": text,
+                "output_ids": out,
+                "meta_info": {
+                    "id": body.get("rid", "r"),
+                    "finish_reason": finish,
+                    "prompt_tokens": prompt,
+                    "completion_tokens": len(out),
+                    "cached_tokens": 0,
+                    "output_token_logprobs": [[-0.5, t, None] for t in out],
+                },
+            }
+        )
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        if (fault := self._fault(request)) is not None:
+            return fault
+        messages = list(body["messages"])
+        done = 0
+        if body.get("continue_final_message") and messages[-1]["role"] == "assistant":
+            done = len(messages[-1]["content"].split())
+            messages = messages[:-1]
+        prompt = sum(len(m["content"].split()) for m in messages) + 4
+        limit = body.get("max_tokens", 12)
+        cut = self._budget()
+        words = []
+        finish = "length"
+        for n in range(done, done + limit):
+            if cut is not None and len(words) >= cut:
+                finish = "abort"
+                break
+            words.append(f"w{n}" if n == 0 else f" w{n}")
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(words)},
+                        "finish_reason": finish,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt + done,
+                    "completion_tokens": len(words),
+                    "total_tokens": prompt + done + len(words),
+                },
+            }
+        )
+
+
+@dataclass
+class Running:
+    engine: Engine
+    http: httpx.AsyncClient
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Running]:
+    engine = Engine()
+    app = web.Application()
+    app.router.add_post("/generate", engine.generate)
+    app.router.add_post("/v1/chat/completions", engine.chat)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        yield Running(engine=engine, http=http)
+    await runner.cleanup()
+
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+async def test_generate_resumes_token_exact_after_aborts(running: Running) -> None:
+    gen = ResumableGeneration(running.http)
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40}, "rid": "req-1"}
+    whole = await gen.generate(payload)  # uninterrupted reference
+    assert whole["meta_info"]["finish_reason"]["type"] == "length"
+
+    running.engine.requests.clear()
+    running.engine.abort_after = [7, 12]  # a role switch aborts it twice
+    resumed = await gen.generate(payload)
+    assert resumed["output_ids"] == whole["output_ids"]  # no token lost or repeated
+    assert resumed["text"] == whole["text"]
+    meta = resumed["meta_info"]
+    assert meta["completion_tokens"] == 40 and meta["resumes"] == 2
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["prompt_tokens"] == len(PROMPT)
+    assert [x[1] for x in meta["output_token_logprobs"]] == whole["output_ids"]
+    sent = running.engine.requests
+    assert [len(r["input_ids"]) for r in sent] == [5, 5 + 7, 5 + 19]
+    assert [r["sampling_params"]["max_new_tokens"] for r in sent] == [40, 33, 21]
+    assert [r["rid"] for r in sent] == ["req-1", "req-1-resume1", "req-1-resume2"]
+    assert payload["input_ids"] == PROMPT  # the caller's payload is untouched
+    assert gen.resumes == 2
+
+
+async def test_generate_from_text_resumes_from_prompt_plus_partial_text(running: Running) -> None:
+    gen = ResumableGeneration(running.http)
+    payload = {"text": "solve this task", "sampling_params": {"max_new_tokens": 10}}
+    whole = await gen.generate(payload)
+    running.engine.abort_after = [4]
+    resumed = await gen.generate(payload)
+    assert resumed["text"] == whole["text"]
+    partial = "".join(" " + w for w in whole["text"].split()[:4])
+    assert running.engine.requests[-1]["text"] == "solve this task" + partial
+
+
+async def test_stop_inside_the_resumed_piece_is_reported(running: Running) -> None:
+    ref = list(PROMPT)
+    for _ in range(9):
+        ref.append(next_token(ref))
+    stop = ref[-1]  # the 9th generated token
+    gen = ResumableGeneration(running.http)
+    running.engine.abort_after = [3]
+    params = {"max_new_tokens": 50, "stop_token_ids": [stop]}
+    out = await gen.generate({"input_ids": PROMPT, "sampling_params": params})
+    assert out["output_ids"] == ref[len(PROMPT) :]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+async def test_chat_resumes_with_continue_final_message(running: Running) -> None:
+    gen = ResumableGeneration(running.http)
+    payload = {"model": "m", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 9}
+    whole = await gen.chat(payload)
+    running.engine.requests.clear()
+    running.engine.abort_after = [4]
+    resumed = await gen.chat(payload)
+    content = resumed["choices"][0]["message"]["content"]
+    assert (
+        content == whole["choices"][0]["message"]["content"] == " ".join(f"w{i}" for i in range(9))
+    )
+    assert resumed["choices"][0]["finish_reason"] == "length"
+    assert resumed["usage"]["completion_tokens"] == 9
+    assert resumed["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    second = running.engine.requests[1]
+    assert second["continue_final_message"] is True
+    assert second["messages"][-1] == {"role": "assistant", "content": "w0 w1 w2 w3"}
+    assert second["max_tokens"] == 5
+
+
+async def test_transient_failures_are_retried_with_the_output_so_far(running: Running) -> None:
+    gen = ResumableGeneration(running.http, retry_base=0.01)
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}}
+    whole = await gen.generate(payload)
+    running.engine.abort_after = [None, 6]  # the faulted request consumes the first entry
+    running.engine.faults = ["503", "close"]
+    out = await gen.generate(payload)
+    assert out["output_ids"] == whole["output_ids"]
+
+
+async def test_persistent_failure_raises_after_bounded_retries(running: Running) -> None:
+    gen = ResumableGeneration(running.http, max_retries=2, retry_base=0.01)
+    running.engine.faults = ["503"] * 5
+    before = len(running.engine.requests)
+    with pytest.raises(httpx.HTTPStatusError):
+        await gen.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}})
+    assert len(running.engine.requests) - before == 3
+
+
+async def test_client_errors_are_not_retried(running: Running) -> None:
+    gen = ResumableGeneration(running.http, retry_base=0.01)
+    running.engine.faults = ["400"]
+    with pytest.raises(httpx.HTTPStatusError):
+        await gen.generate({"input_ids": PROMPT})
+    assert len(running.engine.requests) == 1
+
+
+async def test_resumes_are_bounded_and_the_partial_output_is_kept(running: Running) -> None:
+    gen = ResumableGeneration(running.http, max_resumes=2)
+    running.engine.abort_after = [2, 2, 2, 2]
+    with pytest.raises(ResumeExhausted) as info:
+        await gen.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30}})
+    assert len(running.engine.requests) == 3
+    ref = list(PROMPT)
+    for _ in range(6):
+        ref.append(next_token(ref))
+    assert info.value.partial["output_ids"] == ref[len(PROMPT) :]
+
+
+async def test_streaming_and_batches_are_refused(running: Running) -> None:
+    gen = ResumableGeneration(running.http)
+    with pytest.raises(ValueError):
+        await gen.generate({"input_ids": PROMPT, "stream": True})
+    with pytest.raises(ValueError):
+        await gen.generate({"input_ids": [PROMPT, PROMPT]})
+    with pytest.raises(ValueError):
+        await gen.chat({"messages": [], "n": 2})
+
+
+async def test_resumes_are_reported_to_prorsa(running: Running) -> None:
+    """decode_finished(abort) + request_queued(prompt + partial): the resent prefill counts."""
+    registry = ClusterRegistry()
+    handle = registry.add(namespace="rl", name="c", token="t", controller=Controller(make_spec()))
+    async with WebhookServer(registry).serving() as url:
+        async with AsyncEventEmitter(
+            url=url, namespace="rl", name="c", token="t", track=True
+        ) as em:
+            gen = ResumableGeneration(running.http, emitter=em)
+            em.request_queued("traj", prompt_tokens=len(PROMPT), turn=3)
+            em.prefill_started("traj")
+            em.prefill_finished("traj")
+            running.engine.abort_after = [8]
+            await gen.generate(
+                {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}},
+                trajectory="traj",
+                turn=3,
+            )
+            assert await em.flush()
+            (row,) = em.snapshot_now().trajectories
+            assert (row.state, row.context_tokens, row.turn) == ("ready", len(PROMPT) + 8, 3)
+        await asyncio.sleep(0)
+        assert handle.controller.live_trajectories()["ready"] == 1
+        decision = await handle.tick(now=time.time())
+        assert decision.forecast.components.ready == len(PROMPT) + 8
