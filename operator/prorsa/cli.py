@@ -12,7 +12,12 @@ from prorsa import __version__
 
 # Subcommand name -> module under prorsa.commands. Keep alphabetical.
 COMMANDS: dict[str, str] = {
+    "agent": "agent",
     "bench": "bench",
+    "crd": "crd",
+    "engine-double": "engine_double",
+    "ingest": "ingest",
+    "operator": "operator",
     "plan": "plan",
 }
 
