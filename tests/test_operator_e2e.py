@@ -112,6 +112,8 @@ async def test_recommend_mode_changes_only_status() -> None:
         await asyncio.sleep(1.5)  # several ticks: nothing may move
         assert await env.roles() == before
         assert all("draining" not in h for h in env.label_history.values())
+        reasons = [e.get("reason") for e in await env.events()]
+        assert "SwitchRecommended" in reasons and "SwitchStarted" not in reasons
 
 
 def before_prefill(roles: dict[str, str]) -> int:

@@ -68,6 +68,7 @@ class ClusterRuntime:
     _conditions: dict[str, dict[str, str]] = field(default_factory=dict)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _last_advice: tuple[tuple[str, str, str], ...] = ()
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -198,6 +199,13 @@ class ClusterRuntime:
                         "SwitchStarted",
                         f"{switch.instance}: {switch.from_} -> {switch.to}",
                     )
+        elif mode == "Recommend":
+            # A dry run: say what Auto would do, once per change of recommendation.
+            advice = tuple((s.instance, s.from_, s.to) for s in switches)
+            if advice and advice != self._last_advice:
+                text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
+                await self.post_event("Normal", "SwitchRecommended", text)
+            self._last_advice = advice
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
             await self._persist()
