@@ -253,6 +253,9 @@ def bench_memory(n: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prorsa.process import tune_gc
+
+    tune_gc()  # as `prorsa operator` and `prorsa ingest` run
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     ev = bench_events(args.quick)
     ticks = bench_ticks(sizes, args.quick)

@@ -115,6 +115,9 @@ def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterato
 
 def _serve(conn: Any, cpu: int | None, offload_events: int | None) -> None:
     """Child process: the real webhook + Controller, ticking every second, until told."""
+    from prorsa.process import tune_gc
+
+    tune_gc()  # as `prorsa operator` and `prorsa ingest` run
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, {cpu})

@@ -70,7 +70,10 @@ def parse_listen(value: str) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from prorsa.process import tune_gc
     from prorsa.spec import SpecError, load_cluster
+
+    tune_gc()
 
     def fail(message: str) -> int:
         print(f"prorsa ingest: error: {message}", file=sys.stderr)

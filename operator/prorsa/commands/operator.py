@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     from prorsa.k8s.handlers import OperatorConfig, build_registry
     from prorsa.k8s.runtime import OperatorOptions
+    from prorsa.process import tune_gc
+
+    tune_gc()
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
