@@ -134,15 +134,11 @@ class Controller:
 
     def learned_state(self) -> dict[str, object]:
         """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
-        return export_state(
-            table=self.table, forecaster=self.forecaster, theta=self.theta_events
-        )
+        return export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
 
     def restore_learned(self, data: dict[str, object]) -> None:
         """Load :meth:`learned_state` output; raises ValueError on an unknown format."""
-        restore_state(
-            data, table=self.table, forecaster=self.forecaster, theta=self.theta_events
-        )
+        restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta_events)
 
     def accuracy(self) -> dict[str, float | None]:
         acc = self.forecaster.accuracy
