@@ -10,6 +10,8 @@ HELP = "run benchmarks (controller, ingest, rollout, or all)"
 # Benchmark name -> module exposing configure(parser) and run(args) -> int.
 BENCHES: dict[str, str] = {
     "controller": "prorsa.bench.controller",
+    "ingest": "prorsa.bench.ingest",
+    "rollout": "prorsa.bench.rollout",
 }
 
 

@@ -1,0 +1,171 @@
+"""``prorsa bench rollout``: the command a user runs, its table, its JSON and its picture."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from prorsa.bench import rollout
+from prorsa.cli import main
+from prorsa.commands.bench import BENCHES
+from prorsa.sim.runner import GridConfig, SettingRow, aggregate, jobs
+
+TINY = [
+    "--models",
+    "qwen3-235b",
+    "--tasks",
+    "general",
+    "--staleness",
+    "0,8",
+    "--steps",
+    "1",
+    "--scale",
+    "0.125",
+    "--workers",
+    "1",
+]
+
+
+def test_registered_in_prorsa_bench() -> None:
+    assert BENCHES["rollout"] == "prorsa.bench.rollout"
+
+
+def test_json_has_every_policy_speedups_wape_and_writes_the_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "rollout", *TINY, "--json", "--out", str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["rollout"]
+    assert {r["staleness"] for r in rows} == {0, 8}
+    for s in (0, 8):
+        mine = {r["policy"]: r for r in rows if r["staleness"] == s}
+        assert set(mine) == set(rollout.POLICIES)
+        for r in mine.values():
+            assert set(r) == {
+                "model",
+                "task",
+                "staleness",
+                "policy",
+                "makespanSeconds",
+                "speedupVsColocation",
+                "speedupVsBestStatic",
+            }
+            assert r["makespanSeconds"] > 0
+            assert r["speedupVsColocation"] == pytest.approx(
+                mine["colocation"]["makespanSeconds"] / r["makespanSeconds"]
+            )
+        assert mine["colocation"]["speedupVsColocation"] == 1.0
+        assert mine["best-static"]["speedupVsBestStatic"] == 1.0
+    wape = data["wape"]
+    assert {(w["model"], w["task"], w["staleness"]) for w in wape} == {
+        ("qwen3-235b", "general", 0),
+        ("qwen3-235b", "general", 8),
+    }
+    assert all(w["prefill"] >= 0 for w in wape)
+    png = Path(data["png"])
+    assert png.parent == tmp_path and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    settings = {s["staleness"]: s for s in data["settings"]}
+    assert settings[8]["bestStatic"]["prefill"] + settings[8]["bestStatic"]["decode"] == 8
+    assert {g["goal"] for g in data["goals"]} >= {"Prorsa never below 1.0x best static"}
+
+
+def test_table_prints_makespans_speedups_and_goals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "rollout", *TINY, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "makespan (s)" in out and "speedup over colocation / over best static" in out
+    assert "best split" in out and "coloc idle" in out and "WAPE P" in out
+    assert "general" in out and "on-policy" in out
+    assert "goals" in out
+    assert f"wrote {tmp_path / 'rollout.png'}, {tmp_path / 'rollout.json'}" in out
+    saved = json.loads((tmp_path / "rollout.json").read_text())
+    assert {r["policy"] for r in saved["rollout"]} == set(rollout.POLICIES)
+
+
+def test_quick_grid_is_the_documented_reduction() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    rollout.configure(parser)
+    quick = rollout._config(parser.parse_args(["--quick"]))
+    full = rollout._config(parser.parse_args([]))
+    assert full == GridConfig(seed=1)
+    assert (quick.steps, quick.scale, quick.static) == (2, 0.5, (2, 3, 4, 5, 6))
+    assert (quick.models, quick.tasks, quick.staleness) == (full.models, full.tasks, (0, 2, 8))
+    assert len(jobs(full)) == 2 * 3 * 3 * (1 + 7 + 4)
+    with pytest.raises(ValueError, match="gpt-9"):
+        rollout._config(parser.parse_args(["--models", "gpt-9"]))
+
+
+def test_unknown_model_is_refused_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "rollout", "--models", "gpt-9", "--workers", "1"]) == 2
+    assert "gpt-9" in capsys.readouterr().err
+
+
+def test_goals_are_judged_from_the_measured_rows() -> None:
+    def row(task: str, s: int, **ms: float) -> SettingRow:
+        r = SettingRow("m", task, s, makespan=dict(ms), best_static=3)
+        r.wape_prefill, r.wape_decode = 0.05, 0.2
+        return r
+
+    rows = [
+        row(
+            "coding",
+            8,
+            **{
+                "colocation": 300,
+                "best-static": 120,
+                "reactive": 130,
+                "throughput": 140,
+                "prorsa": 100,
+                "oracle": 98,
+            },
+        ),
+        row(
+            "general",
+            0,
+            **{
+                "colocation": 200,
+                "best-static": 100,
+                "reactive": 90,
+                "throughput": 140,
+                "prorsa": 105,
+                "oracle": 90,
+            },
+        ),
+    ]
+    got = {g["goal"]: g for g in rollout.goals(rows)}
+    assert got["Prorsa >= 1.10x best static on coding, staleness 8"]["ok"] is True
+    below = got["Prorsa never below 1.0x best static"]
+    assert below["ok"] is False and list(below["misses"]) == ["m/general/on-policy"]
+    behind = got["Prorsa ahead of reactive and throughput on agentic settings"]
+    assert list(behind["misses"]) == ["m/general/on-policy vs reactive"]
+    wape = got["forecast WAPE <= 10% (prefill, decode admissions) on agentic tasks"]
+    assert set(wape["misses"]) == {"m/coding/8 decode", "m/general/on-policy decode"}
+    oracle = got["Prorsa within 5% of the oracle's makespan"]
+    assert oracle["misses"] == {"m/general/on-policy": pytest.approx(105 / 90, abs=1e-3)}
+
+
+def test_best_static_is_the_fastest_split_and_dnf_is_infinite() -> None:
+    base = {
+        "model": "m",
+        "task": "coding",
+        "staleness": 2,
+        "idleRatio": 0.1,
+        "wapePrefill": None,
+        "wapeDecode": None,
+    }
+    results = [
+        base | {"policy": "static-1P", "makespan": math.inf},
+        base | {"policy": "static-2P", "makespan": 50.0},
+        base | {"policy": "static-3P", "makespan": 40.0},
+        base | {"policy": "colocation", "makespan": 80.0},
+    ]
+    (row,) = aggregate(results, instances=4)
+    assert row.best_static == 3 and row.makespan["best-static"] == 40.0
+    assert row.speedup("colocation", over="best-static") == 0.5
+    assert rollout._num(math.inf) == "DNF"

@@ -1,0 +1,207 @@
+"""Policies under test: the real Controller behind the executor, the oracle, the baselines."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+import pytest
+
+from prorsa import events as ev
+from prorsa.controller import Controller
+from prorsa.engine_state import EngineState
+from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, Request
+from prorsa.sim.policies import (
+    Colocation,
+    Oracle,
+    Prorsa,
+    Reactive,
+    Static,
+    Throughput,
+    baseline,
+)
+from prorsa.sim.simulator import Scenario, Simulation, simulate
+
+EVENT_CLASSES = typing.get_args(typing.get_args(ev.Event)[0])
+
+
+def scenario(**kw: object) -> Scenario:
+    base: dict[str, object] = {
+        "model": "qwen3-235b",
+        "task": "general",
+        "staleness": 2,
+        "steps": 2,
+        "groups_per_step": 1,
+    }
+    base.update(kw)
+    return Scenario(**base)  # type: ignore[arg-type]
+
+
+def test_prorsa_runs_the_real_controller_on_contract_bodies_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, int] = {"events": 0, "states": 0, "ticks": 0, "recorded": 0}
+    real_observe, real_engines = Controller.observe, Controller.observe_engines
+    real_tick, real_record = Controller.tick, Controller.record_switch
+
+    def observe(self: Controller, events: typing.Any) -> typing.Any:
+        events = list(events)
+        assert all(isinstance(e, EVENT_CLASSES) for e in events)
+        seen["events"] += len(events)
+        return real_observe(self, events)
+
+    def observe_engines(self: Controller, states: typing.Any) -> None:
+        states = list(states)
+        assert states and all(type(s) is EngineState for s in states)
+        assert {s.instance for s in states} == {f"sim-engine-{i}" for i in range(8)}
+        seen["states"] += 1
+        real_engines(self, states)
+
+    def tick(self: Controller, now: float) -> typing.Any:
+        seen["ticks"] += 1
+        return real_tick(self, now)
+
+    def record_switch(self: Controller, instance: str, **kw: typing.Any) -> None:
+        assert instance.startswith("sim-engine-") and kw["ok"] is True
+        seen["recorded"] += 1
+        real_record(self, instance, **kw)
+
+    monkeypatch.setattr(Controller, "observe", observe)
+    monkeypatch.setattr(Controller, "observe_engines", observe_engines)
+    monkeypatch.setattr(Controller, "tick", tick)
+    monkeypatch.setattr(Controller, "record_switch", record_switch)
+    sim = Simulation(scenario(task="coding"), Prorsa(), emit_events=True)
+    result = sim.run()
+    # Every emitted event reached the Controller, except those after its last tick.
+    assert seen["events"] + len(sim.trainer.outbox) == result.events
+    assert len(sim.trainer.outbox) < result.events / 50
+    assert seen["ticks"] == seen["states"] == result.extra["ticks"]
+    assert seen["ticks"] >= result.makespan // 10 - 1  # one tick per horizon S = 10 s
+    assert seen["recorded"] == result.switches > 0  # each executed switch was reported
+    assert result.extra["anomalies"] == 0
+    assert result.wape_prefill is not None and result.controller_accuracy is not None
+
+
+def test_oracle_feeds_the_same_solver_the_true_demand(monkeypatch: pytest.MonkeyPatch) -> None:
+    import prorsa.allocate as allocate
+
+    calls: list[tuple[float, float, dict[str, typing.Any]]] = []
+    real = allocate.solve
+
+    def solve(a: float, b: float, **kw: typing.Any) -> allocate.Allocation:
+        calls.append((a, b, kw))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(allocate, "solve", solve)
+    result = simulate(scenario(task="coding"), Oracle())
+    assert calls and all(a >= 0 and b >= 0 for a, b, _ in calls)
+    assert calls[0][2] == {
+        "budget": 64,
+        "m_prefill": 8,
+        "m_decode": 8,
+        "min_prefill": 1,
+        "min_decode": 1,
+        "current_prefill": 2,
+    }
+    assert result.switches > 0
+    assert result.wape_prefill is not None  # its "forecast" is the truth, up to routing
+
+
+def test_oracle_demand_counts_the_queue_and_known_arrivals() -> None:
+    sim = Simulation(scenario(task="coding"), Oracle())
+    sim.policy.attach(sim)
+    assert sim.policy.demand(0.0)[:3] == (0.0, 0.0, 0.0)  # type: ignore[attr-defined]
+    sim.trainer.start()  # 64 sandboxes starting; prewarmed ones come back within S
+    a, b, w_p, adm = sim.policy.demand(0.0)  # type: ignore[attr-defined]
+    soon = sum(
+        x
+        for t in sim.trainer.live.values()
+        if t.next_arrival
+        for at, x in [t.next_arrival]
+        if at < 10.0
+    )
+    assert w_p == soon > 0 and a > 0 and b > 0 and 0 < adm <= w_p
+
+
+def test_colocation_and_static_roles() -> None:
+    sim = Simulation(scenario(), Colocation())
+    assert [i.role for i in sim.cluster.instances] == [COLOCATED] * 8
+    sim = Simulation(scenario(), Static(3))
+    assert [i.role for i in sim.cluster.instances] == [PREFILL] * 3 + [DECODE] * 5
+    with pytest.raises(ValueError):
+        Simulation(scenario(), Static(8))
+    assert isinstance(baseline("static-5P"), Static) and baseline("static-5P").prefill == 5
+    with pytest.raises(ValueError, match="unknown policy"):
+        baseline("magic")
+
+
+class _Quiet:
+    def on_prefill_started(self, *_a: object) -> None: ...
+    def on_prefill_finished(self, *_a: object) -> None: ...
+    def on_decode_finished(self, *_a: object) -> None: ...
+    def on_aborted(self, *_a: object) -> None: ...
+
+
+def test_reactive_moves_one_instance_toward_the_congested_role() -> None:
+    sim = Simulation(scenario(), Reactive())
+    pol = sim.policy
+    pol.attach(sim)
+    cl = sim.cluster
+    cl.listener = _Quiet()
+    # Queued prefill tokens on one engine reach the context length: one decode -> prefill.
+    for i in range(12):
+        cl.submit(Request(rid=f"r{i}", traj=f"t{i}", turn=0, prompt=30_000, new_tokens=1))
+    assert max(i.load_tokens() for i in cl.instances if i.role == PREFILL) >= 131_072
+    pol.tick(5.0)  # type: ignore[attr-defined]
+    assert cl.role_counts()[2] == 1
+    target = next(i for i in cl.instances if i.switch is not None)
+    assert target.role == DECODE and target.switch.to == PREFILL  # type: ignore[union-attr]
+    pol.tick(10.0)  # type: ignore[attr-defined]
+    assert cl.role_counts()[2] == 1  # nothing new while a change is pending
+
+
+def test_throughput_planner_splits_by_rate_times_length() -> None:
+    sim = Simulation(scenario(), Throughput(interval=180.0))
+    pol = sim.policy
+    pol.attach(sim)
+    p = sim.profile
+    stats = sim.trainer.stats
+    # A prefill-heavy interval: long prompts, short outputs.
+    stats.arrivals.extend((t, 40_000) for t in range(0, 180, 1))
+    stats.outputs.extend((t, 50) for t in range(0, 180, 1))
+    n_p = math.ceil(40_000 / p.prefill_tokens_per_second)
+    n_d = math.ceil(50 / p.decode_tokens_per_second(context=40_000))
+    expect = min(max(round(8 * n_p / (n_p + n_d)), 1), 7)
+    pol.tick(180.0)  # type: ignore[attr-defined]
+    p_now, _d, switching = sim.cluster.role_counts()
+    assert expect > 2 and switching == expect - 2 and p_now == 2
+
+
+def test_runs_are_deterministic() -> None:
+    a = simulate(scenario(task="coding"), Prorsa())
+    b = simulate(scenario(task="coding"), Prorsa())
+    assert a.makespan == b.makespan and a.timeline == b.timeline and a.windows == b.windows
+
+
+class _Zero:
+    """Predicts no demand at all: its WAPE must be exactly 100%."""
+
+    name = "zero"
+
+    def initial_roles(self, sim: Simulation) -> list[str]:
+        return [PREFILL] * 4 + [DECODE] * 4
+
+    def attach(self, sim: Simulation) -> None:
+        sim.loop.every(10.0, lambda now: sim.record_prediction(now, prefill=0, decode=0))
+
+
+def test_wape_is_measured_against_ground_truth_windows() -> None:
+    result = simulate(scenario(), _Zero())  # type: ignore[arg-type]
+    assert result.wape_prefill == pytest.approx(1.0) and result.wape_decode == pytest.approx(1.0)
+    assert result.windows and all(w[2] >= 0 and w[4] >= 0 for w in result.windows)
+    assert sum(w[2] for w in result.windows) > 0
+
+
+def test_a_run_that_cannot_finish_is_reported_as_such() -> None:
+    result = simulate(scenario(task="coding", time_limit=60.0), Static(1))
+    assert math.isinf(result.makespan)
