@@ -310,3 +310,47 @@ def test_no_instance_available_is_reported_not_a_crash(log) -> None:
     d = c.tick(2.0)
     assert (d.target.prefill, d.target.decode) == (0, 0)
     assert "no instance is available" in d.reason and d.switches == ()
+
+
+def test_hold_margin_keeps_a_split_that_covers_demand(log) -> None:
+    c = Controller(spec8(maxConcurrent=8))  # holdMargin 0.25 by default
+    # a = 50k / (10 s · 10k) = 0.5 on 2 prefill; b = 6 · 100k / 1M = 0.6 on 6 decode:
+    # 2P:6D has headroom min(4, 10) = 4 (margin 3 >= 0.25): no switch, though 1P:7D or
+    # others might score higher.
+    queue(log, 5, 10_000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    d = c.tick(2.0)
+    assert (d.target.prefill, d.target.decode) == (2, 6) and d.switches == ()
+    assert "holdMargin" in d.reason
+
+
+def test_decode_concurrency_sizes_decode_by_request_count(log) -> None:
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        capacity={
+            "prefillTokensPerSecond": 10_000,
+            "decodeKvTokens": 10_000_000,
+            "decodeConcurrency": 50,
+        },
+        switching={"maxConcurrent": 8, "holdMargin": 0.0},
+    )
+    c = Controller(spec)
+    queue(log, 10, 10_000, 1.0)  # a = 1
+    c.observe(log.take())
+    # 300 requests decoding on 6 decode engines: KV says 0.03 instances, concurrency 6.
+    busy = {f"c-engine-{i}": {"runningRequests": 50, "kvUsedTokens": 50_000} for i in range(2, 8)}
+    c.observe_engines(engines(2, 6, **busy))
+    d = c.tick(2.0)
+    assert d.target.decode >= 6
+    kv_only = Controller(
+        make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 10_000_000},
+            switching={"maxConcurrent": 8, "holdMargin": 0.0},
+        )
+    )
+    queue(log, 10, 10_000, 1.0)
+    kv_only.observe(log.take())
+    kv_only.observe_engines(engines(2, 6, **busy))
+    assert kv_only.tick(2.0).target.decode < 6  # Eq. 1 alone hands decode to prefill

@@ -298,3 +298,27 @@ def test_bias_correction_and_wape_from_observed_windows(log) -> None:
     assert f.accuracy.arrival_factor == pytest.approx(0.5)
     corrected = f.forecast(t, now=100.0, site=SITE)
     assert corrected.sampler == pytest.approx(5000.0)  # 0.5 · 10,000
+
+
+def test_decoding_trajectories_that_will_call_a_tool_count_as_arrivals(log) -> None:
+    f, t = setup(horizon=10.0, min_samples=1, tool_min_samples=1)
+    # History: decodes of 4 s ending in a tool call with 100 output tokens; tools of 2 s;
+    # the next prompt grew by 50 tokens over the context.
+    for i in range(3):
+        name = f"h{i}"
+        log("request_queued", name, 0.0, prompt_tokens=1000, turn=0)
+        log("prefill_finished", name, 1.0)
+        log("decode_finished", name, 5.0, output_tokens=100, finish="tool")
+        log("tool_started", name, 5.0, tool="bash")
+        log("tool_finished", name, 7.0)
+        log("request_queued", name, 7.0, prompt_tokens=1150, turn=1)
+        log("trajectory_dropped", name, 7.5)
+    # Now: one trajectory decoding for 1 s (turn 0): it ends in 3 s, its tool takes 2 s:
+    # back at +5 s < 10 s with P(tool) = 1 -> x̂ = 2000 + 100 output + 50 growth.
+    log("request_queued", "live", 100.0, prompt_tokens=2000, turn=0)
+    log("prefill_finished", "live", 101.0)
+    t.apply(log.take())
+    out = f.forecast(t, now=102.0, site=SITE)
+    assert out.tool == pytest.approx(2150.0)
+    off = Forecaster(ForecastConfig(horizon=10.0, decode_chain=False))
+    assert off.config.decode_chain is False

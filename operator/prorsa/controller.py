@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prorsa.allocate import Allocation, PrefillSpeed, headroom, margin_of, solve
+from prorsa.allocate import MAX_MARGIN, Allocation, PrefillSpeed, headroom, margin_of, solve
 from prorsa.decision import Capacity, Components, Decision, Forecast, Switch, Target
 from prorsa.engine_state import EngineState, Role
 from prorsa.events import Event, Snapshot
@@ -268,10 +268,19 @@ class Controller:
         """K_D: the engines' decode KV in use; without engine states, the prompts in decode."""
         decode = [s for s in self._engines.values() if s.role == "decode" and s.healthy]
         if decode:
-            return float(sum(s.kv_used_tokens for s in decode))
+            # Requests waiting for decode admission already hold their KV elsewhere and
+            # need it here next: they are part of the decode footprint.
+            return float(sum(s.kv_used_tokens + s.waiting_tokens for s in decode))
         n = self.table.hwm
         state = self.table.cols["state"][:n]
         return float(self.table.cols["x"][:n][state == DECODE].sum())
+
+    def _decoding_now(self) -> float:
+        """Requests decoding or waiting for decode now (engines; else the trainer's view)."""
+        decode = [s for s in self._engines.values() if s.role == "decode" and s.healthy]
+        if decode:
+            return float(sum(s.running_requests + s.waiting_requests for s in decode))
+        return float(self.table.counts[DECODE])
 
     def _demand(self, now: float, *, theta: float, c_kv: int, prefill_names: object) -> _Demand:
         S = self.horizon
@@ -284,6 +293,10 @@ class Controller:
             self.last_forecast = f
             k_d = self._decode_kv_now()
             kv = k_d + f.admission_kv
+            b = kv / c_kv
+            conc = self.spec.capacity.decode_concurrency
+            if conc:
+                b = max(b, (self._decoding_now() + f.admission_requests) / conc)
             self.forecaster.accuracy.register(
                 start=now,
                 horizon=S,
@@ -305,7 +318,7 @@ class Controller:
                     inflight=round(f.inflight),
                 ),
             )
-            return _Demand("predictive", f.prefill / (S * theta), kv / c_kv, forecast, "")
+            return _Demand("predictive", f.prefill / (S * theta), b, forecast, "")
         # Reactive: trainer silent or never integrated; engine queues and KV only.
         why = "no trainer events" if last is None else f"trainer silent for {now - last:.0f}s"
         if not self._engines:
@@ -314,13 +327,17 @@ class Controller:
             sum(s.waiting_tokens for s in self._engines.values() if s.role == "prefill")
         )
         kv = self._decode_kv_now()
+        b = kv / c_kv
+        conc = self.spec.capacity.decode_concurrency
+        if conc:
+            b = max(b, self._decoding_now() / conc)
         forecast = Forecast(
             prefillTokens=round(waiting),
             decodeAdmissionTokens=0,
             decodeKvTokens=round(kv),
             components=Components(ready=round(waiting)),
         )
-        return _Demand("reactive", waiting / (S * theta), kv / c_kv, forecast, f"reactive: {why}")
+        return _Demand("reactive", waiting / (S * theta), b, forecast, f"reactive: {why}")
 
     def _hysteresis(
         self,
@@ -342,6 +359,13 @@ class Controller:
         h = self.spec.switching.hysteresis
         now_h = headroom(cur_p, cur_d, demand.a, demand.b)
         best_h = headroom(best.prefill, best.decode, demand.a, demand.b)
+        hold = self.spec.switching.hold_margin
+        if hold > 0 and now_h >= 1.0 + hold:
+            return (
+                Target(prefill=cur_p, decode=cur_d),
+                f"holding {cur_p}P:{cur_d}D: it covers demand with margin "
+                f"{min(now_h - 1.0, MAX_MARGIN):.2f} (>= holdMargin {hold:.2f})",
+            )
         if best_h <= now_h * (1.0 + h):
             gain = (best_h / now_h - 1.0) if now_h > 0 and math.isfinite(best_h) else 0.0
             return (

@@ -108,6 +108,13 @@ class ForecastSpec(_Spec):
 class CapacitySpec(_Spec):
     prefill_tokens_per_second: PosFloat = Field(20000.0, alias="prefillTokensPerSecond")
     decode_kv_tokens: PosInt | None = Field(None, alias="decodeKvTokens")
+    decode_concurrency: PosInt | None = Field(
+        None,
+        alias="decodeConcurrency",
+        description="Concurrent decoding requests per decode instance past which decode "
+        "steps slow the rollout's tail (profiled). When set, decode demand is the larger of "
+        "its KV footprint (Eq. 1) and its request count over this; unset: KV only.",
+    )
 
 
 class SwitchingSpec(_Spec):
@@ -119,6 +126,13 @@ class SwitchingSpec(_Spec):
         0.1,
         description="Switch only when the best split's demand/capacity headroom beats the "
         "current split's by this fraction; keeps forecast noise from flapping roles.",
+    )
+    hold_margin: Annotated[float, Field(ge=0, le=100)] = Field(
+        0.25,
+        alias="holdMargin",
+        description="Keep the current split while it covers the forecast demand of both "
+        "roles with at least this safety margin δ: a switch drains and aborts requests, so "
+        "a split that is good enough is not traded for a marginally better one (0: off).",
     )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 class Admissions:
     tokens: float  # Â_D: prompt tokens expected to enter decode before t + S (Eq. 14)
     kv_tokens: float  # K̂_D: their KV footprint at admission under the decode config
+    requests: float = 0.0  # how many requests that is (expected count)
 
 
 def predict_admissions(
@@ -44,11 +45,12 @@ def predict_admissions(
     """
     end = now + horizon
     if instances <= 0:
-        return Admissions(0.0, 0.0)
+        return Admissions(0.0, 0.0, 0.0)
     # In-flight work: finishes on its own estimate; sets each instance's next free time.
     v = np.full(instances, now)
     done = inflight_finish < end
     tokens = float(inflight_x[done].sum())
+    requests = float(done.sum())
     pinned = inflight_instance >= 0
     if pinned.any():
         idx = np.minimum(inflight_instance[pinned], instances - 1)
@@ -80,5 +82,6 @@ def predict_admissions(
         push(heap, (b, m))
         if b < end:
             admitted += wj * xj
+            requests += wj
     tokens += admitted
-    return Admissions(tokens=tokens, kv_tokens=tokens * kv_per_token)
+    return Admissions(tokens=tokens, kv_tokens=tokens * kv_per_token, requests=requests)

@@ -17,7 +17,15 @@ import numpy as np
 from prorsa.forecast.accuracy import AccuracyTracker
 from prorsa.forecast.admission import Admissions, predict_admissions
 from prorsa.forecast.stats import ClassedDistributions, EmaTable, Prior, WindowMean
-from prorsa.forecast.table import PREFILL, READY, REWARD, STARTING, TOOL, TrajectoryTable
+from prorsa.forecast.table import (
+    DECODE,
+    PREFILL,
+    READY,
+    REWARD,
+    STARTING,
+    TOOL,
+    TrajectoryTable,
+)
 
 Policy = Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"]
 
@@ -74,8 +82,10 @@ class ForecastConfig:
     prior_reward_seconds: float = 30.0
     prior_startup_seconds: float = 5.0
     prior_tool_seconds: float = 5.0
+    prior_decode_seconds: float = 20.0
     prior_first_prompt_tokens: float = 2048.0
     kv_per_token: float = 1.0  # κ_D(x) = kv_per_token · x, in KV token slots
+    decode_chain: bool = True  # count decode -> tool -> ready returns within the horizon
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +106,7 @@ class ForecastResult:
     prefill: float  # Eq. 15 (bias-corrected)
     admission: float  # Â_D, Eq. 14 (bias-corrected)
     admission_kv: float  # K̂_D
+    admission_requests: float  # how many requests Â_D is
     raw_arrivals: float  # sampler + startup + tool before correction
     raw_admission: float
     arrival_factor: float
@@ -120,6 +131,12 @@ class Forecaster:
         )
         self.growth = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
         self.template = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
+        # Decode durations and outcomes, for trajectories that will decode, call a tool and
+        # come back within the horizon (an extension of Eq. 11 one step back).
+        self.decode_time = ClassedDistributions(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_decode_seconds)
+        )
+        self.decode_outcome: dict[int, tuple[WindowMean, WindowMean]] = {}
         self.admit_rate = WindowMean(window=1024, default=1.0)  # p̂
         self.dispatch_delay = WindowMean(window=1024, default=0.0)  # d̂
         self.first_prompt: dict[int, WindowMean] = {}
@@ -154,6 +171,21 @@ class Forecaster:
     def on_tool(self, key: tuple[object, ...], seconds: float) -> None:
         self.tool.update(key, seconds)
 
+    def on_decode(self, task: int, turn: int, seconds: float, output: float, tool: bool) -> None:
+        self.decode_time.add((task, turn), seconds)
+        for k in (task, -2):
+            stats = self.decode_outcome.get(k)
+            if stats is None:
+                if len(self.decode_outcome) >= 4096:
+                    continue
+                stats = self.decode_outcome[k] = (
+                    WindowMean(window=512, default=0.5),
+                    WindowMean(window=512, default=math.nan),
+                )
+            stats[0].add(1.0 if tool else 0.0)
+            if tool:
+                stats[1].add(output)
+
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
         self.reward.add((task,), seconds)
         self.admit_rate.add(1.0 if accepted else 0.0)
@@ -176,6 +208,21 @@ class Forecaster:
         for code, idx in self._by_class(tasks):
             out[idx] = self.first_prompt_tokens(code)
         return out
+
+    def _decode_outcome(self, task: int) -> tuple[float, float]:
+        """P(a decode ends in a tool call) and the mean output tokens of those, for a task."""
+        p_tool, out = 0.5, math.nan
+        for k in (task, -2):
+            stats = self.decode_outcome.get(k)
+            if stats is not None and len(stats[0]):
+                p_tool = stats[0].value
+                break
+        for k in (task, -2):
+            stats = self.decode_outcome.get(k)
+            if stats is not None and len(stats[1]):
+                out = stats[1].value
+                break
+        return p_tool, 0.0 if math.isnan(out) else out
 
     def first_prompt_tokens(self, task: int) -> float:
         for k in (task, -2):
@@ -325,6 +372,31 @@ class Forecaster:
             arr_x.append(xhat[soon])
             arr_w.append(np.ones(int(soon.sum())))
 
+        # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
+        # q = P(T_dec < e + S − τ̂ | T_dec > e) · P(tool call | task); x̂ = x + ô + growth.
+        dc = np.flatnonzero(state == DECODE)
+        if len(dc) and c.decode_chain:
+            d_task = task[dc].astype(np.int64)
+            turns = col["turn"][:n][dc]
+            tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+            elapsed = now - since[dc]
+            for code, idx in self._by_class(pack(d_task + 1, tb)):
+                t_code, turn = _unpack(code, 2)
+                t = t_code - 1
+                tau = self.tool.get((t,))
+                window = S - tau
+                if window <= 0:
+                    continue
+                q, res = self.decode_time.conditional((t, turn), elapsed[idx], window)
+                p_tool, out = self._decode_outcome(t)
+                xhat = x[dc[idx]] + out + self.growth.get((t, -1))
+                w = q * p_tool
+                w_tool += float(np.dot(w, xhat))
+                keep = w > 0
+                arr_u.append(now + res[keep] + tau)
+                arr_x.append(xhat[keep])
+                arr_w.append(w[keep])
+
         raw_arrivals = w_samp + w_start + w_tool
         corrected = c.bias_correction
         a_factor = self.accuracy.arrival_factor if corrected else 1.0
@@ -364,6 +436,7 @@ class Forecaster:
             prefill=prefill,
             admission=d_factor * adm.tokens,
             admission_kv=d_factor * adm.kv_tokens,
+            admission_requests=d_factor * adm.requests,
             raw_arrivals=raw_arrivals,
             raw_admission=adm.tokens,
             arrival_factor=a_factor,

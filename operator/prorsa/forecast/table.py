@@ -65,6 +65,9 @@ class Observer(Protocol):
     def on_growth(self, key: tuple[object, ...], tokens: float, result_known: bool) -> None: ...
     def on_tool(self, key: tuple[object, ...], seconds: float) -> None: ...
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None: ...
+    def on_decode(
+        self, task: int, turn: int, seconds: float, output: float, tool: bool
+    ) -> None: ...
     def on_arrival(self, ts: float, tokens: float) -> None: ...
     def on_admission(self, ts: float, tokens: float) -> None: ...
     def on_prefill_interval(self, *, tokens: float, seconds: float) -> None: ...
@@ -450,6 +453,14 @@ class TrajectoryTable:
             slot = self._create(e, DECODE)
             if slot is None:
                 return
+        if self._state[slot] == DECODE and e.finish != "abort":
+            self._obs.on_decode(
+                self._task[slot],
+                turn_bucket(self._turn[slot]),
+                e.ts - self._since[slot],
+                e.output_tokens,
+                e.finish == "tool",
+            )
         self._x[slot] += e.output_tokens
         if e.finish == "tool":
             self._enter_tool(slot, e.ts, _AFTER_DECODE)

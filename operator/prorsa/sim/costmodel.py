@@ -105,6 +105,18 @@ class ModelProfile:
         """Profiled θ_P: full chunks on every rank, no cached prefix (a cold profile run)."""
         return self.ranks * self.chunk / self.prefill_seconds(self.chunk, 0.0)
 
+    def decode_concurrency(self, *, context: float = 8192.0) -> int:
+        """The profiled ``capacity.decodeConcurrency`` of one instance: requests per rank up
+        to the batch whose decode step takes twice a lone request's, times the ranks.
+        Past that knee each added request slows every other's tokens more than it adds."""
+        lone = self.decode_seconds(1, context)
+        best = 1
+        for batch in range(1, int(self.decode_ms.xs[-1]) + 1):
+            if self.decode_seconds(batch, context) > 2.0 * lone:
+                break
+            best = batch
+        return best * self.ranks
+
     def decode_tokens_per_second(self, *, context: float) -> float:
         """Decode throughput of one instance at the largest batch its KV holds."""
         batch = max(1, int(self.kv_capacity_per_rank // max(context, 1.0)))

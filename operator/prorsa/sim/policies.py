@@ -265,6 +265,9 @@ class Oracle(_Planned):
         self.cooldown_seconds = sw.cooldown_seconds
         self.max_concurrent = sw.max_concurrent
         self.hysteresis = sw.hysteresis
+        self.hold_margin = sw.hold_margin
+        cap = sim.spec.capacity
+        self.concurrency = cap.decode_concurrency or float("inf")
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
@@ -334,9 +337,11 @@ class Oracle(_Planned):
         # K_D: KV held or about to be held by decode instances; K̂_D: prompts whose prefill
         # ends within the horizon (fluid per-instance schedule over the true work).
         k_d = 0
+        decoding = 0
         for inst in cl.instances:
             if inst.role == DECODE:
                 k_d += sum(r.kv_running() + r.wait_tokens for r in inst.ranks)
+                decoding += sum(r.n_run + len(r.wait) for r in inst.ranks)
         k_d += sum(req.prompt for req in cl.transferring)
         free = [now] * max(1, sum(1 for i in cl.instances if i.role == PREFILL))
         admitted = 0.0
@@ -346,7 +351,9 @@ class Oracle(_Planned):
             free[m] = finish
             if finish < end:
                 admitted += x
-        b = (k_d + admitted) / p.kv_capacity
+                decoding += 1
+        # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger.
+        b = max((k_d + admitted) / p.kv_capacity, decoding / self.concurrency)
         return a, b, prefill_tokens, admitted
 
     def tick(self, now: float) -> None:
@@ -378,7 +385,7 @@ class Oracle(_Planned):
             return
         now_h = headroom(cur_p, n - cur_p, a, b)
         best_h = headroom(best.prefill, best.decode, a, b)
-        if best_h <= now_h * (1.0 + self.hysteresis):
+        if now_h >= 1.0 + self.hold_margin or best_h <= now_h * (1.0 + self.hysteresis):
             return
         slots = self.max_concurrent - sum(1 for i in cl.instances if i.switch is not None)
         if slots <= 0:

@@ -91,6 +91,7 @@ class Scenario:
                 "capacity": {
                     "prefillTokensPerSecond": p.prefill_tokens_per_second,
                     "decodeKvTokens": p.kv_capacity,
+                    "decodeConcurrency": p.decode_concurrency(),
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
