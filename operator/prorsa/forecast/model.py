@@ -173,18 +173,23 @@ class Forecaster:
 
     def on_decode(self, task: int, turn: int, seconds: float, output: float, tool: bool) -> None:
         self.decode_time.add((task, turn), seconds)
-        for k in (task, -2):
-            stats = self.decode_outcome.get(k)
+        share = 1.0 if tool else 0.0
+        for k in (task, -2):  # -2: every task together
+            stats = self.decode_outcome.get(k) or self._outcome_stats(k)
             if stats is None:
-                if len(self.decode_outcome) >= 4096:
-                    continue
-                stats = self.decode_outcome[k] = (
-                    WindowMean(window=512, default=0.5),
-                    WindowMean(window=512, default=math.nan),
-                )
-            stats[0].add(1.0 if tool else 0.0)
+                continue
+            stats[0].add(share)
             if tool:
                 stats[1].add(output)
+
+    def _outcome_stats(self, key: int) -> tuple[WindowMean, WindowMean] | None:
+        if len(self.decode_outcome) >= 4096:
+            return None
+        stats = self.decode_outcome[key] = (
+            WindowMean(window=512, default=0.5),
+            WindowMean(window=512, default=math.nan),
+        )
+        return stats
 
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
         self.reward.add((task,), seconds)

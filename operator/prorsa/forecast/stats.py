@@ -39,7 +39,7 @@ class EmpiricalDistribution:
         self._dirty = False
 
     def add(self, value: float) -> None:
-        if value >= 0 and math.isfinite(value):
+        if 0.0 <= value < math.inf:
             self._samples.append(value)
             self._dirty = True
 
@@ -109,21 +109,29 @@ class ClassedDistributions:
         self._prior = prior
         self._max = max_classes
         self._by_key: dict[Key, EmpiricalDistribution] = {}
-        self._chains: dict[Key, list[Key]] = {}
+        # key -> the distributions a sample of that key feeds (its fallback chain); adding
+        # a sample is on the event path, so the chain is resolved once per key.
+        self._feeds: dict[Key, list[EmpiricalDistribution]] = {}
 
-    def add(self, key: Key, value: float) -> None:
-        chain = self._chains.get(key)
-        if chain is None:
-            chain = coarsen(key)
-            if len(self._chains) < self._max:
-                self._chains[key] = chain
-        for k in chain:
+    def _resolve(self, key: Key) -> list[EmpiricalDistribution]:
+        feeds = []
+        for k in coarsen(key):
             dist = self._by_key.get(k)
             if dist is None:
                 if len(self._by_key) >= self._max and k:
                     continue
                 dist = self._by_key[k] = EmpiricalDistribution(window=self._window)
-            dist.add(value)
+            feeds.append(dist)
+        if len(self._feeds) < self._max:
+            self._feeds[key] = feeds
+        return feeds
+
+    def add(self, key: Key, value: float) -> None:
+        if not 0.0 <= value < math.inf:
+            return
+        for dist in self._feeds.get(key) or self._resolve(key):
+            dist._samples.append(value)
+            dist._dirty = True
 
     def lookup(self, key: Key) -> EmpiricalDistribution | None:
         """The finest class with enough samples, else the coarsest with any (every sample
@@ -246,11 +254,12 @@ class WindowMean:
         self.default = default
 
     def add(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        if len(self._values) == self._values.maxlen:
-            self._sum -= self._values[0]
-        self._values.append(value)
+        if not -math.inf < value < math.inf:
+            return  # NaN or infinite
+        values = self._values
+        if len(values) == values.maxlen:
+            self._sum -= values[0]
+        values.append(value)
         self._sum += value
 
     def __len__(self) -> int:

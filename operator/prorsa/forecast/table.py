@@ -152,7 +152,7 @@ class TrajectoryTable:
         self,
         *,
         observer: Observer,
-        dedupe_window: int = 262_144,
+        dedupe_window: int = 65_536,
         finished_window: int = 131_072,
         initial_capacity: int = 1024,
     ) -> None:
