@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint bench venv clean
+.PHONY: test lint bench demo venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/prorsa bench all
+
+# The whole system on this machine (no cluster, no GPU); e.g. DEMO_ARGS="--task math --no-live".
+DEMO_ARGS ?=
+demo: $(STAMP)
+	$(BIN)/prorsa demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench-out

@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "agent": "agent",
     "bench": "bench",
     "crd": "crd",
+    "demo": "demo",
     "engine-double": "engine_double",
     "ingest": "ingest",
     "operator": "operator",

@@ -1,0 +1,100 @@
+"""``prorsa demo``: the whole system on one machine, no cluster, no GPU.
+
+Starts the in-process Kubernetes API emulator, the operator (kopf, real webhook, real
+metrics), one engine pod per instance (SGLang engine double + the real agent) and a
+simulated agentic trainer that posts lifecycle events through the SDK and sends real
+``/generate`` requests; shows a live view, then a summary, and writes a timeline PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+HELP = "run the operator, engine doubles and a simulated agentic trainer on this machine"
+
+
+def _positive(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return number
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration",
+        type=_positive,
+        default=150.0,
+        metavar="SECONDS",
+        help="seconds of rollout after the engines are up (default 150)",
+    )
+    parser.add_argument(
+        "--task",
+        choices=("coding", "general", "math"),
+        default="coding",
+        help="workload shape: turns, tool times, prompt growth (default coding)",
+    )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=4,
+        metavar="N",
+        help="engine pods, 8 GPUs each: gpuBudget = 8N (default 4)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out/demo"),
+        metavar="DIR",
+        help="where timeline.png, summary.json, requests.jsonl, demo.log and (while it "
+        "runs) kubeconfig go (default bench-out/demo)",
+    )
+    parser.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="plain log lines instead of the live view (CI, pipes)",
+    )
+    parser.add_argument(
+        "--phase-seconds",
+        type=_positive,
+        default=None,
+        metavar="SECONDS",
+        help="length of each tools / reasoning phase (default: duration / 6, 5 to 30 s)",
+    )
+    parser.add_argument(
+        "--trajectories",
+        type=int,
+        default=None,
+        metavar="N",
+        help="live trajectories at once (default 8 per instance)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload random seed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from prorsa.demo.run import DemoInterrupted, DemoOptions, run_demo
+
+    try:
+        options = DemoOptions(
+            duration=args.duration,
+            task=args.task,
+            instances=args.instances,
+            out=args.out,
+            live=args.live and sys.stdout.isatty(),
+            seed=args.seed,
+            phase_seconds=args.phase_seconds,
+            concurrency=args.trajectories,
+        )
+    except ValueError as exc:
+        print(f"prorsa demo: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = asyncio.run(run_demo(options))
+    except DemoInterrupted as exc:
+        print(f"prorsa demo: {exc}", file=sys.stderr)
+        return 130
+    return 0 if summary.ok else 1
