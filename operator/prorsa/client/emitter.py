@@ -39,6 +39,7 @@ import random
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -535,9 +536,10 @@ def _as_snapshot(rows: SnapshotRows, *, ts: float) -> Snapshot:
 # -- typed helpers, shared by both flavours -------------------------------------------------
 
 
-class _Helpers:
+class _Helpers(ABC):
     """One method per event type of the webhook CONTRACT (None fields are omitted)."""
 
+    @abstractmethod
     def emit(
         self,
         type: str,
@@ -546,8 +548,7 @@ class _Helpers:
         ts: float | None = None,
         id: str | None = None,
         **fields: Any,
-    ) -> str:
-        raise NotImplementedError
+    ) -> str: ...
 
     def sample_dispatched(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -116,7 +117,7 @@ def _wape(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-class _View:
+class _View(ABC):
     def __init__(
         self,
         *,
@@ -179,15 +180,19 @@ class _View:
             await asyncio.sleep(self.interval)
             self.refresh()
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        """A hook for views that set up a screen; the plain view has nothing to do."""
+        return None
 
-    def end(self) -> None: ...
+    def end(self) -> None:
+        """A hook for views that restore the screen; the plain view has nothing to do."""
+        return None
 
-    def refresh(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def refresh(self) -> None: ...
 
-    def note(self, message: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def note(self, message: str) -> None: ...
 
 
 class PlainView(_View):

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, Instance
@@ -188,7 +189,7 @@ class Throughput:
             sim.cluster.start_switch(inst.name, dst)
 
 
-class _Planned:
+class _Planned(ABC):
     """Shared by Prorsa's executor and the oracle: execute switches, keep cooldowns."""
 
     def _execute(self, sim: Simulation, name: str, to: str) -> bool:
@@ -197,8 +198,8 @@ class _Planned:
 
         return sim.cluster.start_switch(name, to, on_done=done)
 
-    def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _switched(self, name: str, to: str, at: float, ok: bool) -> None: ...
 
 
 class Prorsa(_Planned):
