@@ -211,7 +211,7 @@ class DemoSummary:
             " (Controller, scored horizon windows)",
             f"  requests      {self.requests_sent} sent, {self.requests_completed} completed, "
             f"{self.requests_failed} failed; {self.requests_resumed} resumed after aborts "
-            f"({self.resumes} resumes: {self.prefill_aborts} aborted in prefill, "
+            f"({self.resumes} resumes; aborts seen: {self.prefill_aborts} in prefill, "
             f"{self.decode_aborts} in decode)",
             f"  tokens lost   {self.tokens_lost} (of {self.tokens_generated:,} generated; "
             "each answer checked against the tokens asked)",
