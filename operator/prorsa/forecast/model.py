@@ -29,6 +29,10 @@ from prorsa.forecast.table import (
 
 Policy = Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"]
 
+# EMA weight of decode outcomes (share ending in a tool call, their output length): about
+# the last 50 decodes of a task.
+_OUTCOME_ALPHA = 0.02
+
 # Class codes pack small non-negative label codes into one int64 so that classes can be
 # grouped with np.unique; the radix bounds every label code (see Interner's caps).
 _RADIX = 1 << 14
@@ -136,7 +140,7 @@ class Forecaster:
         self.decode_time = ClassedDistributions(
             window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_decode_seconds)
         )
-        self.decode_outcome: dict[int, tuple[WindowMean, WindowMean]] = {}
+        self.decode_outcome: dict[int, list[float]] = {}
         self.admit_rate = WindowMean(window=1024, default=1.0)  # p̂
         self.dispatch_delay = WindowMean(window=1024, default=0.0)  # d̂
         self.first_prompt: dict[int, WindowMean] = {}
@@ -174,21 +178,22 @@ class Forecaster:
     def on_decode(self, task: int, turn: int, seconds: float, output: float, tool: bool) -> None:
         self.decode_time.add((task, turn), seconds)
         share = 1.0 if tool else 0.0
+        a = _OUTCOME_ALPHA
         for k in (task, -2):  # -2: every task together
-            stats = self.decode_outcome.get(k) or self._outcome_stats(k)
-            if stats is None:
+            s = self.decode_outcome.get(k) or self._outcome_stats(k)
+            if s is None:
                 continue
-            stats[0].add(share)
+            # [P(tool) EMA, decodes seen, output-tokens EMA of tool calls, tool calls seen]
+            s[0] = share if not s[1] else s[0] + a * (share - s[0])
+            s[1] += 1
             if tool:
-                stats[1].add(output)
+                s[2] = output if not s[3] else s[2] + a * (output - s[2])
+                s[3] += 1
 
-    def _outcome_stats(self, key: int) -> tuple[WindowMean, WindowMean] | None:
+    def _outcome_stats(self, key: int) -> list[float] | None:
         if len(self.decode_outcome) >= 4096:
             return None
-        stats = self.decode_outcome[key] = (
-            WindowMean(window=512, default=0.5),
-            WindowMean(window=512, default=math.nan),
-        )
+        stats = self.decode_outcome[key] = [0.5, 0, 0.0, 0]
         return stats
 
     def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
@@ -216,18 +221,18 @@ class Forecaster:
 
     def _decode_outcome(self, task: int) -> tuple[float, float]:
         """P(a decode ends in a tool call) and the mean output tokens of those, for a task."""
-        p_tool, out = 0.5, math.nan
+        p_tool, out = 0.5, 0.0
         for k in (task, -2):
-            stats = self.decode_outcome.get(k)
-            if stats is not None and len(stats[0]):
-                p_tool = stats[0].value
+            s = self.decode_outcome.get(k)
+            if s is not None and s[1]:
+                p_tool = s[0]
                 break
         for k in (task, -2):
-            stats = self.decode_outcome.get(k)
-            if stats is not None and len(stats[1]):
-                out = stats[1].value
+            s = self.decode_outcome.get(k)
+            if s is not None and s[3]:
+                out = s[2]
                 break
-        return p_tool, 0.0 if math.isnan(out) else out
+        return p_tool, out
 
     def first_prompt_tokens(self, task: int) -> float:
         for k in (task, -2):

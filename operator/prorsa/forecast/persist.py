@@ -18,6 +18,7 @@ FORMAT = 1
 # How each statistic's class key is laid out: which positions are interned labels.
 _LAYOUT: dict[str, tuple[str | None, ...]] = {
     "reward": ("tasks",),
+    "decode": ("tasks", None),
     "startup": (None, "images", "nodes"),
     "tool": ("tasks", "tools", None, None),
     "growth": ("tasks", "tools"),
@@ -54,7 +55,7 @@ def export_state(
     *, table: TrajectoryTable, forecaster: Forecaster, theta: PrefillSpeed
 ) -> dict[str, Any]:
     f = forecaster
-    stats = {"reward": f.reward, "startup": f.startup}
+    stats = {"reward": f.reward, "startup": f.startup, "decode": f.decode_time}
     emas = {"tool": f.tool, "growth": f.growth, "template": f.template}
     tasks = table.tasks
     return {
@@ -84,7 +85,7 @@ def restore_state(
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"unsupported learned-state format {data.get('format')!r}")
     f = forecaster
-    for name, dist in (("reward", f.reward), ("startup", f.startup)):
+    for name, dist in (("reward", f.reward), ("startup", f.startup), ("decode", f.decode_time)):
         items = data.get("distributions", {}).get(name, [])
         dist.restore([(_codes(table, k, _LAYOUT[name]), v) for k, v in items])
     for name, ema in (("tool", f.tool), ("growth", f.growth), ("template", f.template)):

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from prorsa import events as ev
+from prorsa.dedupe import DedupeWindow
 
 # State codes. FREE marks an unused slot.
 FREE, STARTING, READY, PREFILL, DECODE, TOOL, REWARD = range(7)
@@ -168,8 +169,8 @@ class TrajectoryTable:
             setattr(self, "_" + name, arr)
         self._fresh = [(self._arrays[name], fill) for name, _c, _d, fill in _COLUMNS]
         self._grow(initial_capacity)
-        self._seen_ids: dict[str, None] = {}
-        self._dedupe_window = dedupe_window
+        # Replayed event ids (0: the caller dedupes, e.g. the webhook's own window).
+        self._dedupe = DedupeWindow(capacity=dedupe_window) if dedupe_window > 0 else None
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_window = finished_window
         self.counts = [0] * len(STATE_NAMES)
@@ -288,17 +289,15 @@ class TrajectoryTable:
     def apply(self, events: Iterable[ev.Event]) -> ApplyResult:
         applied = duplicates = stale = 0
         before = sum(self.anomalies.values())
-        seen = self._seen_ids
+        fresh = self._dedupe.add if self._dedupe is not None else None
         handlers = self._handlers
         slots = self._slots
         since = self._since
         latest = -math.inf
         for event in events:
-            eid = event.id
-            if eid in seen:
+            if fresh is not None and not fresh(event.id):
                 duplicates += 1
                 continue
-            seen[eid] = None
             applied += 1
             ts = event.ts
             if ts > latest:
@@ -312,10 +311,6 @@ class TrajectoryTable:
         self.anomalies["stale"] += stale
         if applied and (self.last_event_ts is None or latest > self.last_event_ts):
             self.last_event_ts = latest
-        excess = len(seen) - self._dedupe_window
-        if excess > 0:  # dicts keep insertion order: the oldest ids come first
-            for old_id in [k for k, _ in zip(seen, range(excess), strict=False)]:
-                del seen[old_id]
         self.events_applied += applied
         anomalies = sum(self.anomalies.values()) - before - duplicates
         return ApplyResult(applied=applied, duplicates=duplicates, anomalies=anomalies)

@@ -8,9 +8,9 @@ Clusters can be added and removed while the server runs; ``handle.tick()`` runs 
 tick at the trainer's (estimated) present and keeps the Decision for ``GET .../forecast``.
 """
 
+from prorsa.dedupe import DedupeWindow
 from prorsa.ingest.app import Refusal, RunningServer, WebhookServer
 from prorsa.ingest.clock import ClockOffset
-from prorsa.ingest.dedupe import DedupeWindow
 from prorsa.ingest.metrics import WebhookMetrics
 from prorsa.ingest.openapi import openapi_document
 from prorsa.ingest.registry import (

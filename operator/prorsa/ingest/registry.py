@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 from prorsa.controller import Controller
 from prorsa.decision import Decision
+from prorsa.dedupe import DedupeWindow
 from prorsa.engine_state import EngineState
 from prorsa.events import Event, Snapshot
 from prorsa.ingest.auth import normalize_token, token_matches
 from prorsa.ingest.clock import ClockOffset
-from prorsa.ingest.dedupe import DedupeWindow
 
 T = TypeVar("T")
 
