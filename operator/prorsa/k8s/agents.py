@@ -72,6 +72,7 @@ class AgentClient:
         headers = {"Authorization": f"Bearer {token}"}
         timeout = httpx.Timeout(drain_timeout + 900.0, connect=5.0)
         last_error = ""
+        last_reply: httpx.Response | None = None
         failures = 0
         while failures < 3:
             try:
@@ -87,9 +88,13 @@ class AgentClient:
                 # The same switch is still running (we reconnected): ask again shortly.
                 await asyncio.sleep(1.0)
                 continue
-            if reply.status_code == 409:
+            if reply.status_code in (409, 503):
+                # 409: another switch runs; 503: the engine cannot switch right now (busy
+                # health probes, restarting). Both pass; a failed engine stays failed and
+                # its last answer is returned below.
                 failures += 1
-                last_error = f"agent busy with another switch: {reply.text[:200]}"
+                last_error = f"agent answered {reply.status_code}: {reply.text[:200]}"
+                last_reply = reply
                 await asyncio.sleep(min(2.0 * failures, 10.0))
                 continue
             try:
@@ -100,6 +105,11 @@ class AgentClient:
                     safeToRestore=True,
                     message=f"agent answered {reply.status_code}: {reply.text[:200]}",
                 )
+        if last_reply is not None:
+            try:
+                return RoleResult.model_validate_json(last_reply.content)
+            except ValidationError:
+                pass
         return RoleResult(ok=False, safeToRestore=True, message=last_error)
 
 

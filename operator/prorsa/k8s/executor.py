@@ -180,7 +180,10 @@ class SwitchExecutor:
             await self._relabel(name, to)
             done = outcome("succeeded", result.message or f"{origin} -> {to}", result)
         elif result.safe_to_restore:
-            back = result.old_role or origin
+            # Label the role the engine is actually in: a switch can fail after the flip
+            # (verification) or be refused once it already happened.
+            state = await self.agents.state(AgentAddress(name, url)) if url else None
+            back = state.role if state is not None else (result.old_role or origin)
             await self._relabel(name, back)
             done = outcome("restored", result.message, result)
         else:
