@@ -167,9 +167,9 @@ class Controller:
         theta = self.theta.value
         c_kv = self._kv_capacity()
         capacity = Capacity(prefillTokensPerSecond=round(theta, 3), decodeKvTokens=c_kv)
-        demand = self._demand(now, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
+        self.last_kv_now = k_d = self._decode_kv_now()
+        demand = self._demand(now, k_d=k_d, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
         self.last_demand = (demand.a, demand.b)
-        self.last_kv_now = self._decode_kv_now()
 
         min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
         min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
@@ -282,7 +282,9 @@ class Controller:
             return float(sum(s.running_requests + s.waiting_requests for s in decode))
         return float(self.table.counts[DECODE])
 
-    def _demand(self, now: float, *, theta: float, c_kv: int, prefill_names: object) -> _Demand:
+    def _demand(
+        self, now: float, *, k_d: float, theta: float, c_kv: int, prefill_names: object
+    ) -> _Demand:
         S = self.horizon
         last = self.table.last_event_ts
         fresh = last is not None and now - last <= STALE_HORIZONS * S
@@ -291,7 +293,6 @@ class Controller:
             site = PrefillSite(names=names, seconds_per_token=1.0 / theta)
             f = self.forecaster.forecast(self.table, now=now, site=site)
             self.last_forecast = f
-            k_d = self._decode_kv_now()
             kv = k_d + f.admission_kv
             b = kv / c_kv
             conc = self.spec.capacity.decode_concurrency
@@ -326,7 +327,7 @@ class Controller:
         waiting = float(
             sum(s.waiting_tokens for s in self._engines.values() if s.role == "prefill")
         )
-        kv = self._decode_kv_now()
+        kv = k_d
         b = kv / c_kv
         conc = self.spec.capacity.decode_concurrency
         if conc:

@@ -242,7 +242,7 @@ def bench_memory(n: int) -> float:
     from prorsa.controller import Controller
 
     controller = Controller(_spec())
-    controller.table._dedupe = None  # measure trajectories, not the replay window
+    controller.table.set_dedupe_window(0)  # measure trajectories, not the replay window
     rng = random.Random(1)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

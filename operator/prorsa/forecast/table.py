@@ -274,6 +274,10 @@ class TrajectoryTable:
         self._group[slot] = g
         self._group_live[g] += 1
 
+    def set_dedupe_window(self, size: int) -> None:
+        """Resize the replay window; 0 turns it off for callers that dedupe before us."""
+        self._dedupe = DedupeWindow(capacity=size) if size > 0 else None
+
     @property
     def hwm(self) -> int:
         return self._hwm

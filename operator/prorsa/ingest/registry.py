@@ -119,6 +119,8 @@ class ClusterHandle:
         self._resync = resync
         self._snapshot_ts: float | None = None
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
+        # This handle dedupes every batch before the Controller sees it: one window is enough.
+        controller.table.set_dedupe_window(0)
         self._lock = asyncio.Lock()
         self._seconds_per_event = 5e-6  # EWMA of apply cost, for Retry-After
         self.pending_events = 0
