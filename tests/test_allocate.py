@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorsa.allocate import MAX_MARGIN, PrefillSpeed, headroom, solve
+from prorsa.allocate import (
+    MAX_MARGIN,
+    DemandSmoother,
+    PrefillSpeed,
+    PrefixCacheHits,
+    headroom,
+    keep_split,
+    solve,
+)
 
 
 def test_eq1_hand_computed() -> None:
@@ -109,3 +117,57 @@ def test_prefill_speed_busy_intervals() -> None:
     assert theta.value == pytest.approx(40_000 / 4.0)  # ratio of sums, not mean of ratios
     assert not theta.add_interval(tokens=0, seconds=5.0)  # idle: not zero speed
     assert theta.value == pytest.approx(10_000.0)
+
+
+# -- planning: demand smoothing, keeping a split, the prefix-cache hit ratio ------------------
+
+
+def test_demand_smoother_averages_with_exponential_weights() -> None:
+    s = DemandSmoother(seconds=10.0)
+    assert s.update(0.0, 4.0, 2.0) == (4.0, 2.0)  # the first tick is its own average
+    # 10 s later the first tick weighs e^-1 = 0.3679 against 1 for the new one:
+    # a = (0.3679·4 + 0) / (0.3679 + 1) = 1.0758, b = half of that.
+    a, b = s.update(10.0, 0.0, 0.0)
+    assert a == pytest.approx(1.0758, abs=1e-4) and b == pytest.approx(0.5379, abs=1e-4)
+    # A demand held long enough becomes the average.
+    for t in range(20, 400, 10):
+        a, b = s.update(float(t), 3.0, 1.0)
+    assert a == pytest.approx(3.0, abs=1e-6) and b == pytest.approx(1.0, abs=1e-6)
+
+
+def test_demand_smoother_off_passes_each_tick_through() -> None:
+    s = DemandSmoother(seconds=0.0)
+    assert s.update(0.0, 4.0, 2.0) == (4.0, 2.0)
+    assert s.update(10.0, 0.5, 7.0) == (0.5, 7.0)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="smoothing seconds"):
+            DemandSmoother(seconds=bad)
+
+
+def test_keep_split_holds_for_margin_or_small_gain_and_moves_otherwise() -> None:
+    # a = 2, b = 2 on 8 instances: best 4P:4D, headroom 2 (margin 1).
+    best = solve(2.0, 2.0, budget=8)
+    assert (best.prefill, best.decode) == (4, 4)
+    # 3P:5D covers both with headroom min(1.5, 2.5) = 1.5: margin 0.5 >= holdMargin 0.25.
+    why = keep_split(best, (3, 5), 2.0, 2.0, hysteresis=0.5, hold_margin=0.25)
+    assert "holdMargin" in why
+    # Without the hold margin, best gains 2/1.5 - 1 = 33% < 50% hysteresis: still held.
+    why = keep_split(best, (3, 5), 2.0, 2.0, hysteresis=0.5, hold_margin=0.0)
+    assert "33%" in why and "hysteresis" in why
+    # 1P:7D has headroom 0.5: the best split doubles it, worth a switch.
+    assert keep_split(best, (1, 7), 2.0, 2.0, hysteresis=0.5, hold_margin=0.25) == ""
+
+
+def test_prefix_cache_hits_compares_full_and_computed_tokens_over_a_window() -> None:
+    hits = PrefixCacheHits(window=60.0)
+    assert hits.miss_ratio(0.0) is None  # nothing seen yet
+    hits.add_full(0.0, 10_000)
+    assert hits.miss_ratio(0.0) is None  # the engines have not reported yet
+    hits.add_computed(0.0, 1_000)
+    assert hits.miss_ratio(0.0) == pytest.approx(0.1)  # 90% of prompt tokens were cached
+    hits.add_full(50.0, 30_000)
+    hits.add_computed(50.0, 30_000)  # a cache flush: these were computed whole
+    assert hits.miss_ratio(50.0) == pytest.approx(31_000 / 40_000)
+    # At 70 s the samples of time 0 have left the 60 s window.
+    assert hits.miss_ratio(70.0) == pytest.approx(1.0)
+    assert hits.miss_ratio(200.0) is None

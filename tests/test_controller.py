@@ -41,11 +41,16 @@ def engines(prefill: int, decode: int, **overrides) -> list[EngineState]:
     return out
 
 
+# These tests check the rule of each horizon: no demand smoothing, and the light
+# hysteresis the arithmetic in them assumes (the defaults are tested on their own below).
+PER_HORIZON = {"smoothingSeconds": 0, "hysteresis": 0.1}
+
+
 def spec8(**switching):
     return make_spec(
         engine={"gpusPerInstance": 8},
         capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
-        switching={"cooldownSeconds": 30, "maxConcurrent": 1} | switching,
+        switching=PER_HORIZON | {"cooldownSeconds": 30, "maxConcurrent": 1} | switching,
     )
 
 
@@ -118,7 +123,7 @@ def test_role_minimums_are_never_violated(log) -> None:
         engine={"gpusPerInstance": 8},
         roles={"prefill": {"min": 1}, "decode": {"min": 3}},
         capacity={"prefillTokensPerSecond": 1000, "decodeKvTokens": 1_000_000},
-        switching={"maxConcurrent": 8},
+        switching=PER_HORIZON | {"maxConcurrent": 8},
     )
     c = Controller(spec)
     queue(log, 100, 100_000, 1.0)  # enormous prefill demand
@@ -333,7 +338,7 @@ def test_decode_concurrency_sizes_decode_by_request_count(log) -> None:
             "decodeKvTokens": 10_000_000,
             "decodeConcurrency": 50,
         },
-        switching={"maxConcurrent": 8, "holdMargin": 0.0},
+        switching=PER_HORIZON | {"maxConcurrent": 8, "holdMargin": 0.0},
     )
     c = Controller(spec)
     queue(log, 10, 10_000, 1.0)  # a = 1
@@ -347,10 +352,86 @@ def test_decode_concurrency_sizes_decode_by_request_count(log) -> None:
         make_spec(
             engine={"gpusPerInstance": 8},
             capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 10_000_000},
-            switching={"maxConcurrent": 8, "holdMargin": 0.0},
+            switching=PER_HORIZON | {"maxConcurrent": 8, "holdMargin": 0.0},
         )
     )
     queue(log, 10, 10_000, 1.0)
     kv_only.observe(log.take())
     kv_only.observe_engines(engines(2, 6, **busy))
     assert kv_only.tick(2.0).target.decode < 6  # Eq. 1 alone hands decode to prefill
+
+
+def prefill_round(log: EventLog, n: int, tokens: int, ts: float, instance: str) -> None:
+    """n requests of ``tokens`` full-prompt tokens, prefilled on ``instance`` within 1 s."""
+    for i in range(n):
+        traj = f"r{ts:g}-{i}"
+        log("request_queued", traj, ts, prompt_tokens=tokens, turn=0)
+        log("prefill_started", traj, ts + 0.2, instance=instance)
+        log("prefill_finished", traj, ts + 0.8, instance=instance)
+
+
+def test_theta_p_carries_the_measured_prefix_cache_hit_ratio(log) -> None:
+    c = Controller(spec8())  # profiled: 10k computed tokens per instance-second
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 5_000}}))
+    c.tick(1.0)
+    # 10 prompts of 10k tokens prefilled; the engine computed only 10k of those 100k: the
+    # rest came from its prefix cache (h = 90%), so a full-prompt token costs a tenth.
+    prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 15_000}}))
+    d = c.tick(11.0)
+    assert d.capacity.prefill_tokens_per_second == pytest.approx(100_000)
+    assert "hit ratio 90%" in d.reason
+
+
+def test_theta_p_falls_back_to_busy_intervals_without_engine_counters(log) -> None:
+    c = Controller(spec8())
+    c.observe_engines(engines(2, 6))  # agents that count no computed tokens
+    prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    d = c.tick(11.0)
+    # The events make ten busy intervals on c-engine-0, each one 10k-token prompt from 2.2 s
+    # to 2.8 s (each request drains the instance before the next one starts).
+    assert d.capacity.prefill_tokens_per_second == pytest.approx(10_000 / 0.6, rel=1e-6)
+    assert "hit ratio" not in d.reason
+
+
+def test_default_smoothing_rides_out_a_spike_but_follows_a_sustained_shift(log) -> None:
+    def run(switching: dict[str, float]) -> tuple[list[int], list[int]]:
+        """Ticks (s) at which the Controller asked for more prefill, for a spike and a shift."""
+        spec = make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
+            switching={"maxConcurrent": 8, "cooldownSeconds": 0} | switching,
+        )
+        c = Controller(spec)
+        decode = {f"c-engine-{i}": {"kvUsedTokens": 500_000} for i in range(2, 8)}
+        # Steady: a = 50k / (10 s · 10k) = 0.5 on 2P, b = 3M / 1M = 3 on 6D (margin 1).
+        spike, shift = [], []
+        for k in range(1, 151):
+            now = 10.0 * k
+            # The trainer stays live: each horizon the 5 steady prompts are new ones.
+            for i in range(5):
+                if k > 1:
+                    log("trajectory_dropped", f"steady{k - 1}-{i}", now - 6)
+                log("request_queued", f"steady{k}-{i}", now - 6, prompt_tokens=10_000, turn=0)
+            if k == 60:  # one horizon of 200 more prompts (a = 20), gone by the next
+                queue(log, 200, 10_000, now - 5, prefix="spike")
+            if k == 61:
+                for i in range(200):
+                    log("trajectory_dropped", f"spike{i}", now - 5)
+            if k == 90:  # from here on, 200 more prompts stay queued (a = 20.5)
+                queue(log, 200, 10_000, now - 5, prefix="shift")
+            c.observe(log.take())
+            c.observe_engines(engines(2, 6, **decode))
+            d = c.tick(now)
+            if any(s.to == "prefill" for s in d.switches):
+                (spike if k < 90 else shift).append(int(now))
+        return spike, shift
+
+    spike, shift = run({})  # the defaults: smoothingSeconds 900, hysteresis 0.5
+    assert spike == [] and shift, "smoothed: the spike is ridden out, the shift followed"
+    assert shift[0] > 900 + 10, "and the shift only after it has lasted a while"
+    spike, _ = run(PER_HORIZON)
+    assert spike == [600], "per horizon, the same spike flips roles at once"

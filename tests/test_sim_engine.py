@@ -161,6 +161,10 @@ def test_next_turn_hits_the_prefix_cache_of_its_prefill_rank() -> None:
     run_until(loop, 60, cluster)
     first = next(t for k, r, t in rec.log if k == "prefill_finished" and r == "t1")
     assert first - start == pytest.approx(StepTimes(p).prefill(1_000, 8_000), rel=1e-6)
+    # The agent counts computed tokens, as SGLang's total_prefill_uncached_tokens does:
+    # 8,000 for the first turn, then only the 1,000 new ones of the second.
+    state = {s.instance: s for s in cluster.engine_states()}
+    assert state["sim-engine-0"].prefill_tokens == 9_000
 
 
 def test_switch_drains_aborts_after_timeout_then_flips() -> None:

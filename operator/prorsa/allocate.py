@@ -124,3 +124,116 @@ class PrefillSpeed:
     def restore(self, intervals: list[tuple[float, float]]) -> None:
         for tokens, seconds in intervals:
             self.add_interval(tokens=float(tokens), seconds=float(seconds))
+
+
+def keep_split(
+    best: Allocation,
+    current: tuple[int, int],
+    a: float,
+    b: float,
+    *,
+    hysteresis: float,
+    hold_margin: float,
+) -> str:
+    """Why the current split should stay ("" when moving to ``best`` is worth a switch).
+
+    A switch drains and aborts requests and flushes the instance's prefix cache, so the
+    current split is kept while it covers both demands with ``hold_margin`` to spare, or
+    while the best split's headroom beats it by less than ``hysteresis`` (relative).
+    """
+    cur_p, cur_d = current
+    now_h = headroom(cur_p, cur_d, a, b)
+    if hold_margin > 0 and now_h >= 1.0 + hold_margin:
+        return (
+            f"holding {cur_p}P:{cur_d}D: it covers demand with margin "
+            f"{min(now_h - 1.0, MAX_MARGIN):.2f} (>= holdMargin {hold_margin:.2f})"
+        )
+    best_h = headroom(best.prefill, best.decode, a, b)
+    if best_h <= now_h * (1.0 + hysteresis):
+        gain = (best_h / now_h - 1.0) if now_h > 0 and math.isfinite(best_h) else 0.0
+        return (
+            f"holding {cur_p}P:{cur_d}D: best split gains {gain:.0%} headroom "
+            f"(< {hysteresis:.0%} hysteresis)"
+        )
+    return ""
+
+
+class DemandSmoother:
+    """Exponentially weighted means of the two demands (a, b): what the split is sized for.
+
+    A role switch costs more than its 5 s: the instance's prefix cache is flushed, so the
+    trajectories it served re-prefill their whole context, and decodes still running at the
+    drain timeout are aborted. Demand that swings every minute (GRPO groups move through
+    prefill, decode and tools in waves; a weight update re-prefills every live trajectory)
+    is therefore better served by the split that fits its average over ``seconds`` than by
+    chasing each horizon. Each tick's demand weighs exp(−age/seconds); the weights are
+    normalised, so the first ticks average what has been seen instead of being pulled
+    toward zero. ``seconds`` = 0 passes each tick's demand through unchanged.
+    """
+
+    __slots__ = ("_at", "_sum_a", "_sum_b", "_weight", "seconds")
+
+    def __init__(self, *, seconds: float) -> None:
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"smoothing seconds must be finite and >= 0, got {seconds}")
+        self.seconds = seconds
+        self._at: float | None = None
+        self._sum_a = self._sum_b = self._weight = 0.0
+
+    def update(self, now: float, a: float, b: float) -> tuple[float, float]:
+        """Fold in this tick's demands; returns the smoothed (a, b)."""
+        if self.seconds == 0:
+            return a, b
+        decay = 1.0 if self._at is None else math.exp(-max(now - self._at, 0.0) / self.seconds)
+        self._sum_a = decay * self._sum_a + a
+        self._sum_b = decay * self._sum_b + b
+        self._weight = decay * self._weight + 1.0
+        self._at = now
+        return self.value
+
+    @property
+    def value(self) -> tuple[float, float]:
+        if self._weight == 0:
+            return 0.0, 0.0
+        return self._sum_a / self._weight, self._sum_b / self._weight
+
+
+class PrefixCacheHits:
+    """The prefix-cache hit ratio h of recent prefills, for θ_P in full-prompt tokens.
+
+    §4.2 counts W_P and θ_P in full prompt tokens, cached prefixes included, so θ_P must
+    carry the workload's cache hit ratio. Busy intervals measure it only when an instance
+    drains; under continuous load, or with attention-DP ranks (an instance is busy while
+    any rank prefills), they rarely complete or under-read. The trainer's events count the
+    full prompts prefilled and the agents count the tokens actually computed (SGLang's
+    ``total_prefill_uncached_tokens``); over a sliding window the ratio of the two is the
+    miss ratio 1 − h, and θ_P = θ_uncached / (1 − h).
+    """
+
+    def __init__(self, *, window: float, min_tokens: float = 1.0) -> None:
+        self.window = window
+        self._min_tokens = min_tokens
+        self._full: deque[tuple[float, float]] = deque()
+        self._computed: deque[tuple[float, float]] = deque()
+
+    def add_full(self, at: float, tokens: float) -> None:
+        """Full-prompt tokens whose prefill finished (trainer events)."""
+        if tokens > 0:
+            self._full.append((at, tokens))
+
+    def add_computed(self, at: float, tokens: float) -> None:
+        """Prompt tokens the engines computed, i.e. not served from cache (agents)."""
+        if tokens > 0:
+            self._computed.append((at, tokens))
+
+    def miss_ratio(self, now: float) -> float | None:
+        """1 − h over the last ``window`` seconds; None until both sides saw tokens."""
+        start = now - self.window
+        for q in (self._full, self._computed):
+            while q and q[0][0] < start:
+                q.popleft()
+        full = sum(t for _, t in self._full)
+        computed = sum(t for _, t in self._computed)
+        if full < self._min_tokens or computed <= 0:
+            return None
+        return min(computed / full, 1.0)

@@ -17,7 +17,15 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prorsa.allocate import MAX_MARGIN, Allocation, PrefillSpeed, headroom, margin_of, solve
+from prorsa.allocate import (
+    Allocation,
+    DemandSmoother,
+    PrefillSpeed,
+    PrefixCacheHits,
+    keep_split,
+    margin_of,
+    solve,
+)
 from prorsa.decision import Capacity, Components, Decision, Forecast, Switch, Target
 from prorsa.engine_state import EngineState, Role
 from prorsa.events import Event, Snapshot
@@ -29,6 +37,8 @@ from prorsa.spec import RolloutClusterSpec
 # C_KV when neither the spec nor any engine says (≈ an 8×H200 Qwen3-235B instance).
 DEFAULT_KV_TOKENS = 1_300_000
 STALE_HORIZONS = 3  # trainer silent this many horizons: decide from engine states alone
+HIT_WINDOW_HORIZONS = 6  # the prefix-cache hit ratio is measured over this many horizons
+MIN_MISS_RATIO = 0.02  # θ_P is never read as more than 50× the uncached speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +73,15 @@ class Controller:
         # count only tokens not served from the prefix cache, so they are the fallback.
         self.theta_events = PrefillSpeed(profiled=profiled)
         self.theta_engines = PrefillSpeed(profiled=profiled)
+        # θ_P = θ_uncached / (1 − h): the profiled speed of computed tokens over the measured
+        # miss ratio, whenever both the trainer and the agents report prefills.
+        self.cache_hits = PrefixCacheHits(window=HIT_WINDOW_HORIZONS * self.horizon)
+        self._computed: dict[str, int] = {}  # instance -> agent's uncached-token counter
+        self._computed_new = 0
+        self._prefilled_seen = 0.0
+        self.theta_source = "profiled"
+        self.last_miss_ratio: float | None = None
+        self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
         self._engines: dict[str, EngineState] = {}
         self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
@@ -73,6 +92,7 @@ class Controller:
         self.last_forecast: ForecastResult | None = None
         # The last tick's demand in instances (a, b of Eq. 1) and K_D, for metrics.
         self.last_demand: tuple[float, float] = (0.0, 0.0)
+        self.last_planned: tuple[float, float] = (0.0, 0.0)  # after smoothing
         self.last_kv_now = 0.0
         self.ticks = 0
 
@@ -96,6 +116,7 @@ class Controller:
                     self._cooldown_until.get(name, -math.inf), self._now_hint()
                 )
             self._engine_interval(s)
+            self._count_computed(s)
         self._engines = fresh
         for name in list(self._issued):
             s = fresh.get(name)
@@ -119,6 +140,12 @@ class Controller:
             self.theta_engines.add_interval(tokens=tokens, seconds=busy)
             self._counters[s.instance] = cur
 
+    def _count_computed(self, s: EngineState) -> None:
+        prev = self._computed.get(s.instance)
+        self._computed[s.instance] = s.prefill_tokens
+        if prev is not None and s.prefill_tokens >= prev:  # a smaller one: agent restarted
+            self._computed_new += s.prefill_tokens - prev
+
     def record_switch(self, instance: str, *, to: Role, at: float, ok: bool) -> None:
         """The executor finished (or gave up on) a switch: start the instance's cooldown."""
         self._issued.pop(instance, None)
@@ -129,8 +156,28 @@ class Controller:
 
     @property
     def theta(self) -> PrefillSpeed:
-        """The θ_P estimate in use: from events when any was measured, else from engines."""
+        """θ_P from completed busy intervals: from events when any was measured, else engines."""
         return self.theta_events if self.theta_events.measured else self.theta_engines
+
+    def _theta_now(self, now: float) -> float:
+        """The θ_P in use, full-prompt tokens per instance-second (§4.2).
+
+        First choice: the profiled speed of computed tokens over the measured miss ratio
+        (see :class:`PrefixCacheHits`). Without agents that count computed tokens, the busy
+        intervals of §4.2; before any, the profiled speed.
+        """
+        full = self.forecaster.prefilled_tokens
+        self.cache_hits.add_full(now, full - self._prefilled_seen)
+        self._prefilled_seen = full
+        self.cache_hits.add_computed(now, self._computed_new)
+        self._computed_new = 0
+        miss = self.last_miss_ratio = self.cache_hits.miss_ratio(now)
+        if miss is not None:
+            self.theta_source = "cache"
+            return self.spec.capacity.prefill_tokens_per_second / max(miss, MIN_MISS_RATIO)
+        measured = self.theta
+        self.theta_source = "busy" if measured.measured else "profiled"
+        return measured.value
 
     def learned_state(self) -> dict[str, object]:
         """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
@@ -164,23 +211,26 @@ class Controller:
         roles = self._current_roles()
         cur_p, cur_d = roles["prefill"], roles["decode"]
         budget = spec.gpu_budget - m_d * roles["unavailable"]
-        theta = self.theta.value
+        theta = self._theta_now(now)
         c_kv = self._kv_capacity()
         capacity = Capacity(prefillTokensPerSecond=round(theta, 3), decodeKvTokens=c_kv)
         self.last_kv_now = k_d = self._decode_kv_now()
         demand = self._demand(now, k_d=k_d, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
         self.last_demand = (demand.a, demand.b)
+        # The split is sized for the smoothed demand; the Decision still reports this tick's.
+        a, b = self.smoother.update(now, demand.a, demand.b)
+        self.last_planned = (a, b)
 
         min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
         min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
         notes = [demand.note] if demand.note else []
         if budget <= 0:
-            best = Allocation(0, 0, margin_of(0, 0, demand.a, demand.b))
+            best = Allocation(0, 0, margin_of(0, 0, a, b))
             notes.append("no instance is available")
         else:
             best = solve(
-                demand.a,
-                demand.b,
+                a,
+                b,
                 budget=budget,
                 m_prefill=m_p,
                 m_decode=m_d,
@@ -188,7 +238,7 @@ class Controller:
                 min_decode=min_d,
                 current_prefill=cur_p,
             )
-        target, why = self._hysteresis(best, cur_p, cur_d, demand, min_p=min_p, min_d=min_d)
+        target, why = self._hysteresis(best, cur_p, cur_d, a, b, min_p=min_p, min_d=min_d)
         if why:
             notes.append(why)
         if best.margin < 0:
@@ -201,11 +251,14 @@ class Controller:
         switches = self._plan_switches(target, cur_p, now=now)
         if not self._engines:
             self._assumed_prefill = target.prefill
-        margin = margin_of(target.prefill, target.decode, demand.a, demand.b)
-        reason = (
-            f"prefill demand {demand.a:.2f} inst, decode KV {demand.b:.2f} inst; "
-            f"best margin at {best.prefill}P:{best.decode}D"
-        )
+        margin = margin_of(target.prefill, target.decode, a, b)
+        reason = f"prefill demand {demand.a:.2f} inst, decode KV {demand.b:.2f} inst"
+        if self.smoother.seconds:
+            reason += f" (planned on {a:.2f}/{b:.2f} over {self.smoother.seconds:.0f}s)"
+        reason += f"; best margin at {best.prefill}P:{best.decode}D"
+        if self.last_miss_ratio is not None:
+            hit = 1.0 - self.last_miss_ratio
+            notes.append(f"θ_P {theta:.0f} tok/s at prefix-cache hit ratio {hit:.0%}")
         if notes:
             reason += "; " + "; ".join(notes)
         decision = Decision(
@@ -345,7 +398,8 @@ class Controller:
         best: Allocation,
         cur_p: int,
         cur_d: int,
-        demand: _Demand,
+        a: float,
+        b: float,
         *,
         min_p: int,
         min_d: int,
@@ -355,25 +409,14 @@ class Controller:
             return Target(prefill=cur_p, decode=cur_d), ""
         if cur_p < min_p or cur_d < min_d:
             return Target(prefill=best.prefill, decode=best.decode), "restoring role minimums"
-        if demand.a <= 0 and demand.b <= 0:
+        if a <= 0 and b <= 0:
             return Target(prefill=cur_p, decode=cur_d), "no demand: holding the current split"
-        h = self.spec.switching.hysteresis
-        now_h = headroom(cur_p, cur_d, demand.a, demand.b)
-        best_h = headroom(best.prefill, best.decode, demand.a, demand.b)
-        hold = self.spec.switching.hold_margin
-        if hold > 0 and now_h >= 1.0 + hold:
-            return (
-                Target(prefill=cur_p, decode=cur_d),
-                f"holding {cur_p}P:{cur_d}D: it covers demand with margin "
-                f"{min(now_h - 1.0, MAX_MARGIN):.2f} (>= holdMargin {hold:.2f})",
-            )
-        if best_h <= now_h * (1.0 + h):
-            gain = (best_h / now_h - 1.0) if now_h > 0 and math.isfinite(best_h) else 0.0
-            return (
-                Target(prefill=cur_p, decode=cur_d),
-                f"holding {cur_p}P:{cur_d}D: best split gains {gain:.0%} headroom "
-                f"(< {h:.0%} hysteresis)",
-            )
+        sw = self.spec.switching
+        why = keep_split(
+            best, (cur_p, cur_d), a, b, hysteresis=sw.hysteresis, hold_margin=sw.hold_margin
+        )
+        if why:
+            return Target(prefill=cur_p, decode=cur_d), why
         return Target(prefill=best.prefill, decode=best.decode), ""
 
     def _plan_switches(self, target: Target, cur_p: int, *, now: float) -> list[Switch]:

@@ -106,8 +106,20 @@ class ForecastSpec(_Spec):
 
 
 class CapacitySpec(_Spec):
-    prefill_tokens_per_second: PosFloat = Field(20000.0, alias="prefillTokensPerSecond")
-    decode_kv_tokens: PosInt | None = Field(None, alias="decodeKvTokens")
+    prefill_tokens_per_second: PosFloat = Field(
+        20000.0,
+        alias="prefillTokensPerSecond",
+        description="Profiled prefill speed of one instance in computed (uncached) prompt "
+        "tokens per second. θ_P of Eq. 1 is this over (1 − the prefix-cache hit ratio the "
+        "Controller measures).",
+    )
+    decode_kv_tokens: PosInt | None = Field(
+        None,
+        alias="decodeKvTokens",
+        description="C_KV of Eq. 1: usable KV-cache tokens of one decode instance (profiled: "
+        "the footprint past which decode steps slow down, at most the memory). Unset: the "
+        "engines' reported KV capacity.",
+    )
     decode_concurrency: PosInt | None = Field(
         None,
         alias="decodeConcurrency",
@@ -123,9 +135,16 @@ class SwitchingSpec(_Spec):
     max_concurrent: PosInt = Field(1, alias="maxConcurrent")
     drain_timeout_seconds: NonNegFloat = Field(30.0, alias="drainTimeoutSeconds")
     hysteresis: Annotated[float, Field(ge=0, le=10)] = Field(
-        0.1,
+        0.5,
         description="Switch only when the best split's demand/capacity headroom beats the "
         "current split's by this fraction; keeps forecast noise from flapping roles.",
+    )
+    smoothing_seconds: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = Field(
+        900.0,
+        alias="smoothingSeconds",
+        description="The split is sized for the forecast demand averaged (exponentially) "
+        "over this many seconds: a switch flushes a prefix cache and aborts decodes, so "
+        "minute-scale waves are ridden out rather than chased (0: size for each horizon).",
     )
     hold_margin: Annotated[float, Field(ge=0, le=100)] = Field(
         0.25,

@@ -66,7 +66,12 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
         "gpuBudget": 4,
         "roles": {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
         "capacity": {"prefillTokensPerSecond": 10_000, "decodeKvTokens": 20_000},
-        "switching": {"cooldownSeconds": 0, "drainTimeoutSeconds": 2, "hysteresis": 0.05},
+        "switching": {
+            "cooldownSeconds": 0,
+            "drainTimeoutSeconds": 2,
+            "hysteresis": 0.05,
+            "smoothingSeconds": 0,
+        },
         "router": {"enabled": False},
         "trainer": {"tokenSecretRef": {"name": "e2e-trainer-token"}},
     } | spec

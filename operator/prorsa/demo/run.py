@@ -64,6 +64,7 @@ class EngineModel:
     cooldown_seconds: float = 3.0
     drain_timeout_seconds: float = 1.0
     hysteresis: float = 0.1
+    smoothing_seconds: float = 5.0  # the 900 s default, at the demo's 1 s horizon
 
     def agent_timeouts(self) -> Timeouts:
         """The agent's defaults (5 s health checks, 30 s probes...) at the demo's scale."""
@@ -151,6 +152,7 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
             "maxConcurrent": 1,
             "drainTimeoutSeconds": m.drain_timeout_seconds,
             "hysteresis": m.hysteresis,
+            "smoothingSeconds": m.smoothing_seconds,
         },
     )
 

@@ -146,6 +146,9 @@ class Forecaster:
         self.first_prompt: dict[int, WindowMean] = {}
         self.accuracy = AccuracyTracker()
         self.intervals: list[tuple[float, float]] = []  # completed prefill busy intervals
+        # Full-prompt tokens whose prefill finished, cumulative: the Controller sets them
+        # against the tokens the engines computed to measure the prefix-cache hit ratio.
+        self.prefilled_tokens = 0.0
 
     # -- Observer: facts from the table ----------------------------------------------------
 
@@ -205,6 +208,7 @@ class Forecaster:
             self.accuracy.on_arrival(ts, tokens)
 
     def on_admission(self, ts: float, tokens: float) -> None:
+        self.prefilled_tokens += tokens
         if self.accuracy.pending:
             self.accuracy.on_admission(ts, tokens)
 

@@ -117,6 +117,14 @@ class ModelProfile:
             best = batch
         return best * self.ranks
 
+    def usable_kv_tokens(self, *, context: float = 8192.0) -> int:
+        """The profiled ``capacity.decodeKvTokens`` of one instance: the KV footprint at the
+        decode knee (:meth:`decode_concurrency` requests of ``context`` tokens), within the
+        memory. A decode step's attention time grows with the KV it reads, so past this
+        footprint every token of every request comes out slower, long before memory runs
+        out (FP8 MLA caches hold tens of millions of tokens)."""
+        return min(self.kv_capacity, int(self.decode_concurrency(context=context) * context))
+
     def decode_tokens_per_second(self, *, context: float) -> float:
         """Decode throughput of one instance at the largest batch its KV holds."""
         batch = max(1, int(self.kv_capacity_per_rank // max(context, 1.0)))

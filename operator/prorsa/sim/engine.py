@@ -457,7 +457,8 @@ class Instance:
             self.nreq -= 1
             r.kv_prefill -= target
             if not req.silent:
-                self.prefill_tokens += req.prompt
+                # As the real agent counts (SGLang's total_prefill_uncached_tokens).
+                self.prefill_tokens += max(req.prompt - req.cached, 0)
                 req.generated = 1  # the first token comes out of prefill
                 self.cluster.on_prefill_done(req, now)
                 listener.on_prefill_finished(req, self.name, now)

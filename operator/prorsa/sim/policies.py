@@ -269,6 +269,10 @@ class Oracle(_Planned):
         self.hold_margin = sw.hold_margin
         cap = sim.spec.capacity
         self.concurrency = cap.decode_concurrency or float("inf")
+        self.kv_capacity = cap.decode_kv_tokens or sim.profile.kv_capacity
+        from prorsa.allocate import DemandSmoother
+
+        self.smoother = DemandSmoother(seconds=sw.smoothing_seconds)
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
@@ -354,15 +358,16 @@ class Oracle(_Planned):
                 admitted += x
                 decoding += 1
         # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger.
-        b = max((k_d + admitted) / p.kv_capacity, decoding / self.concurrency)
+        b = max((k_d + admitted) / self.kv_capacity, decoding / self.concurrency)
         return a, b, prefill_tokens, admitted
 
     def tick(self, now: float) -> None:
-        from prorsa.allocate import headroom, solve
+        from prorsa.allocate import keep_split, solve
 
         sim = self.sim
         a, b, w_p, adm = self.demand(now)
         sim.record_prediction(now, prefill=w_p, decode=adm)
+        a, b = self.smoother.update(now, a, b)
         cl = sim.cluster
         n = sim.scenario.instances
         m = sim.profile.gpus_per_instance
@@ -384,9 +389,9 @@ class Oracle(_Planned):
         )
         if best.prefill == cur_p:
             return
-        now_h = headroom(cur_p, n - cur_p, a, b)
-        best_h = headroom(best.prefill, best.decode, a, b)
-        if now_h >= 1.0 + self.hold_margin or best_h <= now_h * (1.0 + self.hysteresis):
+        if keep_split(
+            best, (cur_p, n - cur_p), a, b, hysteresis=self.hysteresis, hold_margin=self.hold_margin
+        ):
             return
         slots = self.max_concurrent - sum(1 for i in cl.instances if i.switch is not None)
         if slots <= 0:

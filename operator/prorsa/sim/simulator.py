@@ -48,6 +48,8 @@ class Scenario:
     switch_seconds: float = 5.0  # paper Appendix C: about 5 s per role switch
     drain_timeout: float = 30.0  # spec default switching.drainTimeoutSeconds
     cooldown: float = 30.0  # spec default switching.cooldownSeconds
+    smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
+    hysteresis: float | None = None  # switching.hysteresis; None: the spec default
     horizon: float = 10.0  # S
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
 
@@ -90,13 +92,15 @@ class Scenario:
                 "forecast": {"horizonSeconds": self.horizon, "injection": injection},
                 "capacity": {
                     "prefillTokensPerSecond": p.prefill_tokens_per_second,
-                    "decodeKvTokens": p.kv_capacity,
+                    "decodeKvTokens": p.usable_kv_tokens(),
                     "decodeConcurrency": p.decode_concurrency(),
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
                     "drainTimeoutSeconds": self.drain_timeout,
-                },
+                }
+                | ({} if self.smoothing is None else {"smoothingSeconds": self.smoothing})
+                | ({} if self.hysteresis is None else {"hysteresis": self.hysteresis}),
             }
         )
 

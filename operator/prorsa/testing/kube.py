@@ -462,6 +462,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._rv += 1
         return self._rv
 
+    def writes(self, key: tuple[str, str, str]) -> list[WatchEvent]:
+        """Every write of one resource type still in the event log, oldest first: what a
+        test reads to see each state an object went through, however briefly."""
+        with self._state:
+            return [e for e in self._log if e.key == key]
+
     def _record(self, event: WatchEvent) -> None:
         self._log.append(event)
         while len(self._log) > self.event_log_limit:

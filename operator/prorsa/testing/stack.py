@@ -23,7 +23,7 @@ import contextlib
 import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from prorsa.k8s.runtime import OperatorOptions
 from prorsa.spec import GROUP, PLURAL, VERSION
 from prorsa.testing.engine import FAST_TIMEOUTS, EngineConfig
 from prorsa.testing.kube import KubeEmulatorServer
+from prorsa.testing.kube_resources import PODS_KEY
 from prorsa.testing.kubelet import FakeKubelet, free_port
 from prorsa_agent.config import Timeouts
 
@@ -71,6 +72,7 @@ def cluster_manifest(
             "maxConcurrent": 1,
             "drainTimeoutSeconds": 1,
             "hysteresis": 0.05,
+            "smoothingSeconds": 0,  # the tests check each horizon's decision
         },
         "router": {"enabled": False},
         "trainer": {"tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"}},
@@ -103,7 +105,6 @@ class Stack:
     watch_timeout: float = 2.0
     operator_task: asyncio.Task[None] | None = None
     stop_flag: asyncio.Event | None = None
-    label_history: dict[str, list[str]] = field(default_factory=dict)
     _ids: int = 0
 
     # -- the operator -------------------------------------------------------------------------
@@ -182,13 +183,24 @@ class Stack:
         return await self.kube.list_pods(self.namespace, selector)
 
     async def roles(self, cluster: str = "demo") -> dict[str, str]:
-        """Each engine pod's role label now; also appended to :attr:`label_history`."""
-        out = {}
-        for pod in await self.pods(cluster):
-            name = pod["metadata"]["name"]
-            role = pod["metadata"]["labels"].get(obj.ROLE_LABEL, "")
-            out[name] = role
-            history = self.label_history.setdefault(name, [])
+        """Each engine pod's role label now."""
+        return {
+            pod["metadata"]["name"]: pod["metadata"]["labels"].get(obj.ROLE_LABEL, "")
+            for pod in await self.pods(cluster)
+        }
+
+    @property
+    def label_history(self) -> dict[str, list[str]]:
+        """Each engine pod's role labels in the order written, read from the API server's
+        write log: a ``draining`` hop of a few milliseconds is there too."""
+        out: dict[str, list[str]] = {}
+        for e in self.server.emulator.writes(PODS_KEY):
+            meta = e.obj["metadata"]
+            labels = meta.get("labels") or {}
+            if labels.get(obj.COMPONENT_LABEL) != "engine" or e.type == "DELETED":
+                continue
+            history = out.setdefault(meta["name"], [])
+            role = labels.get(obj.ROLE_LABEL, "")
             if not history or history[-1] != role:
                 history.append(role)
         return out
