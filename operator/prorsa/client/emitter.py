@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from prorsa import __version__
 from prorsa.client.tracker import TrajectoryTracker
@@ -234,7 +235,7 @@ class _Core:
         self.backoff = backoff
         self.clock = clock
         self.lock = threading.Lock()
-        self.buffer: deque[str] = deque()  # events already encoded as JSON objects
+        self.buffer: deque[bytes] = deque()  # events already encoded as JSON objects
         self.first_at = 0.0  # monotonic time the oldest buffered event arrived
         self.in_flight = 0
         self.counters = _Counters()
@@ -273,7 +274,7 @@ class _Core:
         be JSON (NaN, an object) is refused right here, counted and logged.
         """
         try:
-            data = _ENCODE(event)
+            data = _encode(event)
         except (TypeError, ValueError) as exc:
             with self.lock:
                 if self.closed:
@@ -317,7 +318,7 @@ class _Core:
             return False
         return n >= self.batch_size or flushing or now - self.first_at >= self.flush_interval
 
-    def take(self) -> list[str]:
+    def take(self) -> list[bytes]:
         buf = self.buffer
         n = min(len(buf), self.batch_size)
         batch = [buf.popleft() for _ in range(n)]
@@ -356,8 +357,8 @@ class _Core:
     # -- delivery policy -----------------------------------------------------------------
 
     @staticmethod
-    def _body(batch: list[str]) -> bytes:
-        return ('{"events":[' + ",".join(batch) + "]}").encode()
+    def _body(batch: list[bytes]) -> bytes:
+        return b'{"events":[' + b",".join(batch) + b"]}"
 
     def _drop(
         self, n: int, kind: Literal["invalid", "undeliverable"], why: str, *, cause: str = ""
@@ -377,7 +378,7 @@ class _Core:
     def _abandoned(self) -> bool:
         return time.monotonic() >= self.abandon_at
 
-    def deliver(self, batch: list[str]) -> Delivery:
+    def deliver(self, batch: list[bytes]) -> Delivery:
         """Send one batch to completion (or to a counted drop); may post a snapshot."""
         pieces = [batch]
         while pieces:
@@ -393,7 +394,7 @@ class _Core:
             self.last_repair = now
             yield from self._resync(reason="events were dropped")
 
-    def _deliver_one(self, batch: list[str], pieces: list[list[str]]) -> Delivery:
+    def _deliver_one(self, batch: list[bytes], pieces: list[list[bytes]]) -> Delivery:
         attempt = 0
         first_client_error: float | None = None
         body = self._body(batch)
@@ -522,8 +523,33 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-# One encoder for every event: skips json.dumps' per-call argument handling.
+# The stdlib encoder: the judge of what is JSON, for any event the fast path declines.
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_PLAIN = frozenset((str, int, bool))
+
+
+def _encode(event: dict[str, Any]) -> bytes:
+    """One event as compact JSON; TypeError or ValueError when it cannot be JSON.
+
+    Encoding sits on the trainer's thread for every event. A lifecycle event is a flat
+    dict of str, int, bool and finite floats, which pydantic-core's serializer writes about
+    six times faster than the stdlib encoder; anything else (a NaN, a nested value, a str
+    subclass) goes to the stdlib encoder, so what is refused, and why, is exactly what
+    ``json.dumps(allow_nan=False)`` decides.
+    """
+    for key, value in event.items():
+        kind = type(value)
+        if kind is float:
+            if not -math.inf < value < math.inf:
+                break
+        elif kind not in _PLAIN or type(key) is not str:
+            break
+    else:
+        try:
+            return to_json(event)
+        except ValueError:  # e.g. a lone surrogate, which the stdlib escapes instead
+            pass
+    return _ENCODE(event).encode()
 
 
 def _as_snapshot(rows: SnapshotRows, *, ts: float) -> Snapshot:
