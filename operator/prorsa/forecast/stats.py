@@ -185,7 +185,8 @@ class EmaTable:
     A class is trusted once it has ``min_samples`` updates; before that the next coarser
     trusted class answers. The first sample of a class seeds τ directly (an EMA seeded at
     zero would under-predict for ~1/α samples). Updates sit on the event path, so each class
-    keeps one mutable ``[τ, count]`` entry and each key's fallback chain is computed once.
+    keeps one mutable ``[τ, count]`` entry, each key's fallback chain is computed once, and
+    once every class of a chain exists, an update walks the chain's entries directly.
     """
 
     def __init__(self, *, alpha: float, min_samples: int, prior: float, max_classes: int = 4096):
@@ -195,6 +196,9 @@ class EmaTable:
         self._max = max_classes
         self._entries: dict[Key, list[float]] = {}
         self._chains: dict[Key, list[Key]] = {}
+        # key -> the entries of its whole chain, cached once they all exist (only restore()
+        # replaces entries, and it clears this).
+        self._feeds: dict[Key, list[list[float]]] = {}
 
     def _chain(self, key: Key) -> list[Key]:
         chain = self._chains.get(key)
@@ -205,10 +209,17 @@ class EmaTable:
         return chain
 
     def update(self, key: Key, observed: float) -> None:
-        if not (observed >= 0 and math.isfinite(observed)):
+        if not 0 <= observed < math.inf:  # also refuses NaN
             return
         a = self.alpha
+        feeds = self._feeds.get(key)
+        if feeds is not None:
+            for entry in feeds:
+                entry[0] += a * (observed - entry[0])
+                entry[1] += 1
+            return
         entries = self._entries
+        feeds = []
         for k in self._chain(key):
             entry = entries.get(k)
             if entry is None:
@@ -218,6 +229,9 @@ class EmaTable:
             else:
                 entry[0] += a * (observed - entry[0])
                 entry[1] += 1
+                feeds.append(entry)
+        if len(feeds) == len(self._chain(key)) and len(self._feeds) < self._max:
+            self._feeds[key] = feeds
 
     def get(self, key: Key) -> float:
         fallback: float | None = None
@@ -238,6 +252,7 @@ class EmaTable:
         return [(k, e[0], int(e[1])) for k, e in self._entries.items()]
 
     def restore(self, items: list[tuple[Key, float, int]]) -> None:
+        self._feeds.clear()  # restored entries replace the cached ones
         for key, tau, count in items:
             if math.isfinite(tau) and count > 0 and len(self._entries) < self._max:
                 self._entries[key] = [float(tau), int(count)]

@@ -291,26 +291,35 @@ class TrajectoryTable:
     # -- applying events -----------------------------------------------------------------
 
     def apply(self, events: Iterable[ev.Event]) -> ApplyResult:
-        applied = duplicates = stale = 0
+        duplicates = 0
+        window = self._dedupe
+        if window is not None:
+            # One pass over the ids (DedupeWindow.admit) instead of a call per event.
+            batch = events if isinstance(events, list) else list(events)
+            events, duplicates, _ = window.admit(batch)
+        applied = stale = 0
         before = sum(self.anomalies.values())
-        fresh = self._dedupe.add if self._dedupe is not None else None
         handlers = self._handlers
         slots = self._slots
         since = self._since
         latest = -math.inf
-        for event in events:
-            if fresh is not None and not fresh(event.id):
-                duplicates += 1
-                continue
-            applied += 1
-            ts = event.ts
-            if ts > latest:
-                latest = ts
-            slot = slots.get(event.trajectory)
-            if slot is not None and ts < since[slot] and event.type not in _REMOVALS:
-                stale += 1  # the table already holds newer news of this trajectory
-                continue
-            handlers[event.type](event, slot)
+        try:
+            for event in events:
+                applied += 1
+                ts = event.ts
+                if ts > latest:
+                    latest = ts
+                slot = slots.get(event.trajectory)
+                if slot is not None and ts < since[slot] and event.type not in _REMOVALS:
+                    stale += 1  # the table already holds newer news of this trajectory
+                    continue
+                handlers[event.type](event, slot)
+        except BaseException:
+            if window is not None:
+                # As if each id had been admitted just before its event: the ones after
+                # the failure were never seen, so a retry applies them.
+                window.forget(e.id for e in events[applied:])  # type: ignore[index]
+            raise
         self.anomalies["duplicate"] += duplicates
         self.anomalies["stale"] += stale
         if applied and (self.last_event_ts is None or latest > self.last_event_ts):
@@ -329,7 +338,11 @@ class TrajectoryTable:
         return self._alloc(e.trajectory, state, e.ts)
 
     def _move(self, slot: int, state: int, ts: float, allowed: frozenset[int]) -> int:
-        """Enter ``state`` at ``ts``; count the move if the state machine does not allow it."""
+        """Enter ``state`` at ``ts``; count the move if the state machine does not allow it.
+
+        The per-request handlers (request, prefill, tool) inline these lines: they run for
+        most events, and there the call costs about as much as its body.
+        """
         old = self._state[slot]
         if old not in allowed:
             self.anomalies["unexpected_transition"] += 1
@@ -375,7 +388,7 @@ class TrajectoryTable:
         return (
             self._task[slot],
             self._tool[slot],
-            turn_bucket(self._turn[slot]),
+            min(self._turn[slot].bit_length(), 8),  # turn_bucket, inline
             self._tool_load[slot],
         )
 
@@ -386,16 +399,16 @@ class TrajectoryTable:
             if slot is None:
                 return
         else:
-            old = self._move(slot, READY, e.ts, _TO_READY)
-            if old == STARTING and not self._queued_once[slot]:
-                launched, dispatched = self._launched[slot], self._dispatched[slot]
-                if launched == launched:  # not NaN: the sandbox launch time is known
-                    obs.on_startup(key=self.startup_key(slot), seconds=e.ts - launched)
-                elif dispatched == dispatched:
-                    obs.on_startup(key=("dispatch",), seconds=e.ts - dispatched)
-                if dispatched == dispatched and self._mode[slot] != MODE_COLD:
-                    obs.on_dispatch_delay(seconds=e.ts - dispatched)
-            elif old == TOOL:
+            old = self._state[slot]  # self._move(slot, READY, e.ts, _TO_READY), inline
+            if old not in _TO_READY:
+                self.anomalies["unexpected_transition"] += 1
+            if old != READY:
+                counts = self.counts
+                counts[old] -= 1
+                counts[READY] += 1
+                self._state[slot] = READY
+            self._since[slot] = e.ts
+            if old == TOOL:
                 result = self._result[slot]
                 known = result >= 0
                 obs.on_growth(
@@ -403,6 +416,14 @@ class TrajectoryTable:
                     e.prompt_tokens - self._x[slot] - (result if known else 0.0),
                     known,
                 )
+            elif old == STARTING and not self._queued_once[slot]:
+                launched, dispatched = self._launched[slot], self._dispatched[slot]
+                if launched == launched:  # not NaN: the sandbox launch time is known
+                    obs.on_startup(key=self.startup_key(slot), seconds=e.ts - launched)
+                elif dispatched == dispatched:
+                    obs.on_startup(key=("dispatch",), seconds=e.ts - dispatched)
+                if dispatched == dispatched and self._mode[slot] != MODE_COLD:
+                    obs.on_dispatch_delay(seconds=e.ts - dispatched)
         if not self._queued_once[slot]:
             obs.on_first_prompt(task=self._task[slot], tokens=float(e.prompt_tokens))
             self._queued_once[slot] = 1
@@ -417,7 +438,15 @@ class TrajectoryTable:
             if slot is None:
                 return
         else:
-            self._move(slot, PREFILL, e.ts, _TO_PREFILL)
+            old = self._state[slot]  # self._move(slot, PREFILL, e.ts, _TO_PREFILL), inline
+            if old not in _TO_PREFILL:
+                self.anomalies["unexpected_transition"] += 1
+            if old != PREFILL:
+                counts = self.counts
+                counts[old] -= 1
+                counts[PREFILL] += 1
+                self._state[slot] = PREFILL
+            self._since[slot] = e.ts
         if e.instance is not None:
             m = self.instances.code(e.instance)
             self._instance[slot] = m
@@ -434,7 +463,15 @@ class TrajectoryTable:
                 return
         else:
             # Trainers that only see the first token skip prefill_started: ready is fine.
-            self._move(slot, DECODE, e.ts, _TO_DECODE)
+            old = self._state[slot]  # self._move(slot, DECODE, e.ts, _TO_DECODE), inline
+            if old not in _TO_DECODE:
+                self.anomalies["unexpected_transition"] += 1
+            if old != DECODE:
+                counts = self.counts
+                counts[old] -= 1
+                counts[DECODE] += 1
+                self._state[slot] = DECODE
+            self._since[slot] = e.ts
         tokens = self._x[slot]
         m = self._instance[slot]
         if m < 0 and e.instance is not None:
@@ -455,7 +492,7 @@ class TrajectoryTable:
         if self._state[slot] == DECODE and e.finish != "abort":
             self._obs.on_decode(
                 self._task[slot],
-                turn_bucket(self._turn[slot]),
+                min(self._turn[slot].bit_length(), 8),  # turn_bucket, inline
                 e.ts - self._since[slot],
                 e.output_tokens,
                 e.finish == "tool",
@@ -470,10 +507,18 @@ class TrajectoryTable:
             self._move(slot, REWARD, e.ts, _AFTER_DECODE)
 
     def _enter_tool(self, slot: int, ts: float, allowed: frozenset[int]) -> None:
-        self._move(slot, TOOL, ts, allowed)
+        old = self._state[slot]  # self._move(slot, TOOL, ts, allowed), inline
+        if old not in allowed:
+            self.anomalies["unexpected_transition"] += 1
+        counts = self.counts
+        if old != TOOL:
+            counts[old] -= 1
+            counts[TOOL] += 1
+            self._state[slot] = TOOL
+        self._since[slot] = ts
         self._tool_done[slot] = 0
         self._result[slot] = -1.0
-        self._tool_load[slot] = load_bucket(self.counts[TOOL])
+        self._tool_load[slot] = min(counts[TOOL].bit_length() // 2, 10)  # load_bucket
 
     def _tool_started(self, e: ev.ToolStarted, slot: int | None) -> None:
         if slot is None:
