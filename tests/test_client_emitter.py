@@ -8,6 +8,7 @@ server that hangs, a server that restarts and lost its state.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
 import threading
@@ -231,6 +232,33 @@ async def test_server_refusing_some_events_drops_only_those(
     assert stats.dropped_invalid == 3 and stats.sent == 2 and accounted(stats)
     assert hook.live == {"ready": 2}
     assert "prompt_tokens" in caplog.text and "not JSON" in caplog.text
+
+
+async def test_any_json_value_arrives_as_emitted(hook: Webhook) -> None:
+    """Non-ASCII names, and enum values (which the stdlib encoder writes, not the fast
+    path): the server sees what was emitted."""
+
+    class Tool(enum.StrEnum):
+        BASH = "bash"
+
+    class Turn(enum.IntEnum):
+        FIRST = 0
+
+    async with AsyncEventEmitter(
+        url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST
+    ) as em:
+        em.sample_dispatched("traj-é✓", group="g", task="数学")
+        em.request_queued("traj-é✓", prompt_tokens=1000, turn=Turn.FIRST)
+        em.prefill_finished("traj-é✓")
+        em.decode_finished("traj-é✓", output_tokens=5, finish="tool")
+        em.tool_started("traj-é✓", tool=Tool.BASH)
+        assert await em.flush()
+        stats = em.stats
+    assert stats.sent == 5 and stats.dropped == 0
+    table = hook.handle.controller.table
+    assert table.slot_of("traj-é✓") is not None
+    assert table.tasks.get("数学") is not None and table.tools.get("bash") is not None
+    assert hook.live == {"tool": 1}
 
 
 async def test_too_large_batches_are_split() -> None:
