@@ -312,14 +312,20 @@ def rows() -> list[tuple[str, list[Any]]]:
         ),
         series(
             "Demand vs capacity, in instances",
-            "Demand by role in instances (prefill W_P/(S·θ_P), decode (K_D+K̂_D)/C_KV) "
-            "against the instances serving that role.",
+            "Demand by role in instances (prefill W_P/(S·θ_P), decode (K_D+K̂_D)/C_KV), "
+            "the same averaged over switching.smoothingSeconds (planned: what the split is "
+            "sized for), against the instances serving that role.",
             [
                 q(f"prorsa_demand_instances{{{SEL}}}", f"{by_cluster} {{{{role}}}} demand", "A"),
                 q(
                     f'prorsa_instances{{role=~"prefill|decode", {SEL}}}',
                     f"{by_cluster} {{{{role}}}} capacity",
                     "B",
+                ),
+                q(
+                    f"prorsa_planned_demand_instances{{{SEL}}}",
+                    f"{by_cluster} {{{{role}}}} planned",
+                    "C",
                 ),
             ],
             dashed=".* capacity$",
@@ -361,8 +367,16 @@ def rows() -> list[tuple[str, list[Any]]]:
         ),
         series(
             "Prefill speed θ_P",
-            "Measured prefill speed per instance, full-prompt tokens per busy second.",
+            "Prefill speed per instance in full-prompt tokens per second: the profiled speed "
+            "of computed tokens over (1 − prefix-cache hit ratio).",
             [q(f"prorsa_prefill_tokens_per_second{{{SEL}}}", by_cluster, "A")],
+        ),
+        series(
+            "Prefix-cache hit ratio",
+            "Share of prefilled prompt tokens served from the engines' prefix caches over the "
+            "last 6 horizons. A drop means re-prefills: a weight update, a role switch.",
+            [q(f"prorsa_prefix_cache_hit_ratio{{{SEL}}}", by_cluster, "A")],
+            unit="percentunit",
         ),
         series(
             "Forecast decode admissions",

@@ -295,7 +295,14 @@ def fill(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
             reason="test",
         )
         operator.record_decision(
-            ns, name, decision, demand_prefill=0.6, demand_decode=4.2, kv_now=900_000
+            ns,
+            name,
+            decision,
+            demand_prefill=0.6,
+            demand_decode=4.2,
+            kv_now=900_000,
+            planned=(0.8, 3.9),
+            cache_hit_ratio=0.9,
         )
         for role, count in {"prefill": 3, "decode": 4, "switching": 1, "unavailable": 0}.items():
             operator.instances.labels(ns, name, role).set(count)

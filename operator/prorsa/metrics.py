@@ -46,7 +46,14 @@ class OperatorMetrics:
         )
         self.theta = Gauge(
             "prorsa_prefill_tokens_per_second",
-            "Prefill speed θ_P per instance (full-prompt tokens per busy second).",
+            "Prefill speed θ_P per instance, full-prompt tokens per second (cache hits included).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.cache_hit = Gauge(
+            "prorsa_prefix_cache_hit_ratio",
+            "Share of prefilled prompt tokens served from the prefix cache, last 6 horizons "
+            "(trainer's full prompts against the engines' computed tokens).",
             _CLUSTER,
             registry=r,
         )
@@ -62,6 +69,13 @@ class OperatorMetrics:
         self.demand = Gauge(
             "prorsa_demand_instances",
             "Demand in instances by role: W_P/(S·θ_P) and (K_D+K̂_D)/C_KV.",
+            [*_CLUSTER, "role"],
+            registry=r,
+        )
+        self.planned = Gauge(
+            "prorsa_planned_demand_instances",
+            "Demand in instances by role averaged over switching.smoothingSeconds: what the "
+            "split is sized for.",
             [*_CLUSTER, "role"],
             registry=r,
         )
@@ -137,6 +151,8 @@ class OperatorMetrics:
         demand_prefill: float,
         demand_decode: float,
         kv_now: float,
+        planned: tuple[float, float] | None = None,
+        cache_hit_ratio: float | None = None,
     ) -> None:
         key = (namespace, cluster)
         f = decision.forecast
@@ -152,6 +168,11 @@ class OperatorMetrics:
         self.target.labels(*key, "decode").set(decision.target.decode)
         self.demand.labels(*key, "prefill").set(demand_prefill)
         self.demand.labels(*key, "decode").set(demand_decode)
+        plan_p, plan_d = planned if planned is not None else (demand_prefill, demand_decode)
+        self.planned.labels(*key, "prefill").set(plan_p)
+        self.planned.labels(*key, "decode").set(plan_d)
+        if cache_hit_ratio is not None:
+            self.cache_hit.labels(*key).set(cache_hit_ratio)
         self.margin.labels(*key).set(decision.safety_margin)
         for mode in ("predictive", "reactive"):
             self.mode.labels(*key, mode).set(1.0 if decision.mode == mode else 0.0)
@@ -160,7 +181,8 @@ class OperatorMetrics:
         """Drop a deleted cluster's series so dashboards do not show it forever."""
         for metric in (
             self.forecast_tokens, self.forecast_total, self.decode_admission, self.decode_kv,
-            self.theta, self.instances, self.target, self.demand, self.margin, self.mode,
+            self.theta, self.cache_hit, self.instances, self.target, self.demand, self.planned,
+            self.margin, self.mode,
             self.wape, self.switches, self.switch_seconds, self.tick_seconds, self.trajectories,
             self.anomalies, self.agent_errors, self.forecast_age,
         ):  # fmt: skip

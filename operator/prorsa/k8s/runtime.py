@@ -343,8 +343,16 @@ class ClusterRuntime:
         for role, count in roles.items():
             self.metrics.instances.labels(ns, name, role).set(count)
         a, b = controller.last_demand
+        miss = controller.last_miss_ratio
         self.metrics.record_decision(
-            ns, name, decision, demand_prefill=a, demand_decode=b, kv_now=controller.last_kv_now
+            ns,
+            name,
+            decision,
+            demand_prefill=a,
+            demand_decode=b,
+            kv_now=controller.last_kv_now,
+            planned=controller.last_planned,
+            cache_hit_ratio=None if miss is None else 1.0 - miss,
         )
         acc = controller.accuracy()
         for kind, value in (("prefill", acc["prefillWape"]), ("decode", acc["decodeWape"])):
