@@ -986,18 +986,20 @@ class AsyncEventEmitter(_Helpers):
         """Buffer one event (no I/O, no await); returns its id. Thread-safe."""
         core = self._core
         event = core.make(type, trajectory, ts, id, fields)
-        self._push(event)
+        n = core.push(event)
+        if n == 1 or n == core.batch_size:
+            self._kick()
         return event["id"]
 
     def emit_event(self, event: BaseModel | Mapping[str, Any]) -> str:
         data = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else dict(event)
-        self._push(data)
+        n = self._core.push(data)
+        if n == 1 or n == self._core.batch_size:
+            self._kick()
         return str(data["id"])
 
-    def _push(self, event: dict[str, Any]) -> None:
-        n = self._core.push(event)
-        if n != 1 and n != self._core.batch_size:
-            return
+    def _kick(self) -> None:
+        """Wake the sender: a first event starts the flush timer, a full batch is due."""
         if self._task is None:
             try:
                 self._ensure_started()
