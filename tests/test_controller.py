@@ -435,3 +435,24 @@ def test_default_smoothing_rides_out_a_spike_but_follows_a_sustained_shift(log) 
     assert shift[0] > 900 + 10, "and the shift only after it has lasted a while"
     spike, _ = run(PER_HORIZON)
     assert spike == [600], "per horizon, the same spike flips roles at once"
+
+
+def test_eq13_cost_is_calibrated_against_what_the_engines_computed(log) -> None:
+    c = Controller(spec8())
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
+    c.tick(1.0)
+    assert c.last_calibration is None  # nothing prefilled yet: g is the paper's x / θ_P
+    # Ten new trajectories: the table expects every prompt token computed (100k), and the
+    # engines computed 100k: calibration 1.
+    prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
+    c.tick(11.0)
+    assert c.last_calibration == pytest.approx(1.0)
+    # Next horizon the engines computed 300k for another 100k expected: over the window,
+    # 400k computed against 200k expected (a cache the table did not know was flushed).
+    prefill_round(log, 10, 10_000, 12.0, "c-engine-0")
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 400_000}}))
+    c.tick(21.0)
+    assert c.last_calibration == pytest.approx(2.0)

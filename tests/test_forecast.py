@@ -237,6 +237,34 @@ def test_eq13_serial_recurrence_by_hand() -> None:
     assert out.tokens == pytest.approx(2000 + 4000 + 6000 + 3000 + 500)
 
 
+def test_eq13_charges_each_request_its_computed_tokens_when_given() -> None:
+    # One instance, 1 ms per token, S = 10. Queue: a 12k-token turn whose first 11k tokens
+    # are cached (computes 1k: b = 1 s, admitted), then a 20k-token resend that computes
+    # everything (b = 21 s, not). Charged full prompts (x / θ_P), the turn alone would take
+    # 12 s and nothing would be admitted within the horizon.
+    common = {
+        "now": 0.0,
+        "horizon": 10.0,
+        "instances": 1,
+        "inflight_instance": np.empty(0, dtype=int),
+        "inflight_finish": np.empty(0),
+        "inflight_x": np.empty(0),
+        "arrival_u": np.empty(0),
+        "arrival_x": np.empty(0),
+        "arrival_w": np.empty(0),
+        "seconds_per_token": 1e-3,
+    }
+    cached_turn_first = predict_admissions(
+        queued_x=np.array([12_000.0, 20_000.0]),
+        queued_work=np.array([1_000.0, 20_000.0]),
+        arrival_work=np.empty(0),
+        **common,  # type: ignore[arg-type]
+    )
+    assert (cached_turn_first.tokens, cached_turn_first.requests) == (12_000.0, 1.0)
+    full_prompts = predict_admissions(queued_x=np.array([12_000.0, 20_000.0]), **common)  # type: ignore[arg-type]
+    assert full_prompts.tokens == 0.0
+
+
 def test_eq13_future_request_never_starts_before_it_arrives() -> None:
     out = predict_admissions(
         now=0.0,

@@ -144,3 +144,28 @@ def test_memory_per_live_trajectory_is_under_1kb(log) -> None:
     per = (after - before) / n
     assert per < 1024, f"{per:.0f} bytes per trajectory"
     assert int(np.sum(t.cols["state"] > 0)) == n
+
+
+def test_each_prefill_is_charged_its_prompt_minus_the_previous_turns(log) -> None:
+    f = Forecaster(ForecastConfig())
+    t = TrajectoryTable(observer=f)
+
+    def turn(prompt: int, ts: float) -> float:
+        before = f.prefilled_computed
+        log("request_queued", "a", ts, prompt_tokens=prompt, turn=0)
+        log("prefill_started", "a", ts + 0.1, instance="p0")
+        log("prefill_finished", "a", ts + 0.2, instance="p0")
+        t.apply(log.take())
+        return f.prefilled_computed - before
+
+    assert turn(1_000, 0.0) == 1_000  # nothing cached yet
+    log("decode_finished", "a", 1.0, output_tokens=50, finish="tool")
+    log("tool_finished", "a", 2.0, result_tokens=200)
+    t.apply(log.take())
+    # The engines still hold the 1,000-token prompt: output, result and template are new.
+    assert turn(1_300, 3.0) == 300
+    log("decode_finished", "a", 4.0, output_tokens=40, finish="abort")
+    t.apply(log.take())
+    # A resend after an abort (a weight update flushed the caches) computes everything.
+    assert turn(1_340, 5.0) == 1_340
+    assert f.prefilled_tokens == 1_000 + 1_300 + 1_340

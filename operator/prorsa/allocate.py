@@ -208,13 +208,22 @@ class PrefixCacheHits:
     full prompts prefilled and the agents count the tokens actually computed (SGLang's
     ``total_prefill_uncached_tokens``); over a sliding window the ratio of the two is the
     miss ratio 1 − h, and θ_P = θ_uncached / (1 − h).
+
+    The same window also sets the engines' computed tokens against what the trajectory
+    table expected them to compute (each prompt minus its previous turn's): their ratio
+    calibrates the per-request cost g of Eq. 13 for what the table cannot see, such as
+    a weight update flushing the caches of trajectories that were running tools.
     """
+
+    MIN_CALIBRATION = 0.25
+    MAX_CALIBRATION = 4.0
 
     def __init__(self, *, window: float, min_tokens: float = 1.0) -> None:
         self.window = window
         self._min_tokens = min_tokens
         self._full: deque[tuple[float, float]] = deque()
         self._computed: deque[tuple[float, float]] = deque()
+        self._expected: deque[tuple[float, float]] = deque()
 
     def add_full(self, at: float, tokens: float) -> None:
         """Full-prompt tokens whose prefill finished (trainer events)."""
@@ -226,14 +235,30 @@ class PrefixCacheHits:
         if tokens > 0:
             self._computed.append((at, tokens))
 
-    def miss_ratio(self, now: float) -> float | None:
-        """1 − h over the last ``window`` seconds; None until both sides saw tokens."""
+    def add_expected(self, at: float, tokens: float) -> None:
+        """The trajectory table's estimate of the computed tokens of the same prefills."""
+        if tokens > 0:
+            self._expected.append((at, tokens))
+
+    def _sums(self, now: float) -> tuple[float, float, float]:
         start = now - self.window
-        for q in (self._full, self._computed):
+        sums = []
+        for q in (self._full, self._computed, self._expected):
             while q and q[0][0] < start:
                 q.popleft()
-        full = sum(t for _, t in self._full)
-        computed = sum(t for _, t in self._computed)
+            sums.append(sum(t for _, t in q))
+        return sums[0], sums[1], sums[2]
+
+    def miss_ratio(self, now: float) -> float | None:
+        """1 − h over the last ``window`` seconds; None until both sides saw tokens."""
+        full, computed, _ = self._sums(now)
         if full < self._min_tokens or computed <= 0:
             return None
         return min(computed / full, 1.0)
+
+    def calibration(self, now: float) -> float | None:
+        """Computed over expected-computed tokens (clipped to [0.25, 4]); None until both."""
+        _, computed, expected = self._sums(now)
+        if expected < self._min_tokens or computed <= 0:
+            return None
+        return min(max(computed / expected, self.MIN_CALIBRATION), self.MAX_CALIBRATION)

@@ -82,6 +82,8 @@ class Controller:
         self.theta_source = "profiled"
         self.last_miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
+        self._expected_seen = 0.0
+        self.last_calibration: float | None = None
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
         self._engines: dict[str, EngineState] = {}
         self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
@@ -171,6 +173,10 @@ class Controller:
         self._prefilled_seen = full
         self.cache_hits.add_computed(now, self._computed_new)
         self._computed_new = 0
+        expected = self.forecaster.prefilled_computed
+        self.cache_hits.add_expected(now, expected - self._expected_seen)
+        self._expected_seen = expected
+        self.last_calibration = self.cache_hits.calibration(now)
         miss = self.last_miss_ratio = self.cache_hits.miss_ratio(now)
         if miss is not None:
             self.theta_source = "cache"
@@ -343,7 +349,17 @@ class Controller:
         fresh = last is not None and now - last <= STALE_HORIZONS * S
         if fresh:
             names = tuple(prefill_names)  # type: ignore[call-overload]
-            site = PrefillSite(names=names, seconds_per_token=1.0 / theta)
+            k = self.last_calibration
+            if k is not None:
+                # g of Eq. 13 per request: its expected computed tokens at the profiled
+                # speed, calibrated against what the engines really computed.
+                site = PrefillSite(
+                    names=names,
+                    seconds_per_token=k / self.spec.capacity.prefill_tokens_per_second,
+                    per_computed_token=True,
+                )
+            else:
+                site = PrefillSite(names=names, seconds_per_token=1.0 / theta)
             f = self.forecaster.forecast(self.table, now=now, site=site)
             self.last_forecast = f
             kv = k_d + f.admission_kv

@@ -36,12 +36,17 @@ def predict_admissions(
     arrival_w: np.ndarray,
     seconds_per_token: float,
     kv_per_token: float = 1.0,
+    queued_work: np.ndarray | None = None,
+    arrival_work: np.ndarray | None = None,
 ) -> Admissions:
     """Run the recurrence. ``inflight_instance`` holds 0..instances-1, or -1 when unknown.
 
     ``queued_x`` is the ready queue in FIFO order (u_j = t); arrivals are predicted future
     requests in any order (sorted here by u). ``inflight_finish`` is the runtime estimate of
-    each in-flight prefill's end, already accounting for its progress.
+    each in-flight prefill's end, already accounting for its progress. ``queued_work`` and
+    ``arrival_work``, when given, are the tokens each request computes (g = work ·
+    seconds_per_token) while x still counts what it admits; by default g = x ·
+    seconds_per_token.
     """
     end = now + horizon
     if instances <= 0:
@@ -68,7 +73,13 @@ def predict_admissions(
     u = np.concatenate((np.full(len(queued_x), now), arrival_u[order]))
     x = np.concatenate((queued_x, arrival_x[order]))
     w = np.concatenate((np.ones(len(queued_x)), arrival_w[order]))
-    service = w * x * seconds_per_token
+    work = np.concatenate(
+        (
+            queued_x if queued_work is None else queued_work,
+            arrival_x[order] if arrival_work is None else arrival_work[order],
+        )
+    )
+    service = w * work * seconds_per_token
     admitted = 0.0
     pop, push = heapq.heappop, heapq.heappush
     for uj, sj, xj, wj in zip(u.tolist(), service.tolist(), x.tolist(), w.tolist(), strict=True):

@@ -94,10 +94,17 @@ class ForecastConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillSite:
-    """The prefill instances the recurrence of Eq. 13 schedules onto."""
+    """The prefill instances the recurrence of Eq. 13 schedules onto, and g(x).
+
+    With ``per_computed_token`` g charges each request for the tokens it is expected to
+    compute (prompt minus the prefix cached from its previous turn), else for its full
+    prompt x / θ_P as in the paper: a resend after a weight update, which recomputes a
+    30k-token context, then takes as long as a 1k-token tool turn would on average.
+    """
 
     names: tuple[str, ...]
-    seconds_per_token: float  # g(x) = x · seconds_per_token = x / θ_P
+    seconds_per_token: float  # g = tokens · seconds_per_token
+    per_computed_token: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +156,7 @@ class Forecaster:
         # Full-prompt tokens whose prefill finished, cumulative: the Controller sets them
         # against the tokens the engines computed to measure the prefix-cache hit ratio.
         self.prefilled_tokens = 0.0
+        self.prefilled_computed = 0.0  # the table's estimate of those not served from cache
 
     # -- Observer: facts from the table ----------------------------------------------------
 
@@ -207,8 +215,9 @@ class Forecaster:
         if self.accuracy.pending:
             self.accuracy.on_arrival(ts, tokens)
 
-    def on_admission(self, ts: float, tokens: float) -> None:
+    def on_admission(self, ts: float, tokens: float, computed: float) -> None:
         self.prefilled_tokens += tokens
+        self.prefilled_computed += computed
         if self.accuracy.pending:
             self.accuracy.on_admission(ts, tokens)
 
@@ -294,6 +303,11 @@ class Forecaster:
         arr_u: list[np.ndarray] = []
         arr_x: list[np.ndarray] = []
         arr_w: list[np.ndarray] = []
+        # Tokens each request is expected to compute: its prompt minus the prefix the
+        # engines still hold from its previous turn (the table's ``cached``). New samples,
+        # and resends after an abort, compute their whole prompt.
+        arr_c: list[np.ndarray] = []
+        cached = col["cached"][:n]
 
         # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
         d_hat = max(self.dispatch_delay.value, 0.0)
@@ -311,6 +325,7 @@ class Forecaster:
                 arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
                 arr_x.append(np.full(k, xhat))
                 arr_w.append(np.full(k, launches / k))
+                arr_c.append(np.full(k, xhat))
             elif len(rew):
                 tasks = task[rew].astype(np.int64)
                 q, res = self._conditional(
@@ -324,9 +339,17 @@ class Forecaster:
                     arr_u.append(now + res + d_hat)
                     arr_x.append(xhat)
                     arr_w.append(w)
+                    arr_c.append(xhat)
                 else:  # groupReplenish: a group of groupSize per group whose members all end
                     launches, w_samp = self._group_replenish(
-                        table, rew, q, res, xhat, now=now, d_hat=d_hat, out=(arr_u, arr_x, arr_w)
+                        table,
+                        rew,
+                        q,
+                        res,
+                        xhat,
+                        now=now,
+                        d_hat=d_hat,
+                        out=(arr_u, arr_x, arr_w, arr_c),
                     )
 
         # Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come.
@@ -351,13 +374,16 @@ class Forecaster:
             arr_u.append(now + res)
             arr_x.append(xs)
             arr_w.append(q)
+            arr_c.append(xs)
 
         # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
         ready_idx = np.flatnonzero(state == READY)
         ready_idx = ready_idx[np.argsort(since[ready_idx], kind="stable")]
         w_ready = float(x[ready_idx].sum())
+        c_ready = np.maximum(x[ready_idx] - cached[ready_idx], 1.0)
         pre = np.flatnonzero(state == PREFILL)
         w_inflight = float(x[pre].sum())
+        c_inflight = np.maximum(x[pre] - cached[pre], 1.0)
 
         # Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S.
         tl = np.flatnonzero(state == TOOL)
@@ -382,9 +408,11 @@ class Forecaster:
             )
             xhat = x[tl] + np.where(known, result, 0.0) + grow
             w_tool = float(xhat[soon].sum())
+            comp = np.maximum(xhat[soon] - cached[tl][soon], 1.0)
             arr_u.append(now + r[soon])
             arr_x.append(xhat[soon])
             arr_w.append(np.ones(int(soon.sum())))
+            arr_c.append(comp)
 
         # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
         # q = P(T_dec < e + S − τ̂ | T_dec > e) · P(tool call | task); x̂ = x + ô + growth.
@@ -406,10 +434,12 @@ class Forecaster:
                 xhat = x[dc[idx]] + out + self.growth.get((t, -1))
                 w = q * p_tool
                 w_tool += float(np.dot(w, xhat))
+                comp = np.maximum(xhat - cached[dc[idx]], 1.0)
                 keep = w > 0
                 arr_u.append(now + res[keep] + tau)
                 arr_x.append(xhat[keep])
                 arr_w.append(w[keep])
+                arr_c.append(comp[keep])
 
         raw_arrivals = w_samp + w_start + w_tool
         corrected = c.bias_correction
@@ -426,7 +456,10 @@ class Forecaster:
             if code is not None:
                 inst_map[code] = i
         pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
-        finish = np.maximum(since[pre] + x[pre] * site.seconds_per_token, now)
+        per_computed = site.per_computed_token
+        finish = np.maximum(
+            since[pre] + (c_inflight if per_computed else x[pre]) * site.seconds_per_token, now
+        )
         adm: Admissions = predict_admissions(
             now=now,
             horizon=S,
@@ -438,6 +471,10 @@ class Forecaster:
             arrival_u=np.concatenate(arr_u) if arr_u else np.empty(0),
             arrival_x=np.concatenate(arr_x) if arr_x else np.empty(0),
             arrival_w=np.concatenate(arr_w) if arr_w else np.empty(0),
+            queued_work=c_ready if per_computed else None,
+            arrival_work=(np.concatenate(arr_c) if arr_c else np.empty(0))
+            if per_computed
+            else None,
             seconds_per_token=site.seconds_per_token,
             kv_per_token=c.kv_per_token,
         )
@@ -469,7 +506,7 @@ class Forecaster:
         *,
         now: float,
         d_hat: float,
-        out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+        out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
     ) -> tuple[float, float]:
         """Eq. 4 with f = group replenishment: a group whose live members are all in reward
         ends within the horizon with probability Π q_i (members independent; known group
@@ -493,8 +530,9 @@ class Forecaster:
         xbar = np.where(in_reward > 0, xsum / np.maximum(in_reward, 1), 0.0)
         tokens = float(k * np.dot(p_group, xbar))
         sel = np.flatnonzero(p_group > 0)
-        u, xs, ws = out
+        u, xs, ws, computed = out
         u.append(now + last[sel] + d_hat)
         xs.append(xbar[sel])
         ws.append(k * p_group[sel])
+        computed.append(xbar[sel])  # new samples: nothing of theirs is cached yet
         return launches, tokens

@@ -70,7 +70,7 @@ class Observer(Protocol):
         self, task: int, turn: int, seconds: float, output: float, tool: bool
     ) -> None: ...
     def on_arrival(self, ts: float, tokens: float) -> None: ...
-    def on_admission(self, ts: float, tokens: float) -> None: ...
+    def on_admission(self, ts: float, tokens: float, computed: float) -> None: ...
     def on_prefill_interval(self, *, tokens: float, seconds: float) -> None: ...
 
 
@@ -129,6 +129,7 @@ _COLUMNS: tuple[tuple[str, str, type, float], ...] = (
     ("since", "d", np.float64, 0.0),  # entry into the current state (trainer clock)
     ("x", "d", np.float64, 0.0),  # full prompt of the current request; context in tool/reward
     ("result", "d", np.float64, -1.0),  # tool result tokens when tool_finished said so
+    ("cached", "d", np.float64, 0.0),  # prompt of the last completed prefill: likely cached
     ("dispatched", "d", np.float64, math.nan),
     ("launched", "d", np.float64, math.nan),  # sandbox launch a_k
     ("first_prompt", "d", np.float64, math.nan),  # prompt_tokens announced at dispatch
@@ -473,6 +474,8 @@ class TrajectoryTable:
                 self._state[slot] = DECODE
             self._since[slot] = e.ts
         tokens = self._x[slot]
+        computed = max(tokens - self._cached[slot], 1.0)
+        self._cached[slot] = tokens
         m = self._instance[slot]
         if m < 0 and e.instance is not None:
             m = self.instances.code(e.instance)
@@ -482,7 +485,7 @@ class TrajectoryTable:
             busy[2] += tokens
             if busy[0] <= 0:
                 self._obs.on_prefill_interval(tokens=busy[2], seconds=e.ts - busy[1])
-        self._obs.on_admission(e.ts, tokens)
+        self._obs.on_admission(e.ts, tokens, computed)
 
     def _decode_finished(self, e: ev.DecodeFinished, slot: int | None) -> None:
         if slot is None:
@@ -501,7 +504,10 @@ class TrajectoryTable:
         if e.finish == "tool":
             self._enter_tool(slot, e.ts, _AFTER_DECODE)
         elif e.finish == "abort":
-            # Cancel-and-resend: prompt + partial output goes back to the ready queue.
+            # Cancel-and-resend: prompt + partial output goes back to the ready queue. The
+            # resend computes its whole prompt: an abort comes from a weight update, which
+            # flushes the prefix caches, or from a switch, after which it lands elsewhere.
+            self._cached[slot] = 0.0
             self._move(slot, READY, e.ts, _AFTER_DECODE)
         else:
             self._move(slot, REWARD, e.ts, _AFTER_DECODE)
