@@ -48,9 +48,12 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(limits: IngestLimits | None = None) -> AsyncIterator[Served]:
+async def serve(
+    limits: IngestLimits | None = None, controller: Controller | None = None
+) -> AsyncIterator[Served]:
     registry = ClusterRegistry(limits=limits)
-    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=Controller(make_spec()))
+    controller = controller if controller is not None else Controller(make_spec())
+    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=controller)
     server = WebhookServer(registry)
     async with server.serving() as url, httpx.AsyncClient(base_url=url, timeout=10) as http:
         yield Served(url=url, http=http, server=server, handle=handle)
@@ -428,9 +431,19 @@ async def test_clusters_are_added_and_removed_at_runtime_with_their_own_tokens()
         assert await post("b", "rotated") == 200
 
 
+class SlowController(Controller):
+    """Applies like the real one, then holds its thread for a while (GIL released): were
+    the batch applied on the event loop, nothing else could be served meanwhile."""
+
+    def observe(self, events):  # type: ignore[no-untyped-def]
+        result = super().observe(events)
+        time.sleep(0.5)
+        return result
+
+
 async def test_a_huge_batch_does_not_stall_other_requests() -> None:
     """A 30k-event batch parses and applies in a worker thread; the loop keeps serving."""
-    async with serve(IngestLimits(offload_events=1_000)) as srv:
+    async with serve(IngestLimits(offload_events=1_000), SlowController(make_spec())) as srv:
         t0 = time.time()
         big = [queued(f"e{i}", f"t{i % 5000}", t0 + i * 1e-4) for i in range(30_000)]
         order: list[str] = []
