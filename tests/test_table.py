@@ -169,3 +169,32 @@ def test_each_prefill_is_charged_its_prompt_minus_the_previous_turns(log) -> Non
     # A resend after an abort (a weight update flushed the caches) computes everything.
     assert turn(1_340, 5.0) == 1_340
     assert f.prefilled_tokens == 1_000 + 1_300 + 1_340
+
+
+def test_a_burst_of_aborts_reads_as_a_weight_update_and_forgets_every_cache(log) -> None:
+    f = Forecaster(ForecastConfig())
+    t = TrajectoryTable(observer=f)
+    names = [f"t{i}" for i in range(12)]
+    for name in names:  # one turn each: 1,000 prompt tokens now cached
+        log("request_queued", name, 0.0, prompt_tokens=1_000, turn=0)
+        log("prefill_started", name, 0.1, instance="p0")
+        log("prefill_finished", name, 0.2, instance="p0")
+    # Two go to tools; ten keep decoding, and one of those is aborted alone (a role switch).
+    for name in names[:2]:
+        log("decode_finished", name, 1.0, output_tokens=50, finish="tool")
+    log("decode_finished", names[2], 1.0, output_tokens=10, finish="abort")
+    t.apply(log.take())
+    assert t.cache_flushes == 0
+    # Then all nine still decoding are aborted within a second: a weight update.
+    for name in names[3:]:
+        log("decode_finished", name, 2.0, output_tokens=10, finish="abort")
+    t.apply(log.take())
+    assert t.cache_flushes == 1
+    # A trajectory that was running a tool comes back: its cache went with the update.
+    before = f.prefilled_computed
+    log("tool_finished", names[0], 3.0, result_tokens=100)
+    log("request_queued", names[0], 3.0, prompt_tokens=1_200, turn=1)
+    log("prefill_started", names[0], 3.1, instance="p0")
+    log("prefill_finished", names[0], 3.2, instance="p0")
+    t.apply(log.take())
+    assert f.prefilled_computed - before == 1_200

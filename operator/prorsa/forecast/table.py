@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -123,6 +123,13 @@ class ApplyResult:
     anomalies: int
 
 
+# Aborts that read as a weight update (see TrajectoryTable._note_abort): at least this many,
+# and this share of the trajectories decoding, within this window; one per refractory period.
+FLUSH_MIN_ABORTS = 8
+FLUSH_SHARE = 0.5
+FLUSH_WINDOW_SECONDS = 5.0
+FLUSH_REFRACTORY_SECONDS = 30.0
+
 # (name, array typecode, numpy dtype, fill value of a fresh slot)
 _COLUMNS: tuple[tuple[str, str, type, float], ...] = (
     ("state", "b", np.int8, FREE),
@@ -189,6 +196,10 @@ class TrajectoryTable:
         self._group_free: list[int] = []
         # Per prefill instance, the busy interval in progress: [in flight, start, tokens].
         self._busy: dict[int, list[float]] = {}
+        # Recent abort times, and the cache flushes they were read as (weight updates).
+        self._aborts: deque[float] = deque()
+        self.cache_flushes = 0
+        self._last_flush = -math.inf
         self._handlers: dict[str, Callable[[Any, int | None], None]] = {
             "sample_dispatched": self._sample_dispatched,
             "sandbox_started": self._sandbox_started,
@@ -328,6 +339,27 @@ class TrajectoryTable:
         self.events_applied += applied
         anomalies = sum(self.anomalies.values()) - before - duplicates
         return ApplyResult(applied=applied, duplicates=duplicates, anomalies=anomalies)
+
+    def _note_abort(self, ts: float) -> None:
+        """Forget every cached prefix when aborts look like a weight update.
+
+        A weight update aborts every generation in flight at once and flushes every prefix
+        cache (SGLang flushes its radix cache with new weights), also under trajectories
+        that were running tools. The CONTRACT has no event for it; half of the decoding
+        trajectories aborted within a few seconds is taken as one.
+        """
+        aborts = self._aborts
+        aborts.append(ts)
+        while aborts and aborts[0] < ts - FLUSH_WINDOW_SECONDS:
+            aborts.popleft()
+        if ts - self._last_flush < FLUSH_REFRACTORY_SECONDS:
+            return  # the rest of the same update's aborts
+        if len(aborts) >= max(FLUSH_MIN_ABORTS, FLUSH_SHARE * (self.counts[DECODE] + len(aborts))):
+            n = self._hwm
+            self._cached[:n] = array("d", bytes(8 * n))
+            aborts.clear()
+            self._last_flush = ts
+            self.cache_flushes += 1
 
     def _create(self, e: ev.Event, state: int, *, expected: bool = False) -> int | None:
         """A slot for a trajectory first heard of now, or None if it already finished."""
@@ -508,6 +540,7 @@ class TrajectoryTable:
             # resend computes its whole prompt: an abort comes from a weight update, which
             # flushes the prefix caches, or from a switch, after which it lands elsewhere.
             self._cached[slot] = 0.0
+            self._note_abort(e.ts)
             self._move(slot, READY, e.ts, _AFTER_DECODE)
         else:
             self._move(slot, REWARD, e.ts, _AFTER_DECODE)
