@@ -79,7 +79,6 @@ class Controller:
         self._computed: dict[str, int] = {}  # instance -> agent's uncached-token counter
         self._computed_new = 0
         self._prefilled_seen = 0.0
-        self.theta_source = "profiled"
         self.last_miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
         self._expected_seen = 0.0
@@ -166,7 +165,8 @@ class Controller:
 
         First choice: the profiled speed of computed tokens over the measured miss ratio
         (see :class:`PrefixCacheHits`). Without agents that count computed tokens, the busy
-        intervals of §4.2; before any, the profiled speed.
+        intervals of §4.2; before any, the profiled speed. The same window gives the
+        calibration of Eq. 13's per-request g (``last_calibration``).
         """
         full = self.forecaster.prefilled_tokens
         self.cache_hits.add_full(now, full - self._prefilled_seen)
@@ -179,11 +179,8 @@ class Controller:
         self.last_calibration = self.cache_hits.calibration(now)
         miss = self.last_miss_ratio = self.cache_hits.miss_ratio(now)
         if miss is not None:
-            self.theta_source = "cache"
             return self.spec.capacity.prefill_tokens_per_second / max(miss, MIN_MISS_RATIO)
-        measured = self.theta
-        self.theta_source = "busy" if measured.measured else "profiled"
-        return measured.value
+        return self.theta.value
 
     def learned_state(self) -> dict[str, object]:
         """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
