@@ -20,10 +20,12 @@ import math
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, Instance
+from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
+from prorsa.sim.workloads import TEMPLATE_TOKENS
 
 if TYPE_CHECKING:
     from prorsa.sim.simulator import SimResult, Simulation
+    from prorsa.sim.trainer import Trajectory
 
 
 def _split(n: int, prefill: int) -> list[str]:
@@ -319,18 +321,22 @@ class Oracle(_Planned):
         tr = sim.trainer
         launches = 0
         for t in tr.live.values():
-            if t.next_arrival is not None and t.next_arrival[0] < end:
-                at, x = t.next_arrival
+            arrival = t.next_arrival
+            reward_end = t.reward_end
+            if arrival is None and reward_end is None and t.state == "decode":
+                arrival, reward_end = self._after_decode(t, now)
+            if arrival is not None and arrival[0] < end:
+                at, x = arrival
                 hit = min(cached.get(t.tid, 0), x - 1)
                 work.append((at, x, (x - hit) * per_token(hit)))
             elif (
-                t.reward_end is not None
-                and t.reward_end < end
+                reward_end is not None
+                and reward_end < end
                 and not tr.on_policy
                 and tr.injection == "replaceOnReward"
                 and t.script.accepted
             ):
-                arrive = t.reward_end + sim.task.prewarm.median
+                arrive = reward_end + sim.task.prewarm.median
                 if arrive < end and tr.stats.dispatched + launches < (
                     (tr.version + tr.staleness + 1) * tr.batch
                 ):
@@ -360,6 +366,33 @@ class Oracle(_Planned):
         # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger.
         b = max((k_d + admitted) / self.kv_capacity, decoding / self.concurrency)
         return a, b, prefill_tokens, admitted
+
+    def _after_decode(
+        self, t: Trajectory, now: float
+    ) -> tuple[tuple[float, int] | None, float | None]:
+        """When a decoding trajectory's turn ends: (next arrival, reward end), one is None.
+
+        The turn's output length, tool time and reward time are the trajectory's script;
+        the decode speed is its rank's current step time (or, before it runs, the mean step
+        of the decode instances), so the arrival is as true as the next steps allow.
+        """
+        req = t.req
+        if req is None:
+            return None, None
+        left = req.new_tokens - req.generated
+        inst, rank = req.inst, req.rank
+        if req.where == RUNNING and inst is not None and rank is not None and inst.busy:
+            step = inst.seg_step
+            left = req.finish_counter - rank.counter - (now - inst.seg_start) / step
+        else:
+            steps = [i.seg_step for i in self.sim.cluster.instances if i.busy and i.role != PREFILL]
+            step = sum(steps) / len(steps) if steps else self.sim.profile.decode_seconds(1, 8192)
+        done = now + max(left, 0.0) * step
+        turn = t.script.turns[t.turn]
+        if turn.finish == "tool":
+            x = req.prompt + req.new_tokens + turn.result_tokens + TEMPLATE_TOKENS
+            return (done + turn.tool_seconds, x), None
+        return None, done + t.script.reward_seconds
 
     def tick(self, now: float) -> None:
         from prorsa.allocate import keep_split, solve
