@@ -456,3 +456,27 @@ def test_eq13_cost_is_calibrated_against_what_the_engines_computed(log) -> None:
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 400_000}}))
     c.tick(21.0)
     assert c.last_calibration == pytest.approx(2.0)
+
+
+def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
+    # The same 600k prompt tokens queued as ten 60k contexts to recompute: with
+    # prefillCostDoublingTokens = 40k each token costs 1 + p/40k, 1.75x on average here.
+    def demand(capacity: dict[str, int]) -> float:
+        spec = make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000} | capacity,
+            switching=PER_HORIZON,
+        )
+        c = Controller(spec)
+        c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
+        c.tick(1.0)
+        prefill_round(log, 10, 10_000, 2.0, "c-engine-0")  # calibrates g: computed/expected
+        queue(log, 10, 60_000, 5.0, prefix="long")
+        c.observe(log.take())
+        c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
+        c.tick(11.0)
+        return c.last_demand[0]
+
+    flat = demand({})
+    assert flat > 0
+    assert demand({"prefillCostDoublingTokens": 40_000}) == pytest.approx(1.75 * flat, rel=0.02)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prorsa.forecast.admission import predict_admissions
-from prorsa.forecast.model import ForecastConfig, Forecaster, PrefillSite
+from prorsa.forecast.model import ForecastConfig, Forecaster, PrefillSite, prefill_work
 from prorsa.forecast.stats import ClassedDistributions, EmaTable, EmpiricalDistribution, Prior
 from prorsa.forecast.table import TrajectoryTable
 
@@ -350,3 +350,52 @@ def test_decoding_trajectories_that_will_call_a_tool_count_as_arrivals(log) -> N
     assert out.tool == pytest.approx(2150.0)
     off = Forecaster(ForecastConfig(horizon=10.0, decode_chain=False))
     assert off.config.decode_chain is False
+
+
+def test_prefill_work_charges_attention_over_the_whole_prefix() -> None:
+    # L = 40k: a token at position p costs 1 + p/40k. Recomputing a 60k context costs
+    # 60k·(1 + 60k/80k) = 105k; a 1k turn on its cached 59k prefix 1k·(1 + 119k/80k).
+    x = np.array([60_000.0, 60_000.0, 2_000.0])
+    cached = np.array([0.0, 59_000.0, 0.0])
+    work = prefill_work(x, cached, 40_000.0)
+    assert work.tolist() == pytest.approx([105_000.0, 1_000 * (1 + 119 / 80), 2_050.0])
+    assert prefill_work(x, cached, None).tolist() == [60_000.0, 1_000.0, 2_000.0]
+
+
+def test_eq13_with_attention_dp_each_request_runs_on_one_rank() -> None:
+    # One instance of 4 DP ranks at 1 ms per token for the instance: a rank takes 4 ms per
+    # token. Four 2k prompts run side by side and end at 8 s (inside S = 10); a 4k prompt
+    # queued behind them would end at 24 s. On one fast server they would end at 2, 4, 6
+    # and 8 s, and the 4k one at 12 s.
+    common = {
+        "now": 0.0,
+        "horizon": 10.0,
+        "instances": 1,
+        "inflight_instance": np.empty(0, dtype=int),
+        "inflight_finish": np.empty(0),
+        "inflight_x": np.empty(0),
+        "queued_x": np.array([2_000.0] * 4 + [4_000.0]),
+        "arrival_u": np.empty(0),
+        "arrival_x": np.empty(0),
+        "arrival_w": np.empty(0),
+        "seconds_per_token": 1e-3,
+    }
+    ranks = predict_admissions(ranks=4, **common)  # type: ignore[arg-type]
+    assert (ranks.tokens, ranks.requests) == (8_000.0, 4.0)
+    one = predict_admissions(**common)  # type: ignore[arg-type]
+    assert (one.tokens, one.requests) == (8_000.0, 4.0)
+    # An 8k prompt alone: 8 s on the whole instance, 32 s on the one rank it really gets.
+    long = common | {"queued_x": np.array([8_000.0])}
+    assert predict_admissions(**long).requests == 1.0  # type: ignore[arg-type]
+    assert predict_admissions(ranks=4, **long).requests == 0.0  # type: ignore[arg-type]
+    # A long in-flight prompt holds one rank of its instance; the others stay free.
+    held = predict_admissions(
+        ranks=4,
+        **common
+        | {
+            "inflight_instance": np.array([0]),
+            "inflight_finish": np.array([30.0]),
+            "inflight_x": np.array([7_500.0]),
+        },  # type: ignore[arg-type]
+    )
+    assert held.requests == 3.0  # three 2k prompts on the three free ranks; the rest wait

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import kopf
 import pytest
+from conftest import make_spec
 from operator_harness import cluster_manifest
 
 from prorsa.k8s import objects as obj
@@ -74,3 +75,19 @@ def test_switch_intent_round_trip() -> None:
     }
     assert obj.parse_intent("not json") is None
     assert obj.parse_intent('{"to": "sideways"}') is None
+
+
+@pytest.mark.parametrize(
+    ("args", "ranks"),
+    [
+        ([], 1),
+        (["--dp-size", "8"], 1),  # data parallel without DP attention: whole-instance speed
+        (["--enable-dp-attention", "--dp-size", "8"], 8),
+        (["--enable-dp-attention", "--dp=4"], 4),
+        (["--tp", "8", "--enable-dp-attention", "--data-parallel-size", "2"], 2),
+        (["--enable-dp-attention", "--dp-size"], 1),  # no value: nothing to go by
+    ],
+)
+def test_attention_dp_size_is_read_from_the_engine_args(args: list[str], ranks: int) -> None:
+    spec = make_spec(engine={"extraArgs": args})
+    assert spec.engine.attention_dp_size == ranks

@@ -106,3 +106,16 @@ def test_generator_script_explains_the_missing_optional_dependency() -> None:
     )
     assert proc.returncode == 2
     assert "prorsa[aiconfigurator]" in proc.stderr
+
+
+def test_profiled_prefill_cost_doubling_matches_the_table() -> None:
+    # capacity.prefillCostDoublingTokens: a token's cost c0·(1 + prefix/L) stays within
+    # 15% of the table's cost of a chunk at that prefix, across the context.
+    for name in ("qwen3-235b", "deepseek-v3"):
+        p = load_profile(name)
+        L = p.prefill_cost_doubling_tokens()
+        assert 10_000 < L < 200_000
+        base = p.prefill_seconds(p.chunk, 0.0)
+        for prefix in (16_384, 65_536, 120_000):
+            model = base * (1 + prefix / L)
+            assert p.prefill_seconds(p.chunk, prefix) == pytest.approx(model, rel=0.15)

@@ -354,9 +354,15 @@ class Controller:
                     names=names,
                     seconds_per_token=k / self.spec.capacity.prefill_tokens_per_second,
                     per_computed_token=True,
+                    doubling_tokens=self.spec.capacity.prefill_cost_doubling_tokens,
+                    ranks=self.spec.engine.attention_dp_size,
                 )
             else:
-                site = PrefillSite(names=names, seconds_per_token=1.0 / theta)
+                site = PrefillSite(
+                    names=names,
+                    seconds_per_token=1.0 / theta,
+                    ranks=self.spec.engine.attention_dp_size,
+                )
             f = self.forecaster.forecast(self.table, now=now, site=site)
             self.last_forecast = f
             kv = k_d + f.admission_kv
@@ -385,7 +391,9 @@ class Controller:
                     inflight=round(f.inflight),
                 ),
             )
-            return _Demand("predictive", f.prefill / (S * theta), b, forecast, "")
+            # W_P / θ_P with θ_P of this horizon's prompts: each is charged its own g
+            # (the tokens it computes and what attention makes them cost).
+            return _Demand("predictive", f.prefill_seconds / S, b, forecast, "")
         # Reactive: trainer silent or never integrated; engine queues and KV only.
         why = "no trainer events" if last is None else f"trainer silent for {now - last:.0f}s"
         if not self._engines:

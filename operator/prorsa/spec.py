@@ -73,6 +73,28 @@ class EngineSpec(_Spec):
     def m_decode(self) -> int:
         return self.gpus_per_instance
 
+    @property
+    def attention_dp_size(self) -> int:
+        """Attention data-parallel ranks per instance, read from SGLang's ``extraArgs``.
+
+        With ``--enable-dp-attention`` each request runs on one rank, so a prefill instance
+        is ``--dp-size`` servers at that fraction of its speed rather than one fast server:
+        a long prompt takes that many times longer than the instance's speed suggests.
+        """
+        args = self.extra_args
+        if "--enable-dp-attention" not in args:
+            return 1
+        size = 1
+        for i, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            if name not in ("--dp-size", "--dp", "--data-parallel-size"):
+                continue
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            if value.isdigit() and int(value) >= 1:
+                size = int(value)
+        return size
+
 
 class RoleSpec(_Spec):
     min: NonNegInt = 1
@@ -112,6 +134,14 @@ class CapacitySpec(_Spec):
         description="Profiled prefill speed of one instance in computed (uncached) prompt "
         "tokens per second. θ_P of Eq. 1 is this over (1 − the prefix-cache hit ratio the "
         "Controller measures).",
+    )
+    prefill_cost_doubling_tokens: PosInt | None = Field(
+        None,
+        alias="prefillCostDoublingTokens",
+        description="Prompt position at which prefilling a token takes twice as long as at "
+        "the start of a prompt (attention reads the whole prefix; profiled). When set, each "
+        "request's prefill time grows with its context, and prefillTokensPerSecond is the "
+        "short-prompt speed. Unset: every computed token costs the same.",
     )
     decode_kv_tokens: PosInt | None = Field(
         None,

@@ -38,6 +38,7 @@ def predict_admissions(
     kv_per_token: float = 1.0,
     queued_work: np.ndarray | None = None,
     arrival_work: np.ndarray | None = None,
+    ranks: int = 1,
 ) -> Admissions:
     """Run the recurrence. ``inflight_instance`` holds 0..instances-1, or -1 when unknown.
 
@@ -47,23 +48,39 @@ def predict_admissions(
     ``arrival_work``, when given, are the tokens each request computes (g = work ·
     seconds_per_token) while x still counts what it admits; by default g = x ·
     seconds_per_token.
+
+    With ``ranks`` attention-DP ranks per instance the servers are the ranks: each serves
+    one request at a time at 1/ranks of the instance's speed (``seconds_per_token`` is the
+    instance's); an in-flight request holds the least-busy rank of its instance.
     """
     end = now + horizon
     if instances <= 0:
         return Admissions(0.0, 0.0, 0.0)
-    # In-flight work: finishes on its own estimate; sets each instance's next free time.
-    v = np.full(instances, now)
+    ranks = max(int(ranks), 1)
+    servers = instances * ranks
+    # In-flight work: finishes on its own estimate; sets each server's next free time.
     done = inflight_finish < end
     tokens = float(inflight_x[done].sum())
     requests = float(done.sum())
     pinned = inflight_instance >= 0
-    if pinned.any():
-        idx = np.minimum(inflight_instance[pinned], instances - 1)
-        np.maximum.at(v, idx, np.maximum(inflight_finish[pinned], now))
-    free_at = v.tolist()
-    # In-flight requests with no known instance occupy the least-loaded one.
+    if ranks == 1:
+        v = np.full(instances, now)
+        if pinned.any():
+            idx = np.minimum(inflight_instance[pinned], instances - 1)
+            np.maximum.at(v, idx, np.maximum(inflight_finish[pinned], now))
+        free_at = v.tolist()
+    else:
+        # Each in-flight request takes the rank of its instance that is free soonest.
+        free_at = [now] * servers
+        order = np.argsort(inflight_finish[pinned], kind="stable")
+        where = np.minimum(inflight_instance[pinned][order], instances - 1).tolist()
+        for m, finish in zip(where, inflight_finish[pinned][order].tolist(), strict=True):
+            base = m * ranks
+            r = min(range(base, base + ranks), key=free_at.__getitem__)
+            free_at[r] = max(free_at[r], finish)
+    # In-flight requests with no known instance occupy the least-loaded server.
     for finish in np.sort(inflight_finish[~pinned]).tolist():
-        m = min(range(instances), key=free_at.__getitem__)
+        m = min(range(servers), key=free_at.__getitem__)
         free_at[m] = max(free_at[m], finish)
     heap = [(t, m) for m, t in enumerate(free_at)]
     heapq.heapify(heap)
@@ -79,7 +96,7 @@ def predict_admissions(
             arrival_x[order] if arrival_work is None else arrival_work[order],
         )
     )
-    service = w * work * seconds_per_token
+    service = w * work * (seconds_per_token * ranks)
     admitted = 0.0
     pop, push = heapq.heappop, heapq.heappush
     for uj, sj, xj, wj in zip(u.tolist(), service.tolist(), x.tolist(), w.tolist(), strict=True):

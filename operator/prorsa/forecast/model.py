@@ -105,6 +105,25 @@ class PrefillSite:
     names: tuple[str, ...]
     seconds_per_token: float  # g = tokens · seconds_per_token
     per_computed_token: bool = False
+    # Prompt position at which a computed token costs twice one at the start of a prompt
+    # (``capacity.prefillCostDoublingTokens``); None: every computed token costs the same.
+    doubling_tokens: float | None = None
+    # Attention-DP ranks per instance: a request runs on one, at 1/ranks of the speed.
+    ranks: int = 1
+
+
+def prefill_work(x: np.ndarray, cached: np.ndarray | float, doubling: float | None) -> np.ndarray:
+    """Computed tokens of each prompt, weighted by what attention makes them cost.
+
+    Token p of a prompt attends to the p before it, so its cost grows about linearly:
+    1 + p/L with L = ``doubling``. Computing positions c..x then costs
+    (x − c)·(1 + (x + c)/(2L)) start-of-prompt tokens: a resend that recomputes a 60k
+    context is ~2.5× its token count, a 1k tool turn on a cached 60k prefix ~2.5× too.
+    """
+    comp = np.maximum(x - cached, 1.0)
+    if not doubling:
+        return comp
+    return comp * (1.0 + (x + np.minimum(cached, x)) / (2.0 * doubling))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +134,7 @@ class ForecastResult:
     tool: float  # Eq. 11
     inflight: float  # Eq. 12
     prefill: float  # Eq. 15 (bias-corrected)
+    prefill_seconds: float  # instance-seconds to prefill W_P at g (W_P / θ_P of Eq. 1)
     admission: float  # Â_D, Eq. 14 (bias-corrected)
     admission_kv: float  # K̂_D
     admission_requests: float  # how many requests Â_D is
@@ -308,6 +328,8 @@ class Forecaster:
         # and resends after an abort, compute their whole prompt.
         arr_c: list[np.ndarray] = []
         cached = col["cached"][:n]
+        doubling = site.doubling_tokens
+        zero = 0.0
 
         # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
         d_hat = max(self.dispatch_delay.value, 0.0)
@@ -325,7 +347,7 @@ class Forecaster:
                 arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
                 arr_x.append(np.full(k, xhat))
                 arr_w.append(np.full(k, launches / k))
-                arr_c.append(np.full(k, xhat))
+                arr_c.append(prefill_work(np.full(k, xhat), zero, doubling))
             elif len(rew):
                 tasks = task[rew].astype(np.int64)
                 q, res = self._conditional(
@@ -339,7 +361,7 @@ class Forecaster:
                     arr_u.append(now + res + d_hat)
                     arr_x.append(xhat)
                     arr_w.append(w)
-                    arr_c.append(xhat)
+                    arr_c.append(prefill_work(xhat, zero, doubling))
                 else:  # groupReplenish: a group of groupSize per group whose members all end
                     launches, w_samp = self._group_replenish(
                         table,
@@ -350,6 +372,7 @@ class Forecaster:
                         now=now,
                         d_hat=d_hat,
                         out=(arr_u, arr_x, arr_w, arr_c),
+                        doubling=doubling,
                     )
 
         # Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come.
@@ -374,16 +397,16 @@ class Forecaster:
             arr_u.append(now + res)
             arr_x.append(xs)
             arr_w.append(q)
-            arr_c.append(xs)
+            arr_c.append(prefill_work(xs, zero, doubling))
 
         # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
         ready_idx = np.flatnonzero(state == READY)
         ready_idx = ready_idx[np.argsort(since[ready_idx], kind="stable")]
         w_ready = float(x[ready_idx].sum())
-        c_ready = np.maximum(x[ready_idx] - cached[ready_idx], 1.0)
+        c_ready = prefill_work(x[ready_idx], cached[ready_idx], doubling)
         pre = np.flatnonzero(state == PREFILL)
         w_inflight = float(x[pre].sum())
-        c_inflight = np.maximum(x[pre] - cached[pre], 1.0)
+        c_inflight = prefill_work(x[pre], cached[pre], doubling)
 
         # Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S.
         tl = np.flatnonzero(state == TOOL)
@@ -408,7 +431,7 @@ class Forecaster:
             )
             xhat = x[tl] + np.where(known, result, 0.0) + grow
             w_tool = float(xhat[soon].sum())
-            comp = np.maximum(xhat[soon] - cached[tl][soon], 1.0)
+            comp = prefill_work(xhat[soon], cached[tl][soon], doubling)
             arr_u.append(now + r[soon])
             arr_x.append(xhat[soon])
             arr_w.append(np.ones(int(soon.sum())))
@@ -434,7 +457,7 @@ class Forecaster:
                 xhat = x[dc[idx]] + out + self.growth.get((t, -1))
                 w = q * p_tool
                 w_tool += float(np.dot(w, xhat))
-                comp = np.maximum(xhat - cached[dc[idx]], 1.0)
+                comp = prefill_work(xhat, cached[dc[idx]], doubling)
                 keep = w > 0
                 arr_u.append(now + res[keep] + tau)
                 arr_x.append(xhat[keep])
@@ -457,9 +480,10 @@ class Forecaster:
                 inst_map[code] = i
         pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
         per_computed = site.per_computed_token
-        finish = np.maximum(
-            since[pre] + (c_inflight if per_computed else x[pre]) * site.seconds_per_token, now
-        )
+        per_rank = site.seconds_per_token * site.ranks
+        finish = np.maximum(since[pre] + (c_inflight if per_computed else x[pre]) * per_rank, now)
+        arrival_w = np.concatenate(arr_w) if arr_w else np.empty(0)
+        arrival_work = np.concatenate(arr_c) if arr_c else np.empty(0)
         adm: Admissions = predict_admissions(
             now=now,
             horizon=S,
@@ -470,14 +494,19 @@ class Forecaster:
             queued_x=x[ready_idx],
             arrival_u=np.concatenate(arr_u) if arr_u else np.empty(0),
             arrival_x=np.concatenate(arr_x) if arr_x else np.empty(0),
-            arrival_w=np.concatenate(arr_w) if arr_w else np.empty(0),
+            arrival_w=arrival_w,
             queued_work=c_ready if per_computed else None,
-            arrival_work=(np.concatenate(arr_c) if arr_c else np.empty(0))
-            if per_computed
-            else None,
+            arrival_work=arrival_work if per_computed else None,
             seconds_per_token=site.seconds_per_token,
             kv_per_token=c.kv_per_token,
+            ranks=site.ranks,
         )
+        # W_P / θ_P of Eq. 1, counted over the same requests as W_P with the same g.
+        if per_computed:
+            work = c_ready.sum() + c_inflight.sum() + a_factor * np.dot(arrival_w, arrival_work)
+        else:
+            work = prefill
+        prefill_seconds = float(work) * site.seconds_per_token
         return ForecastResult(
             sampler=a_factor * w_samp,
             startup=a_factor * w_start,
@@ -485,6 +514,7 @@ class Forecaster:
             tool=a_factor * w_tool,
             inflight=w_inflight,
             prefill=prefill,
+            prefill_seconds=prefill_seconds,
             admission=d_factor * adm.tokens,
             admission_kv=d_factor * adm.kv_tokens,
             admission_requests=d_factor * adm.requests,
@@ -507,6 +537,7 @@ class Forecaster:
         now: float,
         d_hat: float,
         out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+        doubling: float | None,
     ) -> tuple[float, float]:
         """Eq. 4 with f = group replenishment: a group whose live members are all in reward
         ends within the horizon with probability Π q_i (members independent; known group
@@ -534,5 +565,6 @@ class Forecaster:
         u.append(now + last[sel] + d_hat)
         xs.append(xbar[sel])
         ws.append(k * p_group[sel])
-        computed.append(xbar[sel])  # new samples: nothing of theirs is cached yet
+        # New samples: nothing of theirs is cached yet.
+        computed.append(prefill_work(xbar[sel], np.zeros(len(sel)), doubling))
         return launches, tokens

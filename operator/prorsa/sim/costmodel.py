@@ -105,6 +105,18 @@ class ModelProfile:
         """Profiled θ_P: full chunks on every rank, no cached prefix (a cold profile run)."""
         return self.ranks * self.chunk / self.prefill_seconds(self.chunk, 0.0)
 
+    def prefill_cost_doubling_tokens(self) -> int:
+        """The profiled ``capacity.prefillCostDoublingTokens``: L in a token's prefill cost
+        c₀·(1 + prefix/L), fitted (least squares through the origin) to a full chunk's cost
+        per token at prefixes up to the context limit."""
+        base = self.prefill_seconds(self.chunk, 0.0)
+        prefixes = [self.max_context * k / 16 for k in range(1, 17)]
+        excess = [self.prefill_seconds(self.chunk, p) / base - 1.0 for p in prefixes]
+        slope = sum(p * e for p, e in zip(prefixes, excess, strict=True)) / sum(
+            p * p for p in prefixes
+        )
+        return int(1.0 / slope) if slope > 0 else self.max_context * 1000
+
     def decode_concurrency(self, *, context: float = 8192.0) -> int:
         """The profiled ``capacity.decodeConcurrency`` of one instance: requests per rank up
         to the batch whose decode step takes twice a lone request's, times the ranks.

@@ -86,12 +86,16 @@ class Scenario:
                 "engine": {
                     "gpusPerInstance": p.gpus_per_instance,
                     "tensorParallelSize": p.gpus_per_instance,
+                    "extraArgs": ["--enable-dp-attention", "--dp-size", str(p.ranks)]
+                    if p.ranks > 1
+                    else [],
                 },
                 "gpuBudget": p.gpus_per_instance * self.instances,
                 "roles": {"prefill": {"min": 1}, "decode": {"min": 1}},
                 "forecast": {"horizonSeconds": self.horizon, "injection": injection},
                 "capacity": {
                     "prefillTokensPerSecond": p.prefill_tokens_per_second,
+                    "prefillCostDoublingTokens": p.prefill_cost_doubling_tokens(),
                     "decodeKvTokens": p.usable_kv_tokens(),
                     "decodeConcurrency": p.decode_concurrency(),
                 },
