@@ -97,9 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("task")
     ap.add_argument("staleness", type=int)
     ap.add_argument("--at", default="300,1000,2000", help="two-phase switch times, seconds")
+    ap.add_argument("--steps", type=int, default=3, help="training steps (the benchmark's 3)")
+    ap.add_argument("--groups", type=int, default=None, help="groups per step (task default)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
-    scenario = Scenario(model=args.model, task=args.task, staleness=args.staleness)
+    scenario = Scenario(
+        model=args.model,
+        task=args.task,
+        staleness=args.staleness,
+        steps=args.steps,
+        groups_per_step=args.groups,
+    )
     n = scenario.instances
     plans = [Plan(k, k) for k in range(1, n)]
     for t in (float(x) for x in args.at.split(",") if x):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,22 @@ def test_best_static_is_the_fastest_split_and_dnf_is_infinite() -> None:
     assert row.best_static == 3 and row.makespan["best-static"] == 40.0
     assert row.speedup("colocation", over="best-static") == 0.5
     assert rollout._num(math.inf) == "DNF"
+
+
+def test_schedule_bound_script_ranks_schedules_against_the_best_static_split() -> None:
+    root = Path(__file__).resolve().parents[1]
+    script = str(root / "scripts/schedule_bound.py")
+    setting = ["qwen3-235b", "general", "2", "--steps", "2", "--groups", "1"]
+    out = subprocess.run(
+        [sys.executable, script, *setting, "--at", "", "--workers", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "[91/91]" in out.stderr  # progress: 7 static splits and 84 burst schedules
+    head, *ranked = out.stdout.strip().splitlines()
+    best_static = float(head.split("best static ")[1].split(" s")[0])
+    times = [float(line.split()[0]) for line in ranked]
+    assert len(times) == 8 and times == sorted(times)
+    assert times[0] <= best_static  # the static splits are among the schedules
