@@ -314,7 +314,8 @@ def rows() -> list[tuple[str, list[Any]]]:
             "Demand vs capacity, in instances",
             "Demand by role in instances (prefill W_P/(S·θ_P), decode (K_D+K̂_D)/C_KV), "
             "the same averaged over switching.smoothingSeconds (planned: what the split is "
-            "sized for), against the instances serving that role.",
+            "sized for; prefill never below the prefix-cache floor, the instances whose "
+            "caches hold every live context), against the instances serving that role.",
             [
                 q(f"prorsa_demand_instances{{{SEL}}}", f"{by_cluster} {{{{role}}}} demand", "A"),
                 q(
@@ -326,6 +327,11 @@ def rows() -> list[tuple[str, list[Any]]]:
                     f"prorsa_planned_demand_instances{{{SEL}}}",
                     f"{by_cluster} {{{{role}}}} planned",
                     "C",
+                ),
+                q(
+                    f"prorsa_prefix_cache_floor_instances{{{SEL}}}",
+                    f"{by_cluster} prefill prefix-cache floor",
+                    "D",
                 ),
             ],
             dashed=".* capacity$",

@@ -480,3 +480,31 @@ def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
     flat = demand({})
     assert flat > 0
     assert demand({"prefillCostDoublingTokens": 40_000}) == pytest.approx(1.75 * flat, rel=0.02)
+
+
+def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) -> None:
+    # 24 trajectories of 100k-token contexts are decoding and will come back with them as
+    # prefixes: 2.4M tokens over 0.8 of a 1M-token prefill cache is 3 instances. Decode is
+    # busy (5.4 of 6 instances) and prefill idle, so Eq. 1 alone would leave one prefill
+    # instance and every returning turn would recompute its whole context.
+    def target(capacity: dict[str, int]) -> tuple[int, str]:
+        spec = make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000} | capacity,
+            switching=PER_HORIZON | {"maxConcurrent": 8, "holdMargin": 0.0},
+        )
+        c = Controller(spec)
+        for i in range(24):
+            log("request_queued", f"long{i}", 1.0, prompt_tokens=100_000, turn=0)
+            log("prefill_started", f"long{i}", 1.0, instance="c-engine-0")
+            log("prefill_finished", f"long{i}", 2.0, instance="c-engine-0")
+        c.observe(log.take())
+        busy = {f"c-engine-{i}": {"kvUsedTokens": 900_000} for i in range(2, 8)}
+        c.observe_engines(engines(2, 6, **busy))
+        d = c.tick(20.0)
+        return d.target.prefill, d.reason
+
+    floor, why = target({})
+    assert floor == 3 and "prefix caches of 3.00 prefill instances" in why
+    assert target({"prefillCacheTokens": 0})[0] == 1  # the floor switched off
+    assert target({"prefillCacheTokens": 6_000_000})[0] == 1  # a cache tier that holds them

@@ -303,6 +303,7 @@ def fill(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
             kv_now=900_000,
             planned=(0.8, 3.9),
             cache_hit_ratio=0.9,
+            cache_floor=0.6,
         )
         for role, count in {"prefill": 3, "decode": 4, "switching": 1, "unavailable": 0}.items():
             operator.instances.labels(ns, name, role).set(count)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import typing
 
@@ -11,6 +12,7 @@ from prorsa import events as ev
 from prorsa.controller import Controller
 from prorsa.engine_state import EngineState
 from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, Request
+from prorsa.sim.loop import SimulationError
 from prorsa.sim.policies import (
     Colocation,
     Oracle,
@@ -131,6 +133,21 @@ def test_oracle_knows_when_decoding_trajectories_come_back_from_their_tools() ->
     # the tool returns already under way, it measured 40-60% WAPE).
     result = simulate(scenario(groups_per_step=4), Oracle())
     assert result.wape_prefill is not None and result.wape_prefill < 0.15
+
+
+def test_oracle_keeps_the_controllers_prefix_cache_floor() -> None:
+    sim = Simulation(scenario(task="coding"), Oracle())
+    sim.policy.attach(sim)
+    sim.trainer.start()
+    with contextlib.suppress(SimulationError):  # stop the clock two minutes in
+        sim.loop.run(until=120.0)
+    returning = [t for t in sim.trainer.live.values() if t.state in ("ready", "decode", "tool")]
+    assert returning
+    need = sum(t.context for t in returning) + sum(
+        t.context for t in sim.trainer.live.values() if t.state == "prefill"
+    )
+    floor = sim.policy.cache_demand()  # type: ignore[attr-defined]
+    assert floor == pytest.approx(need / (0.8 * sim.profile.kv_capacity))
 
 
 def test_colocation_and_static_roles() -> None:

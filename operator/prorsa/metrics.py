@@ -79,6 +79,14 @@ class OperatorMetrics:
             [*_CLUSTER, "role"],
             registry=r,
         )
+        self.cache_floor = Gauge(
+            "prorsa_prefix_cache_floor_instances",
+            "Prefill instances whose prefix caches hold the contexts of every live "
+            "trajectory, averaged over switching.smoothingSeconds: the planned prefill "
+            "demand is never below it.",
+            _CLUSTER,
+            registry=r,
+        )
         self.margin = Gauge(
             "prorsa_safety_margin",
             "Shared safety margin δ of Eq. 1 (negative: demand over budget).",
@@ -153,6 +161,7 @@ class OperatorMetrics:
         kv_now: float,
         planned: tuple[float, float] | None = None,
         cache_hit_ratio: float | None = None,
+        cache_floor: float | None = None,
     ) -> None:
         key = (namespace, cluster)
         f = decision.forecast
@@ -173,6 +182,8 @@ class OperatorMetrics:
         self.planned.labels(*key, "decode").set(plan_d)
         if cache_hit_ratio is not None:
             self.cache_hit.labels(*key).set(cache_hit_ratio)
+        if cache_floor is not None:
+            self.cache_floor.labels(*key).set(cache_floor)
         self.margin.labels(*key).set(decision.safety_margin)
         for mode in ("predictive", "reactive"):
             self.mode.labels(*key, mode).set(1.0 if decision.mode == mode else 0.0)

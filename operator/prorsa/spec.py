@@ -157,6 +157,15 @@ class CapacitySpec(_Spec):
         "steps slow the rollout's tail (profiled). When set, decode demand is the larger of "
         "its KV footprint (Eq. 1) and its request count over this; unset: KV only.",
     )
+    prefill_cache_tokens: NonNegInt | None = Field(
+        None,
+        alias="prefillCacheTokens",
+        description="Prefix-cache capacity of one prefill instance in tokens. The prefill "
+        "side is never sized below the instances whose caches hold the contexts of every "
+        "live trajectory (past it each turn recomputes its whole context). Unset: the "
+        "prefill engines' reported KV capacity; 0: no such floor (e.g. with a host-memory "
+        "cache tier).",
+    )
 
 
 class SwitchingSpec(_Spec):

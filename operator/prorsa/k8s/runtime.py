@@ -353,6 +353,7 @@ class ClusterRuntime:
             kv_now=controller.last_kv_now,
             planned=controller.last_planned,
             cache_hit_ratio=None if miss is None else 1.0 - miss,
+            cache_floor=controller.last_cache_demand,
         )
         acc = controller.accuracy()
         for kind, value in (("prefill", acc["prefillWape"]), ("decode", acc["decodeWape"])):

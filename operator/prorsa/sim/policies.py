@@ -275,6 +275,7 @@ class Oracle(_Planned):
         from prorsa.allocate import DemandSmoother
 
         self.smoother = DemandSmoother(seconds=sw.smoothing_seconds)
+        self.cache_smoother = DemandSmoother(seconds=sw.smoothing_seconds)
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
@@ -367,6 +368,19 @@ class Oracle(_Planned):
         b = max((k_d + admitted) / self.kv_capacity, decoding / self.concurrency)
         return a, b, prefill_tokens, admitted
 
+    def cache_demand(self) -> float:
+        """The Controller's prefix-cache floor on the true contexts of live trajectories."""
+        from prorsa.controller import CACHE_FILL
+
+        sim = self.sim
+        per = sim.spec.capacity.prefill_cache_tokens
+        per = sim.profile.kv_capacity if per is None else per
+        if per <= 0:
+            return 0.0
+        returning = ("ready", "prefill", "decode", "tool")
+        ctx = sum(t.context for t in sim.trainer.live.values() if t.state in returning)
+        return ctx / (CACHE_FILL * per)
+
     def _after_decode(
         self, t: Trajectory, now: float
     ) -> tuple[tuple[float, int] | None, float | None]:
@@ -401,6 +415,7 @@ class Oracle(_Planned):
         a, b, w_p, adm = self.demand(now)
         sim.record_prediction(now, prefill=w_p, decode=adm)
         a, b = self.smoother.update(now, a, b)
+        a = max(a, self.cache_smoother.update(now, self.cache_demand(), 0)[0])
         cl = sim.cluster
         n = sim.scenario.instances
         m = sim.profile.gpus_per_instance
