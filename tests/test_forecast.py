@@ -215,6 +215,22 @@ def test_eq11_tool_arrivals_within_horizon(log) -> None:
 # -- Eq. 13–14: decode admissions --------------------------------------------------------------
 
 
+def one_idle_instance(**overrides: object) -> dict[str, object]:
+    """Eq. 13 inputs: one idle instance at 1 ms per token, S = 10, no arrivals."""
+    return {
+        "now": 0.0,
+        "horizon": 10.0,
+        "instances": 1,
+        "inflight_instance": np.empty(0, dtype=int),
+        "inflight_finish": np.empty(0),
+        "inflight_x": np.empty(0),
+        "arrival_u": np.empty(0),
+        "arrival_x": np.empty(0),
+        "arrival_w": np.empty(0),
+        "seconds_per_token": 1e-3,
+    } | overrides
+
+
 def test_eq13_serial_recurrence_by_hand() -> None:
     # θ = 1000 tok/s so g(x) = x/1000 s; two instances; now = 0; S = 10.
     # In flight: 2000 tokens on instance 0, finishing at 3 -> v = [3, 0]; counted (3 < 10).
@@ -242,18 +258,7 @@ def test_eq13_charges_each_request_its_computed_tokens_when_given() -> None:
     # are cached (computes 1k: b = 1 s, admitted), then a 20k-token resend that computes
     # everything (b = 21 s, not). Charged full prompts (x / θ_P), the turn alone would take
     # 12 s and nothing would be admitted within the horizon.
-    common = {
-        "now": 0.0,
-        "horizon": 10.0,
-        "instances": 1,
-        "inflight_instance": np.empty(0, dtype=int),
-        "inflight_finish": np.empty(0),
-        "inflight_x": np.empty(0),
-        "arrival_u": np.empty(0),
-        "arrival_x": np.empty(0),
-        "arrival_w": np.empty(0),
-        "seconds_per_token": 1e-3,
-    }
+    common = one_idle_instance()
     cached_turn_first = predict_admissions(
         queued_x=np.array([12_000.0, 20_000.0]),
         queued_work=np.array([1_000.0, 20_000.0]),
@@ -367,19 +372,7 @@ def test_eq13_with_attention_dp_each_request_runs_on_one_rank() -> None:
     # token. Four 2k prompts run side by side and end at 8 s (inside S = 10); a 4k prompt
     # queued behind them would end at 24 s. On one fast server they would end at 2, 4, 6
     # and 8 s, and the 4k one at 12 s.
-    common = {
-        "now": 0.0,
-        "horizon": 10.0,
-        "instances": 1,
-        "inflight_instance": np.empty(0, dtype=int),
-        "inflight_finish": np.empty(0),
-        "inflight_x": np.empty(0),
-        "queued_x": np.array([2_000.0] * 4 + [4_000.0]),
-        "arrival_u": np.empty(0),
-        "arrival_x": np.empty(0),
-        "arrival_w": np.empty(0),
-        "seconds_per_token": 1e-3,
-    }
+    common = one_idle_instance(queued_x=np.array([2_000.0] * 4 + [4_000.0]))
     ranks = predict_admissions(ranks=4, **common)  # type: ignore[arg-type]
     assert (ranks.tokens, ranks.requests) == (8_000.0, 4.0)
     one = predict_admissions(**common)  # type: ignore[arg-type]
