@@ -145,6 +145,7 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
         capacity={
             "prefillTokensPerSecond": m.prefill_tokens_per_second,
             "decodeKvTokens": m.kv_tokens,
+            "prefillCacheTokens": 0,  # the engine doubles keep no prefix cache
         },
         switching={
             "mode": "Auto",

@@ -65,7 +65,12 @@ def cluster_manifest(
         },
         "gpuBudget": 32,
         "roles": {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
-        "capacity": {"prefillTokensPerSecond": 10_000, "decodeKvTokens": 20_000},
+        # The engine double keeps no prefix cache: no prefix-cache floor on prefill.
+        "capacity": {
+            "prefillTokensPerSecond": 10_000,
+            "decodeKvTokens": 20_000,
+            "prefillCacheTokens": 0,
+        },
         "switching": {
             "mode": "Auto",
             "cooldownSeconds": 0,
