@@ -159,7 +159,7 @@ def keep_split(
 
 
 class DemandSmoother:
-    """Exponentially weighted means of the two demands (a, b): what the split is sized for.
+    """Exponentially weighted means of the demands (a, b, ...): what the split is sized for.
 
     A role switch costs more than its 5 s: the instance's prefix cache is flushed, so the
     trajectories it served re-prefill their whole context, and decodes still running at the
@@ -168,34 +168,36 @@ class DemandSmoother:
     is therefore better served by the split that fits its average over ``seconds`` than by
     chasing each horizon. Each tick's demand weighs exp(−age/seconds); the weights are
     normalised, so the first ticks average what has been seen instead of being pulled
-    toward zero. ``seconds`` = 0 passes each tick's demand through unchanged.
+    toward zero. ``seconds`` = 0 passes each tick's demand through unchanged. Every tick
+    passes the same number of values, each smoothed on its own with the same weights.
     """
 
-    __slots__ = ("_at", "_sum_a", "_sum_b", "_weight", "seconds")
+    __slots__ = ("_at", "_sums", "_weight", "seconds")
 
     def __init__(self, *, seconds: float) -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"smoothing seconds must be finite and >= 0, got {seconds}")
         self.seconds = seconds
         self._at: float | None = None
-        self._sum_a = self._sum_b = self._weight = 0.0
+        self._sums: list[float] = []
+        self._weight = 0.0
 
-    def update(self, now: float, a: float, b: float) -> tuple[float, float]:
-        """Fold in this tick's demands; returns the smoothed (a, b)."""
+    def update(self, now: float, *values: float) -> tuple[float, ...]:
+        """Fold in this tick's demands; returns them smoothed, in the same order."""
         if self.seconds == 0:
-            return a, b
+            return values
         decay = 1.0 if self._at is None else math.exp(-max(now - self._at, 0.0) / self.seconds)
-        self._sum_a = decay * self._sum_a + a
-        self._sum_b = decay * self._sum_b + b
+        sums = self._sums or [0.0] * len(values)
+        self._sums = [decay * s + v for s, v in zip(sums, values, strict=True)]
         self._weight = decay * self._weight + 1.0
         self._at = now
         return self.value
 
     @property
-    def value(self) -> tuple[float, float]:
+    def value(self) -> tuple[float, ...]:
         if self._weight == 0:
-            return 0.0, 0.0
-        return self._sum_a / self._weight, self._sum_b / self._weight
+            return tuple(0.0 for _ in self._sums)
+        return tuple(s / self._weight for s in self._sums)
 
 
 class PrefixCacheHits:

@@ -86,7 +86,6 @@ class Controller:
         self._prefilled_seen = 0.0
         self.last_miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
-        self.cache_smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
         self._expected_seen = 0.0
         self.last_calibration: float | None = None
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
@@ -228,10 +227,10 @@ class Controller:
         demand = self._demand(now, k_d=k_d, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
         self.last_demand = (demand.a, demand.b)
         # The split is sized for the smoothed demand; the Decision still reports this tick's.
-        a, b = self.smoother.update(now, demand.a, demand.b)
-        # The prefix-cache floor, averaged like the demands: a burst of new trajectories
-        # that is gone a minute later does not flip roles either.
-        self.last_cache_demand = cache = self.cache_smoother.update(now, self._cache_demand(), 0)[0]
+        # The prefix-cache floor is averaged the same way: a burst of new trajectories that
+        # is gone a minute later does not flip roles either.
+        a, b, cache = self.smoother.update(now, demand.a, demand.b, self._cache_demand())
+        self.last_cache_demand = cache
         a = max(a, cache)
         self.last_planned = (a, b)
 
@@ -385,23 +384,18 @@ class Controller:
         fresh = last is not None and now - last <= STALE_HORIZONS * S
         if fresh:
             names = tuple(prefill_names)  # type: ignore[call-overload]
+            # g of Eq. 13 per request, once the agents count computed tokens: its expected
+            # computed tokens at the profiled speed, calibrated against what the engines
+            # really computed; before, its full prompt at θ_P.
             k = self.last_calibration
-            if k is not None:
-                # g of Eq. 13 per request: its expected computed tokens at the profiled
-                # speed, calibrated against what the engines really computed.
-                site = PrefillSite(
-                    names=names,
-                    seconds_per_token=k / self.spec.capacity.prefill_tokens_per_second,
-                    per_computed_token=True,
-                    doubling_tokens=self.spec.capacity.prefill_cost_doubling_tokens,
-                    ranks=self.spec.engine.attention_dp_size,
-                )
-            else:
-                site = PrefillSite(
-                    names=names,
-                    seconds_per_token=1.0 / theta,
-                    ranks=self.spec.engine.attention_dp_size,
-                )
+            cap = self.spec.capacity
+            site = PrefillSite(
+                names=names,
+                seconds_per_token=1.0 / theta if k is None else k / cap.prefill_tokens_per_second,
+                per_computed_token=k is not None,
+                doubling_tokens=cap.prefill_cost_doubling_tokens,
+                ranks=self.spec.engine.attention_dp_size,
+            )
             f = self.forecaster.forecast(self.table, now=now, site=site)
             self.last_forecast = f
             kv = k_d + f.admission_kv

@@ -63,21 +63,15 @@ def predict_admissions(
     tokens = float(inflight_x[done].sum())
     requests = float(done.sum())
     pinned = inflight_instance >= 0
-    if ranks == 1:
-        v = np.full(instances, now)
-        if pinned.any():
-            idx = np.minimum(inflight_instance[pinned], instances - 1)
-            np.maximum.at(v, idx, np.maximum(inflight_finish[pinned], now))
-        free_at = v.tolist()
-    else:
-        # Each in-flight request takes the rank of its instance that is free soonest.
-        free_at = [now] * servers
-        order = np.argsort(inflight_finish[pinned], kind="stable")
-        where = np.minimum(inflight_instance[pinned][order], instances - 1).tolist()
-        for m, finish in zip(where, inflight_finish[pinned][order].tolist(), strict=True):
-            base = m * ranks
-            r = min(range(base, base + ranks), key=free_at.__getitem__)
-            free_at[r] = max(free_at[r], finish)
+    # Each in-flight request holds the rank of its instance that frees soonest; taken in
+    # finish order, an instance's ranks end up free at its `ranks` latest finishes.
+    free = np.full((instances, ranks), now)
+    where = np.minimum(inflight_instance[pinned], instances - 1)
+    finishes = np.maximum(inflight_finish[pinned], now)
+    for m in np.unique(where).tolist():
+        latest = np.sort(finishes[where == m])[-ranks:]
+        free[m, : len(latest)] = latest
+    free_at = free.ravel().tolist()
     # In-flight requests with no known instance occupy the least-loaded server.
     for finish in np.sort(inflight_finish[~pinned]).tolist():
         m = min(range(servers), key=free_at.__getitem__)

@@ -329,7 +329,6 @@ class Forecaster:
         arr_c: list[np.ndarray] = []
         cached = col["cached"][:n]
         doubling = site.doubling_tokens
-        zero = 0.0
 
         # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
         d_hat = max(self.dispatch_delay.value, 0.0)
@@ -347,7 +346,7 @@ class Forecaster:
                 arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
                 arr_x.append(np.full(k, xhat))
                 arr_w.append(np.full(k, launches / k))
-                arr_c.append(prefill_work(np.full(k, xhat), zero, doubling))
+                arr_c.append(prefill_work(np.full(k, xhat), 0.0, doubling))
             elif len(rew):
                 tasks = task[rew].astype(np.int64)
                 q, res = self._conditional(
@@ -361,7 +360,7 @@ class Forecaster:
                     arr_u.append(now + res + d_hat)
                     arr_x.append(xhat)
                     arr_w.append(w)
-                    arr_c.append(prefill_work(xhat, zero, doubling))
+                    arr_c.append(prefill_work(xhat, 0.0, doubling))
                 else:  # groupReplenish: a group of groupSize per group whose members all end
                     launches, w_samp = self._group_replenish(
                         table,
@@ -397,7 +396,7 @@ class Forecaster:
             arr_u.append(now + res)
             arr_x.append(xs)
             arr_w.append(q)
-            arr_c.append(prefill_work(xs, zero, doubling))
+            arr_c.append(prefill_work(xs, 0.0, doubling))
 
         # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
         ready_idx = np.flatnonzero(state == READY)
@@ -566,5 +565,5 @@ class Forecaster:
         xs.append(xbar[sel])
         ws.append(k * p_group[sel])
         # New samples: nothing of theirs is cached yet.
-        computed.append(prefill_work(xbar[sel], np.zeros(len(sel)), doubling))
+        computed.append(prefill_work(xbar[sel], 0.0, doubling))
         return launches, tokens

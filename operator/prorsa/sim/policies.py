@@ -275,7 +275,6 @@ class Oracle(_Planned):
         from prorsa.allocate import DemandSmoother
 
         self.smoother = DemandSmoother(seconds=sw.smoothing_seconds)
-        self.cache_smoother = DemandSmoother(seconds=sw.smoothing_seconds)
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
@@ -414,8 +413,8 @@ class Oracle(_Planned):
         sim = self.sim
         a, b, w_p, adm = self.demand(now)
         sim.record_prediction(now, prefill=w_p, decode=adm)
-        a, b = self.smoother.update(now, a, b)
-        a = max(a, self.cache_smoother.update(now, self.cache_demand(), 0)[0])
+        a, b, cache = self.smoother.update(now, a, b, self.cache_demand())
+        a = max(a, cache)
         cl = sim.cluster
         n = sim.scenario.instances
         m = sim.profile.gpus_per_instance
