@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -30,11 +31,12 @@ from prorsa.allocate import (
 )
 from prorsa.decision import Capacity, Components, Decision, Forecast, Switch, Target
 from prorsa.engine_state import EngineState, Role
-from prorsa.events import Event, Snapshot
+from prorsa.events import DecodeFinished, Event, Snapshot
 from prorsa.forecast.model import ForecastConfig, Forecaster, ForecastResult, PrefillSite
 from prorsa.forecast.persist import export_state, restore_state
 from prorsa.forecast.table import DECODE, PREFILL, READY, TOOL, ApplyResult, TrajectoryTable
 from prorsa.spec import RolloutClusterSpec
+from prorsa.switch_cost import Move, SwitchCosts, price_move
 
 # C_KV when neither the spec nor any engine says (≈ an 8×H200 Qwen3-235B instance).
 DEFAULT_KV_TOKENS = 1_300_000
@@ -46,20 +48,53 @@ MIN_MISS_RATIO = 0.02  # θ_P is never read as more than 50× the uncached speed
 CACHE_FILL = 0.8
 
 
-@dataclass(frozen=True, slots=True)
-class _Demand:
-    mode: str
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Demand:
+    """One horizon's demand in instances, the a and b of Eq. 1, from a demand source."""
+
+    mode: Literal["predictive", "reactive"]
     a: float  # prefill demand in instances: W_P / (S·θ_P)
     b: float  # decode demand in instances: (K_D + K̂_D) / C_KV
     forecast: Forecast
-    note: str
+    note: str = ""
+    # Prefill instances whose caches hold every live context; None: the Controller's own.
+    cache: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemandInputs:
+    """What the Controller measured this tick, for the demand source to build on."""
+
+    now: float
+    kv_now: float  # K_D: decode KV in use and waiting for admission
+    theta: float  # θ_P in full-prompt tokens per instance-second
+    kv_capacity: int  # C_KV
+    prefill_names: tuple[str, ...]  # prefill instances serving now (routing targets)
+
+
+class DemandSource(Protocol):
+    """Where the demand of the next horizon comes from.
+
+    The Controller's own source is the forecast of Appendix B (or engine queues when the
+    trainer is silent). The simulator's oracle plugs in the true demand instead, so that
+    everything else (smoothing, Eq. 1, switch pricing, instance choice) is the same code.
+    """
+
+    def __call__(self, controller: Controller, inputs: DemandInputs) -> Demand: ...
 
 
 class Controller:
     """Forecast (Appendix B), allocate (Eq. 1) and plan switches (Appendix C)."""
 
-    def __init__(self, spec: RolloutClusterSpec, *, ttl_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        spec: RolloutClusterSpec,
+        *,
+        ttl_seconds: float | None = None,
+        demand_source: DemandSource | None = None,
+    ) -> None:
         self.spec = spec
+        self.demand_source: DemandSource = demand_source or forecast_demand
         f = spec.forecast
         self.horizon = f.horizon_seconds
         self.forecaster = Forecaster(
@@ -94,6 +129,8 @@ class Controller:
         self._issued: dict[str, Role] = {}
         self._cooldown_until: dict[str, float] = {}
         self._assumed_prefill = spec.initial_prefill()
+        self.switch_costs = SwitchCosts()
+        self.last_moves: tuple[Move, ...] = ()  # the moves priced at the last tick
         self.last_decision: Decision | None = None
         self.last_forecast: ForecastResult | None = None
         # The last tick's demand in instances (a, b of Eq. 1) and K_D, for metrics.
@@ -107,7 +144,19 @@ class Controller:
 
     def observe(self, events: Iterable[Event]) -> ApplyResult:
         """Apply a validated batch of lifecycle events (idempotent per event id)."""
-        return self.table.apply(events)
+        if not self.switch_costs.in_progress:
+            return self.table.apply(events)
+        batch = events if isinstance(events, list) else list(events)
+        # Decodes aborted while a switch drains: their contexts are prefilled again, which
+        # is part of what that switch cost (read before the table forgets their context).
+        aborted = sum(
+            self.table.context_of(e.trajectory) or 0.0
+            for e in batch
+            if isinstance(e, DecodeFinished) and e.finish == "abort"
+        )
+        if aborted:
+            self.switch_costs.aborted(aborted)
+        return self.table.apply(batch)
 
     def observe_snapshot(self, snapshot: Snapshot) -> None:
         """Replace the trajectory table with the trainer's resync snapshot."""
@@ -156,6 +205,7 @@ class Controller:
     def record_switch(self, instance: str, *, to: Role, at: float, ok: bool) -> None:
         """The executor finished (or gave up on) a switch: start the instance's cooldown."""
         self._issued.pop(instance, None)
+        self.switch_costs.finished(instance, at=at)
         cooldown = self.spec.switching.cooldown_seconds
         self._cooldown_until[instance] = at + cooldown
 
@@ -222,17 +272,23 @@ class Controller:
         budget = spec.gpu_budget - m_d * roles["unavailable"]
         theta = self._theta_now(now)
         c_kv = self._kv_capacity()
-        capacity = Capacity(prefillTokensPerSecond=round(theta, 3), decodeKvTokens=c_kv)
+        capacity = Capacity(prefill_tokens_per_second=round(theta, 3), decode_kv_tokens=c_kv)
         self.last_kv_now = k_d = self._decode_kv_now()
-        demand = self._demand(now, k_d=k_d, theta=theta, c_kv=c_kv, prefill_names=roles["names"])
+        inputs = DemandInputs(
+            now=now, kv_now=k_d, theta=theta, kv_capacity=c_kv, prefill_names=roles["names"]
+        )
+        demand = self.demand_source(self, inputs)
         self.last_demand = (demand.a, demand.b)
-        # The split is sized for the smoothed demand; the Decision still reports this tick's.
+        cache_now = demand.cache if demand.cache is not None else self._cache_demand()
+        # The split is sized for the demand expected to persist (smoothed); switches are
+        # priced on this tick's demand for the coming horizon and the smoothed one beyond.
         # The prefix-cache floor is averaged the same way: a burst of new trajectories that
         # is gone a minute later does not flip roles either.
-        a, b, cache = self.smoother.update(now, demand.a, demand.b, self._cache_demand())
+        a, b, cache = self.smoother.update(now, demand.a, demand.b, cache_now)
         self.last_cache_demand = cache
         a = max(a, cache)
         self.last_planned = (a, b)
+        now_demand = (max(demand.a, cache), demand.b)
 
         min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
         min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
@@ -261,7 +317,20 @@ class Controller:
                 if ratio > 0
                 else "over budget: a role with demand has no instance"
             )
-        switches = self._plan_switches(target, cur_p, now=now)
+        forced = cur_p < min_p or cur_d < min_d
+        switches, moves = self._plan_switches(
+            target, (cur_p, cur_d), now=now, now_demand=now_demand, ahead=(a, b), forced=forced
+        )
+        self.last_moves = tuple(moves)
+        made = [m for m in moves if m.worth_it or forced]
+        if made:
+            notes.append("switching: " + "; ".join(m.describe() for m in made))
+        if len(made) < len(moves):
+            # The next move does not pay for itself: aim where the made ones lead.
+            notes.append("holding: " + moves[len(made)].describe())
+            step = 1 if target.prefill > cur_p else -1
+            reached = cur_p + step * len(made)
+            target = Target(prefill=reached, decode=cur_p + cur_d - reached)
         if not self._engines:
             self._assumed_prefill = target.prefill
         margin = margin_of(target.prefill, target.decode, a, b)
@@ -278,9 +347,9 @@ class Controller:
             reason += "; " + "; ".join(notes)
         decision = Decision(
             at=now,
-            mode=demand.mode,  # type: ignore[arg-type]
+            mode=demand.mode,
             target=target,
-            safetyMargin=round(margin, 4),
+            safety_margin=round(margin, 4),
             forecast=demand.forecast,
             capacity=capacity,
             switches=tuple(switches),
@@ -376,21 +445,24 @@ class Controller:
             return float(sum(s.running_requests + s.waiting_requests for s in decode))
         return float(self.table.counts[DECODE])
 
-    def _demand(
-        self, now: float, *, k_d: float, theta: float, c_kv: int, prefill_names: object
-    ) -> _Demand:
+    def forecast_demand(self, inputs: DemandInputs) -> Demand:
+        """The Controller's own demand source: Appendix B's forecast, or engine queues.
+
+        Predictive while the trainer's events are fresh; reactive (engine queues and KV
+        only) when it has been silent for ``STALE_HORIZONS`` horizons or never spoke.
+        """
+        now, k_d, theta, c_kv = inputs.now, inputs.kv_now, inputs.theta, inputs.kv_capacity
         S = self.horizon
         last = self.table.last_event_ts
-        fresh = last is not None and now - last <= STALE_HORIZONS * S
-        if fresh:
-            names = tuple(prefill_names)  # type: ignore[call-overload]
+        conc = self.spec.capacity.decode_concurrency
+        if last is not None and now - last <= STALE_HORIZONS * S:
             # g of Eq. 13 per request, once the agents count computed tokens: its expected
             # computed tokens at the profiled speed, calibrated against what the engines
             # really computed; before, its full prompt at θ_P.
             k = self.last_calibration
             cap = self.spec.capacity
             site = PrefillSite(
-                names=names,
+                names=inputs.prefill_names,
                 seconds_per_token=1.0 / theta if k is None else k / cap.prefill_tokens_per_second,
                 per_computed_token=k is not None,
                 doubling_tokens=cap.prefill_cost_doubling_tokens,
@@ -400,7 +472,6 @@ class Controller:
             self.last_forecast = f
             kv = k_d + f.admission_kv
             b = kv / c_kv
-            conc = self.spec.capacity.decode_concurrency
             if conc:
                 b = max(b, (self._decoding_now() + f.admission_requests) / conc)
             self.forecaster.accuracy.register(
@@ -413,9 +484,9 @@ class Controller:
                 predicted_admission=f.admission,
             )
             forecast = Forecast(
-                prefillTokens=round(f.prefill),
-                decodeAdmissionTokens=round(f.admission),
-                decodeKvTokens=round(kv),
+                prefill_tokens=round(f.prefill),
+                decode_admission_tokens=round(f.admission),
+                decode_kv_tokens=round(kv),
                 components=Components(
                     sampler=round(f.sampler),
                     startup=round(f.startup),
@@ -426,26 +497,25 @@ class Controller:
             )
             # W_P / θ_P with θ_P of this horizon's prompts: each is charged its own g
             # (the tokens it computes and what attention makes them cost).
-            return _Demand("predictive", f.prefill_seconds / S, b, forecast, "")
-        # Reactive: trainer silent or never integrated; engine queues and KV only.
+            return Demand(mode="predictive", a=f.prefill_seconds / S, b=b, forecast=forecast)
         why = "no trainer events" if last is None else f"trainer silent for {now - last:.0f}s"
         if not self._engines:
-            return _Demand("reactive", 0.0, 0.0, Forecast(), f"{why} and no engine states")
+            note = f"{why} and no engine states"
+            return Demand(mode="reactive", a=0.0, b=0.0, forecast=Forecast(), note=note)
         waiting = float(
             sum(s.waiting_tokens for s in self._engines.values() if s.role == "prefill")
         )
-        kv = k_d
-        b = kv / c_kv
-        conc = self.spec.capacity.decode_concurrency
+        b = k_d / c_kv
         if conc:
             b = max(b, self._decoding_now() / conc)
         forecast = Forecast(
-            prefillTokens=round(waiting),
-            decodeAdmissionTokens=0,
-            decodeKvTokens=round(kv),
+            prefill_tokens=round(waiting),
+            decode_admission_tokens=0,
+            decode_kv_tokens=round(k_d),
             components=Components(ready=round(waiting)),
         )
-        return _Demand("reactive", waiting / (S * theta), b, forecast, f"reactive: {why}")
+        a = waiting / (S * theta)
+        return Demand(mode="reactive", a=a, b=b, forecast=forecast, note=f"reactive: {why}")
 
     def _hysteresis(
         self,
@@ -473,15 +543,29 @@ class Controller:
             return Target(prefill=cur_p, decode=cur_d), why
         return Target(prefill=best.prefill, decode=best.decode), ""
 
-    def _plan_switches(self, target: Target, cur_p: int, *, now: float) -> list[Switch]:
-        """Appendix C step 1: least-loaded eligible instances, within maxConcurrent."""
-        need = target.prefill - cur_p
+    def _plan_switches(
+        self,
+        target: Target,
+        current: tuple[int, int],
+        *,
+        now: float,
+        now_demand: tuple[float, float],
+        ahead: tuple[float, float],
+        forced: bool,
+    ) -> tuple[list[Switch], list[Move]]:
+        """Appendix C step 1, priced: the cheapest eligible instances, while worth it.
+
+        Each move toward the target is one instance; it is made when what it saves over
+        ``switching.payoffSeconds`` exceeds what the switch costs (see
+        :mod:`prorsa.switch_cost`). Restoring a role minimum is never priced.
+        """
+        need = target.prefill - current[0]
         if not need or not self._engines:
-            return []
+            return [], []
         in_progress = sum(1 for s in self._engines.values() if s.switching)
         slots = self.spec.switching.max_concurrent - in_progress
         if slots <= 0:
-            return []
+            return [], []
         src: Role = "decode" if need > 0 else "prefill"
         dst: Role = "prefill" if need > 0 else "decode"
         eligible = [
@@ -492,26 +576,73 @@ class Controller:
             and not s.switching
             and self._cooldown_until.get(s.instance, -math.inf) <= now
         ]
+        lost = {s.instance: self._lost_tokens(s) for s in eligible}
         if src == "decode":
             eligible.sort(
                 key=lambda s: (
+                    lost[s.instance],
                     s.running_requests + s.waiting_requests,
-                    s.kv_used_tokens,
                     s.instance,
                 )
             )
         else:
             eligible.sort(
                 key=lambda s: (
+                    lost[s.instance],
                     s.waiting_tokens,
                     s.running_requests + s.waiting_requests,
                     s.instance,
                 )
             )
-        chosen = eligible[: min(abs(need), slots)]
-        for s in chosen:
+        sw = self.spec.switching
+        cap = self.spec.capacity
+        per_token = (self.last_calibration or 1.0) / cap.prefill_tokens_per_second
+        switches: list[Switch] = []
+        moves: list[Move] = []
+        split = current
+        for s in eligible[: min(abs(need), slots)]:
+            move = price_move(
+                instance=s.instance,
+                src=src,
+                current=split,
+                now_demand=now_demand,
+                ahead_demand=ahead,
+                horizon=self.horizon,
+                payoff_seconds=sw.payoff_seconds,
+                switch_seconds=self.switch_costs.seconds,
+                lost_tokens=lost[s.instance],
+                prefill_seconds_per_token=per_token,
+            )
+            moves.append(move)
+            if not (forced or move.worth_it):
+                break
             self._issued[s.instance] = dst
-        return [Switch(instance=s.instance, **{"from": src}, to=dst) for s in chosen]
+            self.switch_costs.started(s.instance, at=now, src=src, kv_tokens=s.kv_used_tokens)
+            switches.append(Switch(instance=s.instance, from_=src, to=dst))
+            step = 1 if src == "decode" else -1
+            split = (split[0] + step, split[1] - step)
+        return switches, moves
+
+    def _lost_tokens(self, s: EngineState) -> float:
+        """Prefill tokens a switch of this instance throws away.
+
+        A prefill instance's prefix cache is flushed: the live trajectories whose last
+        prefill ran there recompute their contexts, up to what its cache can hold. A decode
+        instance aborts what still runs at the drain timeout (the measured share of its KV),
+        and those requests prefill their contexts again.
+        """
+        if s.role == "decode":
+            return s.kv_used_tokens * self.switch_costs.abort_share
+        held = self.table.live_context_on(s.instance)
+        per = self.spec.capacity.prefill_cache_tokens
+        if per is None:
+            per = s.kv_capacity_tokens
+        return min(held, CACHE_FILL * per) if per > 0 else held
 
     def engines(self) -> Sequence[EngineState]:
         return tuple(self._engines.values())
+
+
+def forecast_demand(controller: Controller, inputs: DemandInputs) -> Demand:
+    """The default :class:`DemandSource`: the Controller's own forecast."""
+    return controller.forecast_demand(inputs)

@@ -174,23 +174,32 @@ class SwitchingSpec(_Spec):
     max_concurrent: PosInt = Field(1, alias="maxConcurrent")
     drain_timeout_seconds: NonNegFloat = Field(30.0, alias="drainTimeoutSeconds")
     hysteresis: Annotated[float, Field(ge=0, le=10)] = Field(
-        0.5,
+        0.0,
         description="Switch only when the best split's demand/capacity headroom beats the "
         "current split's by this fraction; keeps forecast noise from flapping roles.",
     )
     smoothing_seconds: Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)] = Field(
-        900.0,
+        60.0,
         alias="smoothingSeconds",
         description="The split is sized for the forecast demand averaged (exponentially) "
         "over this many seconds: a switch flushes a prefix cache and aborts decodes, so "
         "minute-scale waves are ridden out rather than chased (0: size for each horizon).",
     )
     hold_margin: Annotated[float, Field(ge=0, le=100)] = Field(
-        0.25,
+        0.0,
         alias="holdMargin",
         description="Keep the current split while it covers the forecast demand of both "
         "roles with at least this safety margin δ: a switch drains and aborts requests, so "
-        "a split that is good enough is not traded for a marginally better one (0: off).",
+        "a split that is good enough is not traded for a marginally better one (0: off; "
+        "the switch pricing of payoffSeconds already holds a split that serves demand).",
+    )
+    payoff_seconds: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = Field(
+        300.0,
+        alias="payoffSeconds",
+        description="A switch must pay for itself within this many seconds: it is made "
+        "only when the rollout time it saves over this horizon (this tick's forecast, then "
+        "the smoothed demand) exceeds what it costs (the measured switch duration, the "
+        "prefix cache it flushes and the decodes it aborts).",
     )
 
 

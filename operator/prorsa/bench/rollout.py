@@ -20,12 +20,16 @@ from typing import Any
 
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
 
-# Paper §5.2 (shared/notes/performance.md): Prorsa over PD colocation.
-PAPER_AGENTIC = (1.11, 4.05)
-PAPER_DEEPSEEK_CODING = (2.54, 4.05)
-PAPER_DEEPSEEK_GENERAL = (2.35, 2.99)
 AGENTIC = ("coding", "general")
-POLICIES = ("colocation", "best-static", "reactive", "throughput", "prorsa", "oracle")
+POLICIES = (
+    "colocation",
+    "best-static",
+    "task-static",
+    "reactive",
+    "throughput",
+    "prorsa",
+    "oracle",
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +83,12 @@ def _config(args: argparse.Namespace) -> Any:
     return cfg
 
 
+def _deployment(model: str) -> str:
+    from prorsa.sim.costmodel import load_profile
+
+    return load_profile(model).title
+
+
 def _stale(s: int) -> str:
     return "on-policy" if s == 0 else str(s)
 
@@ -97,21 +107,26 @@ def _finite(v: float | None) -> float | None:
 
 def table(rows: list[Any]) -> str:
     head = (
-        f"{'model':<12} {'task':<8} {'stale':<9}"
+        f"{'model':<18} {'task':<8} {'stale':<9}"
         + "".join(f"{p:>12}" for p in POLICIES)
-        + f"{'best split':>11}{'coloc idle':>11}{'WAPE P':>8}{'WAPE D':>8}"
+        + f"{'best split':>11}{'task split':>11}{'coloc idle':>11}{'WAPE P':>8}{'WAPE D':>8}"
+        + f"{'dec KV':>7} {'regime':<14}"
     )
     lines = ["makespan (s)", head, "-" * len(head)]
     for r in rows:
         split = f"{r.best_static}P:{r.instances - r.best_static}D" if r.best_static else "-"
+        tsplit = f"{r.task_static}P:{r.instances - r.task_static}D" if r.task_static else "-"
+        kv = (r.details.get("best-static") or {}).get("decodeKvUtilisation")
+        regime = r.regime + ("" if r.role_switch_capable else " (EP)")
         lines.append(
-            f"{r.model:<12} {r.task:<8} {_stale(r.staleness):<9}"
+            f"{r.model:<18} {r.task:<8} {_stale(r.staleness):<9}"
             + "".join(f"{_num(r.makespan.get(p)):>12}" for p in POLICIES)
-            + f"{split:>11}{_num(r.colocation_idle, '{:.1%}'):>11}"
+            + f"{split:>11}{tsplit:>11}{_num(r.colocation_idle, '{:.1%}'):>11}"
             + f"{_num(r.wape_prefill, '{:.1%}'):>8}{_num(r.wape_decode, '{:.1%}'):>8}"
+            + f"{_num(kv, '{:.0%}'):>7} {regime:<14}"
         )
     lines += ["", "speedup over colocation / over best static"]
-    head2 = f"{'model':<12} {'task':<8} {'stale':<9}" + "".join(f"{p:>14}" for p in POLICIES[1:])
+    head2 = f"{'model':<18} {'task':<8} {'stale':<9}" + "".join(f"{p:>14}" for p in POLICIES[1:])
     lines += [head2, "-" * len(head2)]
     for r in rows:
         cells = []
@@ -120,86 +135,81 @@ def table(rows: list[Any]) -> str:
             b = r.speedup(p, over="best-static")
             cells.append(f"{_num(a, '{:.2f}')}/{_num(b, '{:.2f}')}")
         lines.append(
-            f"{r.model:<12} {r.task:<8} {_stale(r.staleness):<9}"
+            f"{r.model:<18} {r.task:<8} {_stale(r.staleness):<9}"
             + "".join(f"{c:>14}" for c in cells)
         )
     return "\n".join(lines)
 
 
 def goals(rows: list[Any]) -> list[dict[str, Any]]:
-    """Each goal of issue 5 with the numbers that decide it (never tuned, only reported)."""
+    """The goals of the benchmark issue, with the numbers that decide them (never tuned).
+
+    The headline goals hold only for deployments SGLang 0.5.23 can role-switch; the EP
+    deployments are a reference ("not role-switch-capable") and are reported, not judged.
+    """
     out: list[dict[str, Any]] = []
 
     def sp(r: Any, p: str, over: str) -> float | None:
         return r.speedup(p, over=over)
 
-    coding8 = [r for r in rows if r.task == "coding" and r.staleness == 8]
-    vals = {f"{r.model}": sp(r, "prorsa", "best-static") for r in coding8}
-    ok = bool(vals) and all(v is not None and v >= 1.10 for v in vals.values())
+    def label(r: Any) -> str:
+        return f"{r.model}/{r.task}/{_stale(r.staleness)}"
+
+    capable = [r for r in rows if r.role_switch_capable]
+    win = [r for r in capable if r.regime == "kv-bound" and r.task == "coding"]
+    win = [r for r in win if r.staleness in (2, 8)]
+    best = {label(r): sp(r, "prorsa", "best-static") for r in win}
+    task = {label(r): sp(r, "prorsa", "task-static") for r in win}
+    ok = bool(win) and all(v is not None and v >= 1.10 for v in best.values())
+    ok = ok and all(v is not None and v >= 1.20 for v in task.values())
     out.append(
-        {"goal": "Prorsa >= 1.10x best static on coding, staleness 8", "ok": ok, "measured": vals}
+        {
+            "goal": "role-switch-capable, KV-bound, coding at staleness 2 and 8: Prorsa >= "
+            "1.10x best static and >= 1.20x the per-task static",
+            "ok": ok if win else None,
+            "measured": {"vsBestStatic": best, "vsTaskStatic": task} if win else "no setting",
+        }
     )
     below = {
-        f"{r.model}/{r.task}/{_stale(r.staleness)}": sp(r, "prorsa", "best-static")
-        for r in rows
-        if (v := sp(r, "prorsa", "best-static")) is not None and v < 1.0
+        label(r): sp(r, "prorsa", "best-static")
+        for r in capable
+        if (v := sp(r, "prorsa", "best-static")) is not None and v < 0.99
     }
-    out.append({"goal": "Prorsa never below 1.0x best static", "ok": not below, "misses": below})
-    behind: dict[str, Any] = {}
-    for r in rows:
-        if r.task not in AGENTIC:
-            continue
-        for p in ("reactive", "throughput"):
-            mine, theirs = r.makespan.get("prorsa"), r.makespan.get(p)
-            if mine is not None and theirs is not None and mine >= theirs:
-                behind[f"{r.model}/{r.task}/{_stale(r.staleness)} vs {p}"] = round(theirs / mine, 3)
     out.append(
         {
-            "goal": "Prorsa ahead of reactive and throughput on agentic settings",
-            "ok": not behind,
-            "misses": behind,
-        }
-    )
-    ag = [v for r in rows if r.task in AGENTIC if (v := sp(r, "prorsa", "colocation"))]
-    ds = [
-        v
-        for r in rows
-        if r.task == "coding" and r.model.startswith("deepseek")
-        if (v := sp(r, "prorsa", "colocation"))
-    ]
-    out.append(
-        {
-            "goal": "speedup over colocation beside the paper (agentic 1.11-4.05x; "
-            "DeepSeek coding 2.54-4.05x)",
-            "ok": None,
-            "measured": {
-                "agentic": [round(min(ag), 2), round(max(ag), 2)] if ag else None,
-                "deepseekCoding": [round(min(ds), 2), round(max(ds), 2)] if ds else None,
-            },
-        }
-    )
-    wape: dict[str, Any] = {}
-    for r in rows:
-        if r.task not in AGENTIC:
-            continue
-        for name, v in (("prefill", r.wape_prefill), ("decode", r.wape_decode)):
-            if v is None or v > 0.10:
-                wape[f"{r.model}/{r.task}/{_stale(r.staleness)} {name}"] = (
-                    None if v is None else round(v, 4)
-                )
-    out.append(
-        {
-            "goal": "forecast WAPE <= 10% (prefill, decode admissions) on agentic tasks",
-            "ok": not wape,
-            "misses": wape,
+            "goal": "every role-switch-capable setting: Prorsa >= 0.99x best static",
+            "ok": not below if capable else None,
+            "misses": below,
         }
     )
     far: dict[str, Any] = {}
     for r in rows:
-        mine, best = r.makespan.get("prorsa"), r.makespan.get("oracle")
-        if mine is not None and best is not None and mine > 1.05 * best:
-            far[f"{r.model}/{r.task}/{_stale(r.staleness)}"] = round(mine / best, 3)
-    out.append({"goal": "Prorsa within 5% of the oracle's makespan", "ok": not far, "misses": far})
+        mine, limit = r.makespan.get("prorsa"), r.makespan.get("oracle")
+        if mine is not None and limit is not None and mine > 1.03 * limit:
+            far[label(r)] = round(mine / limit, 3)
+    out.append({"goal": "Prorsa within 3% of the oracle's makespan", "ok": not far, "misses": far})
+    wape: dict[str, Any] = {}
+    for r in rows:
+        bound = 0.10 if r.task in AGENTIC else 0.20
+        for name, v in (("prefill", r.wape_prefill), ("decode", r.wape_decode)):
+            if v is None or v > bound:
+                wape[f"{label(r)} {name}"] = None if v is None else round(v, 4)
+    out.append(
+        {
+            "goal": "forecast WAPE <= 10% on agentic tasks, <= 20% on math (prefill, "
+            "decode admissions)",
+            "ok": not wape,
+            "misses": wape,
+        }
+    )
+    ag = [v for r in rows if r.task in AGENTIC if (v := sp(r, "prorsa", "colocation"))]
+    out.append(
+        {
+            "goal": "speedup over colocation beside the paper (agentic 1.11-4.05x)",
+            "ok": None,
+            "measured": [round(min(ag), 2), round(max(ag), 2)] if ag else None,
+        }
+    )
     return out
 
 
@@ -211,20 +221,29 @@ def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> d
         for p in POLICIES:
             if p not in r.makespan:
                 continue
+            detail = r.details.get(p) or {}
             rollout.append(
                 {
                     "model": r.model,
+                    "deployment": _deployment(r.model),
+                    "roleSwitchCapable": r.role_switch_capable,
+                    "regime": r.regime,
                     "task": r.task,
                     "staleness": r.staleness,
                     "policy": p,
                     "makespanSeconds": _finite(r.makespan[p]),
                     "speedupVsColocation": r.speedup(p, over="colocation"),
                     "speedupVsBestStatic": r.speedup(p, over="best-static"),
+                    "speedupVsTaskStatic": r.speedup(p, over="task-static"),
+                    "decodeKvUtilisation": detail.get("decodeKvUtilisation"),
+                    "admissionQueue": detail.get("admissionQueue"),
+                    "switches": detail.get("switches"),
                 }
             )
         wape.append(
             {
                 "model": r.model,
+                "deployment": _deployment(r.model),
                 "task": r.task,
                 "staleness": r.staleness,
                 "prefill": r.wape_prefill,
@@ -236,7 +255,11 @@ def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> d
                 "model": r.model,
                 "task": r.task,
                 "staleness": r.staleness,
+                "deployment": _deployment(r.model),
+                "roleSwitchCapable": r.role_switch_capable,
+                "regime": r.regime,
                 "bestStatic": {"prefill": r.best_static, "decode": r.instances - r.best_static},
+                "taskStatic": {"prefill": r.task_static, "decode": r.instances - r.task_static},
                 "colocationIdleRatio": r.colocation_idle,
             }
         )

@@ -300,6 +300,26 @@ class TrajectoryTable:
     def group_live_counts(self) -> np.ndarray:
         return np.asarray(self._group_live, dtype=np.int64)
 
+    def context_of(self, trajectory: str) -> float | None:
+        """The context a live trajectory holds (tokens), None for an unknown one."""
+        slot = self._slots.get(trajectory)
+        return None if slot is None else float(self._x[slot])
+
+    def live_context_on(self, instance: str) -> float:
+        """Context tokens of live trajectories whose last prefill ran on ``instance``.
+
+        Those contexts come back as the prefixes of their next prompts, and cache-aware
+        routing sends them to the same instance: this is what its prefix cache is worth.
+        """
+        code = self.instances.get(instance)
+        if code is None:
+            return 0.0
+        n = self._hwm
+        cols = self.cols
+        state = cols["state"][:n]
+        mine = (cols["instance"][:n] == code) & np.isin(state, (READY, PREFILL, DECODE, TOOL))
+        return float(cols["x"][:n][mine].sum())
+
     # -- applying events -----------------------------------------------------------------
 
     def apply(self, events: Iterable[ev.Event]) -> ApplyResult:

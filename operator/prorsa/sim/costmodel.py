@@ -129,13 +129,15 @@ class ModelProfile:
             best = batch
         return best * self.ranks
 
-    def usable_kv_tokens(self, *, context: float = 8192.0) -> int:
-        """The profiled ``capacity.decodeKvTokens`` of one instance: the KV footprint at the
-        decode knee (:meth:`decode_concurrency` requests of ``context`` tokens), within the
-        memory. A decode step's attention time grows with the KV it reads, so past this
-        footprint every token of every request comes out slower, long before memory runs
-        out (FP8 MLA caches hold tens of millions of tokens)."""
-        return min(self.kv_capacity, int(self.decode_concurrency(context=context) * context))
+    def usable_kv_tokens(self, *, reserve_per_request: int = 410) -> int:
+        """The profiled ``capacity.decodeKvTokens`` of one instance: its KV memory less the
+        room SGLang keeps for running requests to grow (``reserve_per_request`` each, at
+        the :meth:`decode_concurrency` knee). KV is the hard limit of admission; the knee,
+        past which every request's tokens come out slower, is ``decodeConcurrency``, and
+        Eq. 1's decode demand is the larger of the two (see the Controller). Measuring C_KV
+        at the knee's footprint of short requests instead under-counts what long agentic
+        contexts can hold by the ratio of their lengths."""
+        return max(1, self.kv_capacity - self.decode_concurrency() * reserve_per_request)
 
     def decode_tokens_per_second(self, *, context: float) -> float:
         """Decode throughput of one instance at the largest batch its KV holds."""

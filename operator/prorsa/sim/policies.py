@@ -9,7 +9,7 @@
 - :class:`Prorsa`: the project's :class:`prorsa.controller.Controller`, fed only webhook
   CONTRACT events and ``/v1/state`` bodies; its Decision's switches are executed as the
   operator's executor would (drain, switch time, relabel) and reported back.
-- :class:`Oracle`: the same Eq. 1 allocation (:func:`prorsa.allocate.solve`) and the same
+- :class:`Oracle`: the same Controller with the true demand of the next horizon plugged in
   switch rules as the Controller, fed the true demand of the next horizon read from the
   simulator's ground truth: the limit any forecaster can reach under the same switch cost.
 """
@@ -17,9 +17,12 @@
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from prorsa.controller import CACHE_FILL, Controller, Demand, DemandInputs
+from prorsa.decision import Forecast
 from prorsa.sim.engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
 from prorsa.sim.workloads import TEMPLATE_TOKENS
 
@@ -214,8 +217,6 @@ class Prorsa(_Planned):
         return _initial_split(sim)
 
     def attach(self, sim: Simulation) -> None:
-        from prorsa.controller import Controller
-
         self.sim = sim
         self.controller = Controller(sim.spec)
         self.decisions = 0
@@ -224,8 +225,6 @@ class Prorsa(_Planned):
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
 
     def tick(self, now: float) -> None:
-        import time
-
         sim = self.sim
         c = self.controller
         t0 = time.perf_counter()
@@ -253,32 +252,29 @@ class Prorsa(_Planned):
         result.extra["ticks"] = self.decisions
 
 
-class Oracle(_Planned):
-    """Eq. 1 fed the true demand of the next horizon; the Controller's switch rules."""
+class Oracle(Prorsa):
+    """The same Controller, fed the true demand of the next horizon (a demand source).
+
+    Everything but the demand is the shipped code: smoothing, Eq. 1, switch pricing and
+    the choice of instances. What it reaches is the limit of any forecaster under the
+    same switch cost.
+    """
 
     name = "oracle"
 
-    def initial_roles(self, sim: Simulation) -> list[str]:
-        return _initial_split(sim)
-
     def attach(self, sim: Simulation) -> None:
-        self.sim = sim
-        self.cooldown: dict[str, float] = {}
-        sw = sim.spec.switching
-        self.cooldown_seconds = sw.cooldown_seconds
-        self.max_concurrent = sw.max_concurrent
-        self.hysteresis = sw.hysteresis
-        self.hold_margin = sw.hold_margin
-        cap = sim.spec.capacity
-        self.concurrency = cap.decode_concurrency or float("inf")
-        self.kv_capacity = cap.decode_kv_tokens or sim.profile.kv_capacity
-        from prorsa.allocate import DemandSmoother
+        super().attach(sim)
+        self.kv_capacity = sim.spec.capacity.decode_kv_tokens or sim.profile.kv_capacity
+        cap = sim.spec.capacity.decode_concurrency
+        self.concurrency = float(cap) if cap else math.inf
+        self.controller.demand_source = self.true_demand
 
-        self.smoother = DemandSmoother(seconds=sw.smoothing_seconds)
-        sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
-
-    def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
-        self.cooldown[name] = at + self.cooldown_seconds
+    def true_demand(self, controller: Controller, inputs: DemandInputs) -> Demand:
+        a, b, w_p, adm = self.demand(inputs.now)
+        forecast = Forecast(
+            prefill_tokens=round(w_p), decode_admission_tokens=round(adm), decode_kv_tokens=0
+        )
+        return Demand(mode="predictive", a=a, b=b, forecast=forecast, cache=self.cache_demand())
 
     def demand(self, now: float) -> tuple[float, float, float, float]:
         """True (prefill instances, decode instances, prefill tokens, admission tokens)."""
@@ -369,8 +365,6 @@ class Oracle(_Planned):
 
     def cache_demand(self) -> float:
         """The Controller's prefix-cache floor on the true contexts of live trajectories."""
-        from prorsa.controller import CACHE_FILL
-
         sim = self.sim
         per = sim.spec.capacity.prefill_cache_tokens
         per = sim.profile.kv_capacity if per is None else per
@@ -406,48 +400,6 @@ class Oracle(_Planned):
             x = req.prompt + req.new_tokens + turn.result_tokens + TEMPLATE_TOKENS
             return (done + turn.tool_seconds, x), None
         return None, done + t.script.reward_seconds
-
-    def tick(self, now: float) -> None:
-        from prorsa.allocate import keep_split, solve
-
-        sim = self.sim
-        a, b, w_p, adm = self.demand(now)
-        sim.record_prediction(now, prefill=w_p, decode=adm)
-        a, b, cache = self.smoother.update(now, a, b, self.cache_demand())
-        a = max(a, cache)
-        cl = sim.cluster
-        n = sim.scenario.instances
-        m = sim.profile.gpus_per_instance
-        cur_p = sum(
-            1
-            for i in cl.instances
-            if (i.switch is None and i.role == PREFILL)
-            or (i.switch is not None and i.switch.to == PREFILL)
-        )
-        best = solve(
-            a,
-            b,
-            budget=n * m,
-            m_prefill=m,
-            m_decode=m,
-            min_prefill=1,
-            min_decode=1,
-            current_prefill=cur_p,
-        )
-        if best.prefill == cur_p:
-            return
-        if keep_split(
-            best, (cur_p, n - cur_p), a, b, hysteresis=self.hysteresis, hold_margin=self.hold_margin
-        ):
-            return
-        slots = self.max_concurrent - sum(1 for i in cl.instances if i.switch is not None)
-        if slots <= 0:
-            return
-        need = best.prefill - cur_p
-        src, dst = (DECODE, PREFILL) if need > 0 else (PREFILL, DECODE)
-        pool = _least_loaded(_eligible(sim, src, self.cooldown, now), src)
-        for inst in pool[: min(abs(need), slots)]:
-            self._execute(sim, inst.name, dst)
 
 
 def baseline(name: str) -> object:

@@ -7,6 +7,7 @@ dicts, so that the table, the JSON and the picture are all built from the same n
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -100,6 +101,8 @@ def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
         "meanCompletion": result.mean_completion,
         "wapePrefill": result.wape_prefill,
         "wapeDecode": result.wape_decode,
+        "decodeKvUtilisation": result.decode_kv_utilisation,
+        "admissionQueue": result.admission_queue,
         "controllerAccuracy": result.controller_accuracy,
         "wall": result.wall_seconds,
         "extra": result.extra,
@@ -146,11 +149,32 @@ class SettingRow:
     staleness: int
     makespan: dict[str, float] = field(default_factory=dict)  # REPORTED policy -> seconds
     best_static: int = 0  # prefill instances of the best static split
+    task_static: int = 0  # prefill instances of the task's one split (paper §5.4 baseline)
     instances: int = 8
     colocation_idle: float | None = None
     wape_prefill: float | None = None
     wape_decode: float | None = None
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def role_switch_capable(self) -> bool:
+        from prorsa.sim.costmodel import load_profile
+
+        return load_profile(self.model).role_switch_capable
+
+    @property
+    def regime(self) -> str:
+        """``kv-bound`` when the best static split's decode side runs out of KV.
+
+        That is, requests wait for decode admission (more than one per decode instance on
+        average) or decode KV averages 80% full or more; otherwise ``latency-bound``: every
+        decode fits and the split only trades step times.
+        """
+        best = self.details.get("best-static")
+        if best is None:
+            return "latency-bound"
+        kv_full = best["decodeKvUtilisation"] >= 0.8 or best["admissionQueue"] > 1.0
+        return "kv-bound" if kv_full else "latency-bound"
 
     def speedup(self, policy: str, *, over: str) -> float | None:
         base = self.makespan.get(over)
@@ -162,14 +186,14 @@ class SettingRow:
 
 def aggregate(results: Iterable[dict[str, Any]], *, instances: int) -> list[SettingRow]:
     rows: dict[tuple[str, str, int], SettingRow] = {}
-    statics: dict[tuple[str, str, int], list[tuple[float, int]]] = {}
+    statics: dict[tuple[str, str, int], dict[int, dict[str, Any]]] = {}
     for r in results:
         key = (r["model"], r["task"], r["staleness"])
         row = rows.setdefault(key, SettingRow(*key, instances=instances))
         name = r["policy"]
         if name.startswith("static-"):
             n_p = int(name.removeprefix("static-").removesuffix("P"))
-            statics.setdefault(key, []).append((r["makespan"], n_p))
+            statics.setdefault(key, {})[n_p] = r
             continue
         row.makespan[name] = r["makespan"]
         if name == "colocation":
@@ -179,8 +203,39 @@ def aggregate(results: Iterable[dict[str, Any]], *, instances: int) -> list[Sett
             row.wape_decode = r["wapeDecode"]
         row.details[name] = r
     for key, found in statics.items():
-        best, n_p = min(found)
-        rows[key].makespan["best-static"] = best
+        n_p = min(found, key=lambda n: (found[n]["makespan"], n))
+        rows[key].makespan["best-static"] = found[n_p]["makespan"]
         rows[key].best_static = n_p
+        rows[key].details["best-static"] = found[n_p]
+    _task_statics(rows, statics)
     order = {"math": 0, "coding": 1, "general": 2}
     return sorted(rows.values(), key=lambda r: (r.model, order.get(r.task, 9), r.task, r.staleness))
+
+
+def _task_statics(
+    rows: dict[tuple[str, str, int], SettingRow],
+    statics: dict[tuple[str, str, int], dict[int, dict[str, Any]]],
+) -> None:
+    """The paper's static baseline (§5.4): one split per task for every setting of it.
+
+    The paper picks the best ratio per task (4:4 math, 5:3 coding, 3:5 general) and keeps
+    it across models and staleness. Here that is the split with the smallest geometric
+    mean of makespan over the best static one, across every setting of the task.
+    """
+    tasks = {key[1] for key in statics}
+    for task in tasks:
+        keys = [k for k in statics if k[1] == task]
+        common = set.intersection(*(set(statics[k]) for k in keys))
+        scores: dict[int, float] = {}
+        for n_p in common:
+            logs = []
+            for k in keys:
+                mine, best = statics[k][n_p]["makespan"], rows[k].makespan["best-static"]
+                logs.append(math.log(mine / best) if math.isfinite(mine) else math.inf)
+            scores[n_p] = sum(logs) / len(logs)
+        if not scores:
+            continue
+        pick = min(scores, key=lambda n: (scores[n], n))
+        for k in keys:
+            rows[k].task_static = pick
+            rows[k].makespan["task-static"] = statics[k][pick]["makespan"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prorsa.sim.costmodel import ModelProfile, load_profile
-from prorsa.sim.engine import Cluster
+from prorsa.sim.engine import DECODE, Cluster
 from prorsa.sim.loop import Loop, SimulationError
 from prorsa.sim.trainer import OVER_DISPATCH, Trainer
 from prorsa.sim.workloads import TaskProfile, get_task
@@ -140,6 +140,10 @@ class SimResult:
     wape_prefill: float | None = None
     wape_decode: float | None = None
     controller_accuracy: dict[str, float | None] | None = None
+    # Time averages over the run, sampled every horizon: decode instances' KV in use over
+    # their capacity, and requests waiting for decode admission (KV full) per instance.
+    decode_kv_utilisation: float = 0.0
+    admission_queue: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -163,6 +167,7 @@ class Simulation:
         self.spec = scenario.spec()
         self.loop = Loop()
         self.predictions: list[Prediction] = []
+        self._kv_samples: list[tuple[float, float]] = []  # (KV used share, queue per inst)
         self.cluster = Cluster(
             loop=self.loop,
             profile=self.profile,
@@ -213,12 +218,25 @@ class Simulation:
     def run(self) -> SimResult:
         started = time.perf_counter()
         self.policy.attach(self)
+        self.loop.every(self.scenario.horizon, self._sample_decode)
         self.trainer.start()
         with contextlib.suppress(SimulationError):  # did not finish: infinite makespan
             self.loop.run(until=self.scenario.time_limit)
         makespan = self.trainer.finished_at if self.trainer.finished_at is not None else math.inf
         wall = time.perf_counter() - started
         return self._result(makespan, wall)
+
+    def _sample_decode(self, now: float) -> None:
+        """How full the decode side is: the regime a setting runs in (KV-bound or not)."""
+        if self.trainer.finished_at is not None:
+            return
+        decode = [i for i in self.cluster.instances if i.role == DECODE and i.switch is None]
+        if not decode:
+            return
+        used = sum(r.kv_used() for i in decode for r in i.ranks)
+        cap = sum(i.cap * len(i.ranks) for i in decode)
+        waiting = sum(len(r.wait) for i in decode for r in i.ranks)
+        self._kv_samples.append((used / cap, waiting / len(decode)))
 
     def _result(self, makespan: float, wall: float) -> SimResult:
         cl = self.cluster
@@ -257,6 +275,10 @@ class Simulation:
             wape_prefill=err_p / act_p if act_p > 0 else None,
             wape_decode=err_d / act_d if act_d > 0 else None,
         )
+        if self._kv_samples:
+            n = len(self._kv_samples)
+            result.decode_kv_utilisation = sum(u for u, _q in self._kv_samples) / n
+            result.admission_queue = sum(q for _u, q in self._kv_samples) / n
         finish = getattr(self.policy, "finish", None)
         if finish is not None:
             finish(self, result)
