@@ -3,7 +3,9 @@
 A short run must still show the system working: the operator switches engines in both
 directions as the workload swings, requests aborted by switches are resumed with nothing
 lost (checked here again from the per-request record, not only from the summary), and the
-timeline PNG is a real image.
+timeline PNG is a real image. The phase-lag and backlog figures are checked for shape and
+consistency only: how fast the split follows depends on how loaded the machine is. Their
+definitions are pinned on hand-made records instead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from prorsa.demo.monitor import Sample
+from prorsa.demo.phases import (
+    Split,
+    phase_changes,
+    prefill_backlogs,
+    split_timeline,
+    summary_line,
+)
+from prorsa.demo.router import LabelChange, PrefillJob
+from prorsa.demo.workload import PhaseSchedule, default_phase_seconds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 Run = tuple[subprocess.CompletedProcess[str], Path]
@@ -82,3 +95,92 @@ def test_demo_writes_a_png_timeline(demo_run: Run) -> None:
     height, width = image.shape[:2]
     assert width >= 800 and height >= 600
     assert not (out / "kubeconfig").exists()  # it pointed at an emulator that is gone
+
+
+def test_demo_reports_phase_lag_and_prefill_backlog(demo_run: Run) -> None:
+    proc, out = demo_run
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    phases = PhaseSchedule(seconds=default_phase_seconds(20)).spans(20)
+    lags, changes = summary["phase_lag_seconds"], summary["phase_changes"]
+    assert len(lags) == len(changes) == len(phases) - 1, summary
+    for lag, change, (start, end, phase) in zip(lags, changes, phases[1:], strict=True):
+        assert change["at"] == start and change["phase"] == phase
+        assert change["lag_seconds"] == lag
+        if lag is None:
+            assert "draining" in change["split_settled"]
+        else:
+            assert 0 <= lag < end - start
+            assert "draining" not in change["split_settled"]
+    backlogs = summary["prefill_backlog_at_phase_end"]
+    assert [(b["phase"], b["end"]) for b in backlogs] == [(p, end) for _, end, p in phases]
+    for b in backlogs:
+        assert b["prompt_tokens"] >= 0 and b["requests"] >= 0
+        assert (b["prompt_tokens"] > 0) == (b["requests"] > 0)
+        assert b["engine_waiting_tokens"] is not None and b["engine_waiting_tokens"] >= 0
+        assert b["engine_waiting_requests"] is not None and b["engine_waiting_requests"] >= 0
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("phase lag"))
+    assert "after each phase change" in line and "prefill backlog at phase ends" in line
+
+
+# -- the definitions, on hand-made records ---------------------------------------------------
+
+
+def _label(at: float, pod: str, old: str | None, new: str | None) -> LabelChange:
+    return LabelChange(at=at, pod=pod, old=old, new=new)
+
+
+START = [_label(100.0, f"e{i}", None, r) for i, r in enumerate(("prefill", "decode", "decode"))]
+
+
+def test_split_timeline_counts_pods_by_label_one_step_per_refresh() -> None:
+    moves = [_label(103.0, "e1", "decode", "draining"), _label(103.5, "e1", "draining", "prefill")]
+    timeline = split_timeline([*START, *moves])
+    assert timeline == [
+        (100.0, Split(prefill=1, decode=2)),
+        (103.0, Split(prefill=1, decode=1, draining=1)),
+        (103.5, Split(prefill=2, decode=1)),
+    ]
+    assert str(timeline[1][1]) == "1P:1D+1 draining"
+
+
+def test_phase_lag_is_the_time_of_the_last_split_change_in_the_phase() -> None:
+    spans = PhaseSchedule(seconds=10.0).spans(40.0)  # changes at 10, 20 and 30
+    timeline = split_timeline(
+        [
+            *START,
+            # Phase 2 (10..20): one switch, then a second: settled at 17.5, not at 13.5.
+            _label(113.0, "e1", "decode", "draining"),
+            _label(113.5, "e1", "draining", "prefill"),
+            _label(117.0, "e2", "decode", "draining"),
+            _label(117.5, "e2", "draining", "prefill"),
+            # Phase 3 (20..30): nothing moves. Phase 4 (30..40): still draining at its end.
+            _label(139.0, "e1", "prefill", "draining"),
+        ]
+    )
+    changes = phase_changes(timeline, spans, t0=100.0)
+    assert [c.lag_seconds for c in changes] == [7.5, 0.0, None]
+    assert [c.split_before for c in changes] == ["1P:2D", "3P:0D", "3P:0D"]
+    assert [c.split_settled for c in changes] == ["3P:0D", "3P:0D", "2P:0D+1 draining"]
+    assert [c.phase for c in changes] == ["reasoning", "tools", "reasoning"]
+
+
+def test_prefill_backlog_counts_prompts_not_yet_prefilled_at_each_phase_end() -> None:
+    spans = PhaseSchedule(seconds=10.0).spans(20.0)  # ends at 10 and 20
+    jobs = [
+        PrefillJob(queued=101.0, tokens=500, done=102.0),  # done long before 10
+        PrefillJob(queued=109.0, tokens=3000, done=111.0),  # straddles 10
+        PrefillJob(queued=109.5, tokens=2000, done=None),  # never finished
+        PrefillJob(queued=112.0, tokens=700, done=113.0, aborted=True),  # aborted before 20
+    ]
+    sample = Sample(
+        t=109.8, labels={}, target=None, demand=None, kv_used_decode=0,
+        waiting_prefill_tokens=2000, waiting_prefill_requests=1, events_total=0.0, mode=None,
+    )  # fmt: skip
+    backlogs = prefill_backlogs(jobs, [sample], spans, t0=100.0)
+    assert [(b.phase, b.end, b.requests, b.prompt_tokens) for b in backlogs] == [
+        ("tools", 10.0, 2, 5000),
+        ("reasoning", 20.0, 1, 2000),
+    ]
+    assert (backlogs[0].engine_waiting_requests, backlogs[0].engine_waiting_tokens) == (1, 2000)
+    assert "2 req/5k, 1 req/2k" in summary_line([], backlogs)

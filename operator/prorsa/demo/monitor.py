@@ -71,6 +71,7 @@ class Sample:
     demand: tuple[float, float] | None  # a = W_P/(S·θ_P), b = (K_D+K̂_D)/C_KV, instances
     kv_used_decode: int  # Σ KV in use on decode engines (agents)
     waiting_prefill_tokens: int  # Σ prompt tokens queued on prefill engines (agents)
+    waiting_prefill_requests: int  # Σ requests queued on prefill engines (agents)
     events_total: float  # webhook events accepted so far
     mode: str | None
 
@@ -240,6 +241,9 @@ class Monitor:
                 kv_used_decode=sum(p.kv_used for p in self.pods if p.engine_role == "decode"),
                 waiting_prefill_tokens=sum(
                     p.waiting_tokens for p in self.pods if p.engine_role == "prefill"
+                ),
+                waiting_prefill_requests=sum(
+                    p.waiting for p in self.pods if p.engine_role == "prefill"
                 ),
                 events_total=metric_sum(self.metrics, "prorsa_webhook_events_total"),
                 mode=d.get("mode") if d else None,
