@@ -398,7 +398,7 @@ def test_eq13_with_attention_dp_each_request_runs_on_one_rank() -> None:
 
 
 def _decoding_and_ready(log, t: TrajectoryTable, *, ready_tokens: float) -> None:
-    """ "d" decodes a 4,000-token context (prefilled, so cached); "r" waits in the queue."""
+    """Trajectory d decodes a 4,000-token context (prefilled: cached); r waits to prefill."""
     log("request_queued", "d", 0.0, prompt_tokens=4_000, turn=0)
     log("prefill_started", "d", 0.0, instance="p0")
     log("prefill_finished", "d", 1.0, instance="p0")

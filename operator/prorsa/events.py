@@ -1,4 +1,4 @@
-"""CONTRACT: the trainer webhook's lifecycle events and resync snapshot (shared/DESIGN.md).
+"""CONTRACT: the trainer webhook's events and resync snapshot (docs/webhook-events.md).
 
 The models are strict on purpose: a trainer integration bug (a float token count, a NaN
 timestamp, a misspelt field) should fail loudly at the webhook, naming the event and field,
