@@ -460,3 +460,14 @@ def test_an_unannounced_update_duration_is_taken_from_the_last_update(log) -> No
     out = f.forecast(t, now=21.0, site=SITE)
     assert out.reprefill == 4_000.0
     assert out.admission == pytest.approx(1_000.0)
+
+
+def test_an_update_never_finished_is_given_up_on(log) -> None:
+    f, t = setup(horizon=10.0)
+    _decoding_and_ready(log, t, ready_tokens=1_000)
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=5.0)
+    t.apply(log.take())
+    assert f.forecast(t, now=500.0, site=SITE).reprefill == 4_000.0  # overdue: any moment
+    # Ten minutes on (the trainer crashed mid-update), the forecast stops waiting.
+    late = f.forecast(t, now=700.0, site=SITE)
+    assert late.reprefill == 0.0 and t.weight_update.pending

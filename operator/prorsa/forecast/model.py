@@ -444,7 +444,8 @@ class Forecaster:
         # Not while a weight update is pending: it interrupts those decodes instead.
         dc = np.flatnonzero(state == DECODE)
         update = table.weight_update
-        if len(dc) and c.decode_chain and not update.pending:
+        updating = update.in_progress(now)
+        if len(dc) and c.decode_chain and not updating:
             d_task = task[dc].astype(np.int64)
             turns = col["turn"][:n][dc]
             tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
@@ -470,7 +471,7 @@ class Forecaster:
 
         # A pending weight update: nothing prefills before it ends, and then every request
         # still decoding has been interrupted and re-prefills its whole context.
-        resume_at = update.expected_end(now) if update.pending else None
+        resume_at = update.expected_end(now) if updating else None
         re_u = re_x = re_c = np.empty(0)
         if resume_at is not None:
             arr_u = [np.maximum(u, resume_at) for u in arr_u]

@@ -140,6 +140,14 @@ class WeightUpdate:
     reprefill_trajectories: int | None = None
     last_seconds: float | None = None  # how long the last completed update took
 
+    def in_progress(self, now: float) -> bool:
+        """Pending and not abandoned: a trainer that crashed mid-update never says it
+        finished, and the forecast must not wait for it forever."""
+        if not self.pending or self.started_at is None:
+            return False
+        seconds = self.expected_seconds if self.expected_seconds is not None else self.last_seconds
+        return now - self.started_at <= max(UPDATE_GIVE_UP_SECONDS, 4.0 * (seconds or 0.0))
+
     def expected_end(self, now: float) -> float:
         """When a pending update should end: its announced duration, else the last
         update's, else now; never in the past (an overdue update may end any moment)."""
@@ -162,6 +170,9 @@ FLUSH_MIN_ABORTS = 8
 FLUSH_SHARE = 0.5
 FLUSH_WINDOW_SECONDS = 5.0
 FLUSH_REFRACTORY_SECONDS = 30.0
+# A weight update announced but not finished after this long (or four times its expected
+# duration, if longer) is taken as abandoned: the forecast stops waiting for it.
+UPDATE_GIVE_UP_SECONDS = 600.0
 
 # (name, array typecode, numpy dtype, fill value of a fresh slot)
 _COLUMNS: tuple[tuple[str, str, type, float], ...] = (
