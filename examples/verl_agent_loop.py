@@ -20,6 +20,10 @@ loop ends                          ``reward_started``; the reward is computed he
                                    verl lets agent loops do, e.g. SWE-agent) with
                                    ``default_compute_score`` and ``reward_finished``
 an exception                       ``trajectory_dropped``
+weight sync, trainer process       ``weight_update_started`` (version = ``global_steps``)
+(``CheckpointEngineManager.        before the replicas abort their requests;
+update_weights``)                  ``weight_update_finished`` once generation resumed,
+                                   with the live trajectories that re-prefill
 ================================  =====================================================
 
 Use it: put this file on the workers' PYTHONPATH and point verl at it (verl reads the
@@ -40,6 +44,21 @@ of all of them. With several AgentLoopWorkers each emitter sees only its own; se
 resync request is logged, and the Controller re-learns the live trajectories from their
 next events (it creates a trajectory it first hears of mid-life).
 
+Weight updates: verl syncs weights in the trainer process, in
+``verl.checkpoint_engine.base.CheckpointEngineManager.update_weights``: it aborts every
+replica's requests, loads the new weights (the KV and prefix caches are released), then
+resumes generation, and the aborted requests come back with their whole context. verl's
+agent loop never sees those aborts, so without these two events the Controller could not
+tell that every prefix cache is gone. Importing this module wraps ``update_weights``; have
+verl import it in the trainer process (and harmlessly in the workers) with
+
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=verl_agent_loop
+
+(verl imports that module before it builds the checkpoint engine), with the same
+``PRORSA_*`` variables in the job's runtime_env. The number of trajectories that re-prefill
+is read from the webhook's ``GET .../status`` (live trajectories ready, in prefill,
+decoding or in a tool), since the trainer process does not hold the agent loops.
+
 Role switches: verl's fully asynchronous client (``FullyAsyncLLMServerClient``) already
 resends prompt + partial output when SGLang aborts a request (``stop_reason == "aborted"``),
 which is exactly what a Prorsa role switch needs; outside verl, use
@@ -49,18 +68,37 @@ which is exactly what a Prorsa role switch needs; outside verl, use
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+import httpx
+from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+from verl.utils.ray_utils import auto_await
 from verl.utils.reward_score import default_compute_score
 
-from prorsa.client import AsyncEventEmitter
+from prorsa.client import AsyncEventEmitter, EventEmitter
+
+log = logging.getLogger("prorsa.verl")
 
 _EMITTERS: dict[asyncio.AbstractEventLoop, AsyncEventEmitter] = {}
+# States whose trajectories compute their whole context again on new weights.
+_REPREFILL_STATES = ("ready", "prefill", "decode", "tool")
+
+
+def _settings() -> dict[str, str]:
+    return {
+        "url": os.environ.get("PRORSA_URL", "http://127.0.0.1:8787"),
+        "namespace": os.environ.get("PRORSA_NAMESPACE", "default"),
+        "name": os.environ["PRORSA_CLUSTER"],
+        "token": Path(os.environ["PRORSA_TOKEN_FILE"]).read_text().strip(),
+    }
 
 
 def prorsa_emitter() -> AsyncEventEmitter:
@@ -68,15 +106,94 @@ def prorsa_emitter() -> AsyncEventEmitter:
     loop = asyncio.get_running_loop()
     emitter = _EMITTERS.get(loop)
     if emitter is None:
-        emitter = AsyncEventEmitter(
-            url=os.environ.get("PRORSA_URL", "http://127.0.0.1:8787"),
-            namespace=os.environ.get("PRORSA_NAMESPACE", "default"),
-            name=os.environ["PRORSA_CLUSTER"],
-            token=Path(os.environ["PRORSA_TOKEN_FILE"]).read_text().strip(),
-            track=os.environ.get("PRORSA_TRACK") == "1",
-        )
+        emitter = AsyncEventEmitter(**_settings(), track=os.environ.get("PRORSA_TRACK") == "1")
         _EMITTERS[loop] = emitter
     return emitter
+
+
+# -- weight updates, in the trainer process ---------------------------------------------
+
+
+class _WeightUpdates:
+    """The trainer's emitter (threaded: verl runs each sync in a fresh event loop or its own)
+    and what the last update taught: its version and how long it took."""
+
+    def __init__(self) -> None:
+        self.emitter: EventEmitter | None = None
+        self.version: int | None = None
+        self.seconds: float | None = None
+
+    def get_emitter(self) -> EventEmitter:
+        if self.emitter is None:
+            self.emitter = EventEmitter(**_settings())
+        return self.emitter
+
+    def next_version(self, global_steps: int | None) -> int:
+        """verl's step when it gives one; else one past the last (the initial sync: 0)."""
+        if global_steps is not None:
+            self.version = int(global_steps)
+        else:
+            self.version = 0 if self.version is None else self.version + 1
+        return self.version
+
+
+_UPDATES = _WeightUpdates()
+
+
+async def _reprefilling() -> int:
+    """Live trajectories whose context returns to prefill, as the webhook counts them."""
+    cfg = _settings()
+    path = f"/v1/namespaces/{cfg['namespace']}/rolloutclusters/{cfg['name']}/status"
+    try:
+        async with httpx.AsyncClient(base_url=cfg["url"], timeout=2.0) as client:
+            reply = await client.get(path, headers={"Authorization": f"Bearer {cfg['token']}"})
+            reply.raise_for_status()
+            live = reply.json().get("liveTrajectories", {})
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("prorsa: live trajectories unknown (%s); reporting 0 to re-prefill", exc)
+        return 0
+    return sum(int(live.get(state, 0)) for state in _REPREFILL_STATES)
+
+
+def install_weight_update_events() -> None:
+    """Wrap verl's weight sync so that it reports itself to Prorsa (idempotent).
+
+    ``update_weights`` is an ``auto_await`` coroutine: the wrapper wraps the coroutine
+    function under it and is made ``auto_await`` again, so every trainer (synchronous,
+    colocated, fully asynchronous) calls it exactly as before.
+    """
+    current = CheckpointEngineManager.update_weights
+    if getattr(current, "_prorsa", False):
+        return
+    original = current.__wrapped__
+
+    @auto_await
+    @functools.wraps(original)
+    async def update_weights(
+        self: CheckpointEngineManager, global_steps: int | None = None
+    ) -> dict[str, Any] | None:
+        em = _UPDATES.get_emitter()
+        version = _UPDATES.next_version(global_steps)
+        ids = f"verl-weights-{version}-{uuid4().hex[:8]}"
+        em.weight_update_started(
+            version=version, expected_seconds=_UPDATES.seconds, id=f"{ids}-started"
+        )
+        began = time.monotonic()
+        try:
+            return await original(self, global_steps=global_steps)
+        finally:  # also when the sync fails: the Controller must not wait for it forever
+            _UPDATES.seconds = max(time.monotonic() - began, 1e-3)
+            em.weight_update_finished(
+                version=version,
+                reprefill_trajectories=await _reprefilling(),
+                id=f"{ids}-finished",
+            )
+
+    update_weights._prorsa = True  # type: ignore[attr-defined]
+    CheckpointEngineManager.update_weights = update_weights  # type: ignore[method-assign]
+
+
+install_weight_update_events()
 
 
 @register("prorsa_tool_agent")

@@ -37,6 +37,11 @@ class EventLog:
         )
         return self
 
+    def cluster(self, type: str, ts: float, **fields: Any) -> EventLog:
+        """A cluster event (weight update): no trajectory."""
+        self.raw.append({"id": f"e{next(self._ids)}", "type": type, "ts": ts} | fields)
+        return self
+
     def take(self) -> list[Event]:
         out, self.raw = parse_events(self.raw), []
         return out

@@ -477,3 +477,53 @@ async def test_httpx_transport_errors_are_retried_too(hook: Webhook) -> None:
         em.request_queued("a", prompt_tokens=1, turn=0)
         assert await em.flush()
         assert em.stats.retries == 2 and em.stats.sent == 1
+
+
+# -- cluster events: weight updates -----------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_weight_update_helpers_reach_the_table(hook: Webhook, flavour: str) -> None:
+    kw = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, track=True, backoff=FAST)
+
+    def emit(em: AsyncEventEmitter | EventEmitter) -> list[str]:
+        lifecycle(em, 4)
+        return [
+            em.weight_update_started(version=7, expected_seconds=3.0, id="weights-7-started"),
+            em.weight_update_started(version=7, id="weights-7-started"),  # a second reporter
+        ]
+
+    if flavour == "async":
+        async with AsyncEventEmitter(**kw) as em:
+            ids = emit(em)
+            assert await em.flush()
+            pending = em.snapshot_now().weight_update
+            em.weight_update_finished(version=7, reprefill_trajectories=2)
+            assert await em.flush()
+            after = em.snapshot_now().weight_update
+            stats = em.stats
+    else:
+
+        def work() -> tuple[list[str], object, object, EmitterStats]:
+            with EventEmitter(**kw) as em:
+                ids = emit(em)
+                assert em.flush()
+                pending = em.snapshot_now().weight_update
+                em.weight_update_finished(version=7, reprefill_trajectories=2)
+                assert em.flush()
+                return ids, pending, em.snapshot_now().weight_update, em.stats
+
+        ids, pending, after, stats = await asyncio.to_thread(work)
+    assert ids == ["weights-7-started"] * 2
+    assert stats.dropped_invalid == 0 and stats.duplicates == 1 and accounted(stats)
+    assert hook.handle.anomalies == 0
+    wu = hook.handle.controller.table.weight_update
+    assert (wu.version, wu.pending, wu.expected_seconds, wu.reprefill_trajectories) == (
+        7,
+        False,
+        3.0,
+        2,
+    )
+    # What a resync would have posted while the update was under way, and after it.
+    assert pending is not None and (pending.version, pending.expected_seconds) == (7, 3.0)  # type: ignore[attr-defined]
+    assert after is None

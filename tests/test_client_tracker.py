@@ -87,3 +87,18 @@ def test_tracker_snapshot_loads_into_the_controller_state_for_state() -> None:
     from_snapshot = Controller(make_spec())
     from_snapshot.observe_snapshot(t.snapshot(ts=4.0))
     assert from_snapshot.live_trajectories() == from_events.live_trajectories()
+
+
+def test_tracker_snapshot_carries_a_weight_update_under_way() -> None:
+    t = TrajectoryTracker()
+    feed(t, ("request_queued", "a", 1.0, {"prompt_tokens": 10, "turn": 0}))
+    t.apply({"id": "w1", "type": "weight_update_started", "ts": 2.0, "version": 5})
+    t.apply({"id": "w1b", "type": "weight_update_started", "ts": 2.2, "version": 5})  # again
+    snap = t.snapshot(ts=3.0)
+    assert snap.weight_update is not None
+    assert (snap.weight_update.version, snap.weight_update.started_at) == (5, 2.0)
+    assert [r.trajectory for r in snap.trajectories] == ["a"]  # no trajectory for the update
+    t.apply({"id": "w0", "type": "weight_update_finished", "ts": 2.5, "version": 4})  # older
+    assert t.snapshot(ts=3.0).weight_update is not None
+    t.apply({"id": "w2", "type": "weight_update_finished", "ts": 4.0, "version": 5})
+    assert t.snapshot(ts=5.0).weight_update is None

@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from prorsa.events import BatchError, parse_batch, parse_ndjson, parse_snapshot
+from prorsa.events import (
+    EVENT_TYPES,
+    BatchError,
+    WeightUpdateFinished,
+    WeightUpdateStarted,
+    dump_events,
+    parse_batch,
+    parse_events,
+    parse_ndjson,
+    parse_snapshot,
+)
 
 
 def body(*events: dict) -> bytes:
@@ -121,3 +131,70 @@ def test_snapshot_validation() -> None:
             b'"since": 1, "context_tokens": 1}]}'
         )
     assert info.value.errors[0].field == "trajectories.0.state"
+
+
+# -- cluster events: weight updates ------------------------------------------------------------
+
+STARTED = {"id": "w1", "ts": 9.0, "type": "weight_update_started", "version": 3}
+FINISHED = {
+    "id": "w2",
+    "ts": 12.0,
+    "type": "weight_update_finished",
+    "version": 3,
+    "reprefill_trajectories": 40,
+}
+
+
+def test_weight_update_events_parse_without_a_trajectory() -> None:
+    started, finished, queued = parse_batch(
+        body(STARTED | {"expected_seconds": 2.5}, FINISHED, GOOD)
+    )
+    assert isinstance(started, WeightUpdateStarted) and started.expected_seconds == 2.5
+    assert isinstance(finished, WeightUpdateFinished) and finished.reprefill_trajectories == 40
+    assert queued.type == "request_queued"
+    assert parse_batch(body(STARTED))[0].expected_seconds is None  # type: ignore[union-attr]
+    assert {"weight_update_started", "weight_update_finished"} <= set(EVENT_TYPES)
+    # The same union serves NDJSON and Python callers; the wire form round-trips.
+    lines = "\n".join(json.dumps(e) for e in (STARTED, FINISHED)).encode()
+    assert parse_ndjson(lines) == parse_events(dump_events(parse_ndjson(lines)))
+
+
+def test_weight_update_fields_are_strict_and_named() -> None:
+    errs = errors_of(
+        body(
+            STARTED | {"version": -1},
+            STARTED | {"version": 1.0},
+            STARTED | {"expected_seconds": 0},
+            FINISHED | {"reprefill_trajectories": "4"},
+            {k: v for k, v in FINISHED.items() if k != "reprefill_trajectories"},
+            {k: v for k, v in STARTED.items() if k != "version"},
+            STARTED | {"trajectory": "t"},  # cluster-scoped: a trajectory is a mistake
+        )
+    )
+    assert errs == [
+        (0, "version"),
+        (1, "version"),
+        (2, "expected_seconds"),
+        (3, "reprefill_trajectories"),
+        (4, "reprefill_trajectories"),
+        (5, "version"),
+        (6, "trajectory"),
+    ]
+
+
+def test_trajectory_events_still_need_their_trajectory() -> None:
+    assert errors_of(body({k: v for k, v in GOOD.items() if k != "trajectory"})) == [
+        (0, "trajectory")
+    ]
+
+
+def test_snapshot_may_carry_an_update_under_way() -> None:
+    snap = parse_snapshot(
+        b'{"ts": 5, "trajectories": [], '
+        b'"weight_update": {"version": 2, "started_at": 4.0, "expected_seconds": 3}}'
+    )
+    assert snap.weight_update is not None and snap.weight_update.version == 2
+    assert parse_snapshot(b'{"ts": 5, "trajectories": []}').weight_update is None
+    with pytest.raises(BatchError) as info:
+        parse_snapshot(b'{"ts": 5, "trajectories": [], "weight_update": {"version": 2}}')
+    assert info.value.errors[0].field == "weight_update.started_at"

@@ -392,3 +392,82 @@ def test_eq13_with_attention_dp_each_request_runs_on_one_rank() -> None:
         },  # type: ignore[arg-type]
     )
     assert held.requests == 3.0  # three 2k prompts on the three free ranks; the rest wait
+
+
+# -- a pending weight update (beyond the paper; §3.1's carried-over re-prefill) ---------------
+
+
+def _decoding_and_ready(log, t: TrajectoryTable, *, ready_tokens: float) -> None:
+    """Trajectory d decodes a 4,000-token context (prefilled: cached); r waits to prefill."""
+    log("request_queued", "d", 0.0, prompt_tokens=4_000, turn=0)
+    log("prefill_started", "d", 0.0, instance="p0")
+    log("prefill_finished", "d", 1.0, instance="p0")
+    log("request_queued", "r", 2.0, prompt_tokens=ready_tokens, turn=0)
+    t.apply(log.take())
+
+
+def test_pending_weight_update_forecasts_the_reprefill_of_live_contexts(log) -> None:
+    f, t = setup(horizon=10.0)
+    _decoding_and_ready(log, t, ready_tokens=1_000)
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=2.0)
+    t.apply(log.take())
+    site = PrefillSite(names=("p0",), seconds_per_token=1e-3, per_computed_token=True)
+    out = f.forecast(t, now=2.0, site=site)
+    # The update ends at 4: "d" is interrupted and re-prefills all 4,000 tokens (no cached
+    # prefix survives the weights). Nothing prefills before 4: "r" runs 4 -> 5, "d" 5 -> 9,
+    # both inside [2, 12), so both enter decode.
+    assert out.reprefill == 4_000.0
+    assert out.prefill == 1_000.0 + 4_000.0
+    assert out.prefill_seconds == pytest.approx(5.0)
+    assert out.admission == pytest.approx(5_000.0)
+    # Once it finished the decoder is decoding again on the new weights: no re-prefill.
+    log.cluster("weight_update_finished", 4.0, version=1, reprefill_trajectories=1)
+    t.apply(log.take())
+    assert f.forecast(t, now=4.0, site=site).reprefill == 0.0
+
+
+def test_pending_weight_update_holds_the_ready_queue_until_it_ends(log) -> None:
+    f, t = setup(horizon=10.0, decode_chain=False)
+    _decoding_and_ready(log, t, ready_tokens=7_000)
+    # Without an update the 7,000-token prompt prefills 2 -> 9: admitted within [2, 12).
+    assert f.forecast(t, now=2.0, site=SITE).admission == pytest.approx(7_000.0)
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=4.0)
+    t.apply(log.take())
+    out = f.forecast(t, now=2.0, site=SITE)
+    # The engines load weights until 6: the prompt prefills 6 -> 13, past the horizon.
+    assert out.admission == 0.0 and out.reprefill == 4_000.0
+
+
+def test_an_update_ending_past_the_horizon_brings_no_reprefill_into_it(log) -> None:
+    f, t = setup(horizon=10.0)
+    _decoding_and_ready(log, t, ready_tokens=1_000)
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=30.0)
+    t.apply(log.take())
+    out = f.forecast(t, now=2.0, site=SITE)
+    assert out.reprefill == 0.0 and out.admission == 0.0
+
+
+def test_an_unannounced_update_duration_is_taken_from_the_last_update(log) -> None:
+    f, t = setup(horizon=10.0)
+    log.cluster("weight_update_started", 0.0, version=1)
+    log.cluster("weight_update_finished", 9.0, version=1, reprefill_trajectories=0)
+    _decoding_and_ready(log, t, ready_tokens=1_000)
+    log.cluster("weight_update_started", 20.0, version=2)
+    t.apply(log.take())
+    assert t.weight_update.expected_end(now=21.0) == 29.0
+    # Ends at 29 (>= 21 + 10 - g): "r" prefills 29 -> 30 and "d" 30 -> 34, both in the
+    # horizon [21, 31) for prefill demand, only "r" admitted.
+    out = f.forecast(t, now=21.0, site=SITE)
+    assert out.reprefill == 4_000.0
+    assert out.admission == pytest.approx(1_000.0)
+
+
+def test_an_update_never_finished_is_given_up_on(log) -> None:
+    f, t = setup(horizon=10.0)
+    _decoding_and_ready(log, t, ready_tokens=1_000)
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=5.0)
+    t.apply(log.take())
+    assert f.forecast(t, now=500.0, site=SITE).reprefill == 4_000.0  # overdue: any moment
+    # Ten minutes on (the trainer crashed mid-update), the forecast stops waiting.
+    late = f.forecast(t, now=700.0, site=SITE)
+    assert late.reprefill == 0.0 and t.weight_update.pending

@@ -463,3 +463,69 @@ async def test_a_huge_batch_does_not_stall_other_requests() -> None:
         await asyncio.gather(post_big(), health_checks())
         assert order == ["health", "big"]
         assert srv.handle.applied == 30_000
+
+
+# -- cluster events: weight updates -----------------------------------------------------
+
+
+async def test_weight_update_events_over_http_flush_caches_and_show_in_the_table(
+    srv: Served,
+) -> None:
+    t0 = time.time()
+    started = {"id": "w-3-start", "type": "weight_update_started", "ts": t0, "version": 3}
+    finished = {
+        "id": "w-3-done",
+        "type": "weight_update_finished",
+        "ts": t0 + 2,
+        "version": 3,
+        "reprefill_trajectories": 1,
+    }
+    dispatched = ev("s", "sample_dispatched", "t1", t0 - 2)
+    r = await srv.post([dispatched, queued("q", "t1", t0 - 1), started | {"expected_seconds": 4.5}])
+    assert r.status_code == 200, r.text
+    assert (r.json()["applied"], r.json()["anomalies"]) == (3, 0)
+    table = srv.handle.controller.table
+    wu = table.weight_update
+    assert (wu.pending, wu.version, wu.expected_seconds) == (True, 3, 4.5)
+    assert table.cache_flushes == 1
+    # NDJSON too, and a replay of the same ids applies nothing twice.
+    line = json.dumps(finished).encode()
+    for _ in range(2):
+        r = await srv.http.post(
+            f"{BASE}/events", content=line, headers={**AUTH, "Content-Type": "application/x-ndjson"}
+        )
+        assert r.status_code == 200, r.text
+    assert (r.json()["applied"], r.json()["duplicates"]) == (0, 1)
+    wu = table.weight_update
+    assert (wu.pending, wu.finished_at, wu.reprefill_trajectories) == (False, t0 + 2, 1)
+    assert srv.metric("prorsa_webhook_events_total", type="weight_update_started") == 1
+    assert srv.metric("prorsa_webhook_events_total", type="weight_update_finished") == 1
+
+
+async def test_weight_update_with_bad_fields_is_422_naming_each(srv: Served) -> None:
+    bad = [
+        {"id": "w1", "type": "weight_update_started", "ts": time.time(), "version": -2},
+        {"id": "w2", "type": "weight_update_finished", "ts": time.time(), "version": 1},
+        {"id": "w3", "type": "weight_update_started", "ts": time.time(), "version": 1}
+        | {"trajectory": "t1"},
+    ]
+    r = await srv.post([queued("q", "t1"), *bad])
+    assert r.status_code == 422
+    fields = [(e["index"], e["field"]) for e in r.json()["errors"]]
+    assert fields == [(1, "version"), (2, "reprefill_trajectories"), (3, "trajectory")]
+    assert srv.handle.controller.table.weight_update.version is None  # refused whole
+
+
+async def test_openapi_documents_the_weight_update_events(srv: Served) -> None:
+    doc = (await srv.http.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    started = schemas["WeightUpdateStarted"]
+    finished = schemas["WeightUpdateFinished"]
+    assert set(started["required"]) == {"id", "ts", "type", "version"}
+    assert set(finished["required"]) == {"id", "ts", "type", "version", "reprefill_trajectories"}
+    assert "trajectory" not in started["properties"] | finished["properties"]
+    assert started["properties"]["expected_seconds"]["anyOf"][0]["exclusiveMinimum"] == 0
+    mapping = schemas["EventBatch"]["properties"]["events"]["items"]["discriminator"]["mapping"]
+    assert mapping["weight_update_started"].endswith("/WeightUpdateStarted")
+    assert mapping["weight_update_finished"].endswith("/WeightUpdateFinished")
+    assert "weight_update" in schemas["Snapshot"]["properties"]

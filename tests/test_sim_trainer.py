@@ -52,7 +52,8 @@ def run(
 def by_trajectory(events: list[ev.Event]) -> dict[str, list[ev.Event]]:
     out: dict[str, list[ev.Event]] = defaultdict(list)
     for e in events:
-        out[e.trajectory].append(e)
+        if e.type not in ev.CLUSTER_EVENT_TYPES:
+            out[e.trajectory].append(e)  # type: ignore[union-attr]
     return out
 
 
@@ -161,3 +162,63 @@ def test_injection_policies(policy: str) -> None:
             assert (e.ts / period) == pytest.approx(round(e.ts / period), abs=1e-6)
         assert sim.spec.forecast.injection.rate_per_second == pytest.approx(1 / period)
     assert sim.spec.forecast.injection.policy == policy
+
+
+# State a trajectory is in after each of its events (decode_finished depends on `finish`).
+_AFTER = {
+    "sample_dispatched": "starting",
+    "sandbox_started": "starting",
+    "request_queued": "ready",
+    "prefill_started": "prefill",
+    "prefill_finished": "decode",
+    "tool_started": "tool",
+    "tool_finished": "tool",
+    "reward_started": "reward",
+}
+
+
+def test_each_weight_update_is_announced_around_its_aborts() -> None:
+    sim, events = run(task="math", staleness=2, steps=3)
+    bumps = sim.trainer.stats.steps[:-1]  # the last step ends the run: no new weights
+    started = [e for e in events if isinstance(e, ev.WeightUpdateStarted)]
+    finished = [e for e in events if isinstance(e, ev.WeightUpdateFinished)]
+    assert [e.ts for e in started] == [e.ts for e in finished] == bumps
+    assert [e.version for e in started] == [e.version for e in finished] == [1, 2]
+    state: dict[str, str] = {}
+    for i, e in enumerate(events):
+        if isinstance(e, ev.WeightUpdateStarted):
+            opened = i
+        elif isinstance(e, ev.WeightUpdateFinished):
+            # Every abort of the update lies between its two events...
+            aborts = [
+                x
+                for x in events[opened:i]
+                if isinstance(x, ev.DecodeFinished) and x.finish == "abort"
+            ]
+            assert aborts and all(x.ts == e.ts for x in aborts)
+            # ...and the count is of the live trajectories holding a context to re-prefill.
+            holding = sum(s in ("ready", "prefill", "decode", "tool") for s in state.values())
+            assert e.reprefill_trajectories == holding >= len(aborts)
+        elif isinstance(e, ev.DecodeFinished):
+            finish = e.finish
+            state[e.trajectory] = {"tool": "tool", "abort": "ready"}.get(finish, "reward")
+        elif isinstance(e, ev.RewardFinished | ev.TrajectoryDropped):
+            state.pop(e.trajectory, None)
+        else:
+            state[e.trajectory] = _AFTER[e.type]  # type: ignore[union-attr]
+    # The Controller's table takes them as the updates: one flush each, no guessing.
+    ctl = Controller(sim.spec)
+    assert ctl.observe(events).anomalies == 0
+    assert ctl.table.cache_flushes == 2 and ctl.table.weight_update.version == 2
+
+
+def test_weight_update_events_can_be_turned_off_for_the_benchmark() -> None:
+    on_sim, on = run(task="math", staleness=2, steps=2)
+    off_sim, off = run(task="math", staleness=2, steps=2, weight_update_events=False)
+    assert not any(e.type in ev.CLUSTER_EVENT_TYPES for e in off)
+    assert [e for e in on if e.type not in ev.CLUSTER_EVENT_TYPES] == off  # nothing else moves
+    assert on_sim.trainer.stats.events == off_sim.trainer.stats.events + 2
+    # Without them the table still reads the burst of aborts as the update.
+    ctl = Controller(off_sim.spec)
+    ctl.observe(off)
+    assert ctl.table.cache_flushes == 1 and ctl.table.weight_update.version is None

@@ -6,6 +6,7 @@ import tracemalloc
 
 import numpy as np
 
+from prorsa import events as ev
 from prorsa.forecast.model import ForecastConfig, Forecaster
 from prorsa.forecast.table import TrajectoryTable
 
@@ -198,3 +199,123 @@ def test_a_burst_of_aborts_reads_as_a_weight_update_and_forgets_every_cache(log)
     log("prefill_finished", names[0], 3.2, instance="p0")
     t.apply(log.take())
     assert f.prefilled_computed - before == 1_200
+
+
+# -- weight updates (cluster events) ----------------------------------------------------------
+
+
+def _cached_turns(log, t: TrajectoryTable, names: list[str]) -> None:
+    """One completed 1,000-token prefill each: that prompt is now a cached prefix."""
+    for name in names:
+        log("request_queued", name, 0.0, prompt_tokens=1_000, turn=0)
+        log("prefill_started", name, 0.1, instance="p0")
+        log("prefill_finished", name, 0.2, instance="p0")
+    t.apply(log.take())
+
+
+def test_weight_update_started_forgets_every_cache_before_any_abort_arrives(log) -> None:
+    f = Forecaster(ForecastConfig())
+    t = TrajectoryTable(observer=f)
+    _cached_turns(log, t, ["a", "b"])
+    log("decode_finished", "a", 1.0, output_tokens=50, finish="tool")
+    log.cluster("weight_update_started", 2.0, version=1, expected_seconds=8.0)
+    result = t.apply(log.take())
+    assert result.anomalies == 0 and t.cache_flushes == 1
+    wu = t.weight_update
+    assert (wu.pending, wu.version, wu.started_at, wu.expected_seconds) == (True, 1, 2.0, 8.0)
+    assert wu.expected_end(now=3.0) == 10.0
+    # "a" was running a tool: its next turn computes everything, its cache went with the weights.
+    before = f.prefilled_computed
+    log("tool_finished", "a", 3.0, result_tokens=100)
+    log("request_queued", "a", 3.0, prompt_tokens=1_200, turn=1)
+    log("prefill_finished", "a", 3.2, instance="p0")
+    t.apply(log.take())
+    assert f.prefilled_computed - before == 1_200
+    # A prefill that completes on the old weights while the update loads is not cached.
+    log("tool_started", "a", 3.5)
+    log("tool_finished", "a", 3.6, result_tokens=10)
+    log("request_queued", "a", 4.0, prompt_tokens=1_300, turn=2)
+    log("prefill_finished", "a", 4.1, instance="p0")
+    log.cluster("weight_update_finished", 10.0, version=1, reprefill_trajectories=2)
+    log("decode_finished", "a", 11.0, output_tokens=10, finish="tool")
+    log("tool_finished", "a", 12.0, result_tokens=10)
+    log("request_queued", "a", 12.0, prompt_tokens=1_400, turn=3)
+    log("prefill_finished", "a", 12.1, instance="p0")
+    before = f.prefilled_computed
+    t.apply(log.take())
+    assert f.prefilled_computed - before == 1_300 + 1_400
+    wu = t.weight_update
+    assert (wu.pending, wu.finished_at, wu.reprefill_trajectories) == (False, 10.0, 2)
+    assert wu.last_seconds == 8.0 and t.cache_flushes == 1
+
+
+def test_announced_updates_are_not_flushed_again_by_their_abort_burst(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()))
+    names = [f"t{i}" for i in range(12)]
+    _cached_turns(log, t, names)
+    log.cluster("weight_update_started", 100.0, version=1)
+    for name in names:
+        log("decode_finished", name, 100.0, output_tokens=10, finish="abort")
+    log.cluster("weight_update_finished", 100.5, version=1, reprefill_trajectories=12)
+    t.apply(log.take())
+    assert t.cache_flushes == 1
+    # Long after the refractory period, a burst of aborts (role switches) is not an update
+    # once the trainer announces its updates itself.
+    for name in names:
+        log("request_queued", name, 200.0, prompt_tokens=1_010, turn=0)
+        log("prefill_finished", name, 200.1, instance="p0")
+        log("decode_finished", name, 201.0, output_tokens=10, finish="abort")
+    t.apply(log.take())
+    assert t.cache_flushes == 1
+
+
+def test_weight_update_events_are_idempotent_and_ignore_older_versions(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()))
+    log.cluster("weight_update_started", 10.0, version=2)
+    log.cluster("weight_update_finished", 12.0, version=2, reprefill_trajectories=5)
+    batch = log.take()
+    t.apply(batch)
+    first = t.weight_update
+    replay = t.apply(batch)  # a lost reply: the trainer sends the same ids again
+    assert replay.duplicates == 2 and t.weight_update == first and t.cache_flushes == 1
+    # Late news of an older or finished update (new ids) changes nothing, and is counted.
+    log.cluster("weight_update_finished", 13.0, version=1, reprefill_trajectories=9)
+    log.cluster("weight_update_started", 13.0, version=2)
+    assert t.apply(log.take()).anomalies == 2
+    assert t.anomalies["stale"] == 2 and t.weight_update == first and t.cache_flushes == 1
+    # A finish whose start was never heard (operator restart) still means new weights.
+    log.cluster("weight_update_finished", 20.0, version=3, reprefill_trajectories=4)
+    t.apply(log.take())
+    wu = t.weight_update
+    assert (wu.version, wu.pending, wu.started_at, wu.last_seconds) == (3, False, None, 2.0)
+    assert t.cache_flushes == 2
+
+
+def test_reprefill_tokens_count_every_context_that_comes_back(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()))
+    log("sample_dispatched", "starting", 0.0)  # no context yet
+    log("request_queued", "ready", 0.0, prompt_tokens=1_000, turn=0)
+    log("request_queued", "prefill", 0.0, prompt_tokens=2_000, turn=0)
+    log("prefill_started", "prefill", 0.1)
+    log("request_queued", "decode", 0.0, prompt_tokens=4_000, turn=0)
+    log("prefill_finished", "decode", 0.2)
+    log("request_queued", "tool", 0.0, prompt_tokens=8_000, turn=0)
+    log("decode_finished", "tool", 1.0, output_tokens=100, finish="tool")
+    log("request_queued", "reward", 0.0, prompt_tokens=16_000, turn=0)
+    log("decode_finished", "reward", 1.0, output_tokens=100, finish="stop")  # done generating
+    t.apply(log.take())
+    assert t.reprefill_tokens() == 1_000 + 2_000 + 4_000 + 8_100
+
+
+def test_snapshot_carries_an_update_under_way(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()))
+    snap = ev.Snapshot(
+        ts=50.0,
+        trajectories=[],
+        weight_update=ev.SnapshotWeightUpdate(version=4, started_at=45.0, expected_seconds=10.0),
+    )
+    t.load_snapshot(snap)
+    wu = t.weight_update
+    assert (wu.pending, wu.version, wu.expected_end(now=50.0)) == (True, 4, 55.0)
+    t.load_snapshot(ev.Snapshot(ts=60.0, trajectories=[]))
+    assert t.weight_update.pending is False

@@ -1,8 +1,13 @@
-"""CONTRACT: the trainer webhook's lifecycle events and resync snapshot (shared/DESIGN.md).
+"""CONTRACT: the trainer webhook's events and resync snapshot (docs/webhook-events.md).
 
 The models are strict on purpose: a trainer integration bug (a float token count, a NaN
 timestamp, a misspelt field) should fail loudly at the webhook, naming the event and field,
 instead of silently skewing the forecast. Field names are the wire names (snake_case).
+
+Two kinds of event share one discriminated union: trajectory events (the lifecycle of
+Figure 4, each naming its ``trajectory``) and cluster events (weight updates), which concern
+every live trajectory at once and so name none; a cluster event that carries a
+``trajectory`` is refused like any other unknown field.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
 Tokens = Annotated[int, Field(strict=True, ge=0, le=1 << 40)]
 Turn = Annotated[int, Field(strict=True, ge=0, le=1 << 20)]
 Timestamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Version = Annotated[int, Field(strict=True, ge=0, le=1 << 62)]
+Count = Annotated[int, Field(strict=True, ge=0, le=1 << 40)]
+Seconds = Annotated[float, Field(gt=0, le=1e7, allow_inf_nan=False)]
 
 STATES = ("starting", "ready", "prefill", "decode", "tool", "reward")
 State = Literal["starting", "ready", "prefill", "decode", "tool", "reward"]
@@ -29,12 +37,21 @@ SandboxMode = Literal["prewarm", "cold"]
 Finish = Literal["tool", "stop", "length", "abort"]
 
 
-class _Event(BaseModel):
+class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: Id
     ts: Timestamp
+
+
+class _Event(_Base):
+    """A step of one trajectory's lifecycle."""
+
     trajectory: Id
+
+
+class _ClusterEvent(_Base):
+    """A fact about the whole rollout cluster: no trajectory."""
 
 
 class SampleDispatched(_Event):
@@ -100,6 +117,40 @@ class TrajectoryDropped(_Event):
     reason: Annotated[str, Field(max_length=MAX_TEXT)] | None = None
 
 
+class WeightUpdateStarted(_ClusterEvent):
+    """The trainer is about to load ``version``: every generation in flight will be
+    interrupted and every prefix cache flushed (SGLang drops its radix cache with the old
+    weights)."""
+
+    type: Literal["weight_update_started"]
+    version: Version
+    expected_seconds: Seconds | None = None
+
+
+class WeightUpdateFinished(_ClusterEvent):
+    """``version`` is loaded; ``reprefill_trajectories`` live trajectories will compute
+    their whole context again on it (paper §3.1: carried-over trajectories re-prefill)."""
+
+    type: Literal["weight_update_finished"]
+    version: Version
+    reprefill_trajectories: Count
+
+
+TrajectoryEvent = (
+    SampleDispatched
+    | SandboxStarted
+    | RequestQueued
+    | PrefillStarted
+    | PrefillFinished
+    | DecodeFinished
+    | ToolStarted
+    | ToolFinished
+    | RewardStarted
+    | RewardFinished
+    | TrajectoryDropped
+)
+ClusterEvent = WeightUpdateStarted | WeightUpdateFinished
+
 Event = Annotated[
     SampleDispatched
     | SandboxStarted
@@ -111,9 +162,14 @@ Event = Annotated[
     | ToolFinished
     | RewardStarted
     | RewardFinished
-    | TrajectoryDropped,
+    | TrajectoryDropped
+    | WeightUpdateStarted
+    | WeightUpdateFinished,
     Field(discriminator="type"),
 ]
+
+# Events without a ``trajectory`` field.
+CLUSTER_EVENT_TYPES: tuple[str, ...] = ("weight_update_started", "weight_update_finished")
 
 EVENT_TYPES: tuple[str, ...] = (
     "sample_dispatched",
@@ -127,6 +183,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "reward_started",
     "reward_finished",
     "trajectory_dropped",
+    *CLUSTER_EVENT_TYPES,
 )
 
 
@@ -158,6 +215,16 @@ class SnapshotTrajectory(BaseModel):
     tool: Name | None = None
 
 
+class SnapshotWeightUpdate(BaseModel):
+    """A weight update under way when the snapshot was taken (its start event may be lost)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Version
+    started_at: Timestamp = Field(description="The update's weight_update_started ts.")
+    expected_seconds: Seconds | None = None
+
+
 class Snapshot(BaseModel):
     """The body of ``POST .../snapshot``: every live trajectory, replacing what was known."""
 
@@ -165,6 +232,9 @@ class Snapshot(BaseModel):
 
     ts: Timestamp
     trajectories: list[SnapshotTrajectory]
+    weight_update: SnapshotWeightUpdate | None = Field(
+        None, description="Set while a weight update is under way: started, not finished."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,14 +253,20 @@ class _Core:
     # -- producer side -------------------------------------------------------------------
 
     def make(
-        self, kind: str, trajectory: str, ts: float | None, id: str | None, fields: dict[str, Any]
+        self,
+        kind: str,
+        trajectory: str | None,
+        ts: float | None,
+        id: str | None,
+        fields: dict[str, Any],
     ) -> dict[str, Any]:
-        event = {
+        event: dict[str, Any] = {
             "id": id if id is not None else self._prefix + str(next(self._seq)),
             "ts": self.clock() if ts is None else ts,
-            "trajectory": trajectory,
-            "type": kind,
         }
+        if trajectory is not None:  # None: a cluster event (weight update)
+            event["trajectory"] = trajectory
+        event["type"] = kind
         for key, value in fields.items():
             if value is not None:
                 event[key] = value
@@ -569,7 +575,7 @@ class _Helpers(ABC):
     def emit(
         self,
         type: str,
-        trajectory: str,
+        trajectory: str | None,
         *,
         ts: float | None = None,
         id: str | None = None,
@@ -678,6 +684,51 @@ class _Helpers(ABC):
     ) -> str:
         return self.emit("trajectory_dropped", trajectory, ts=ts, reason=reason)
 
+    # Cluster events: no trajectory. Emit them where the trainer changes the rollout
+    # engines' weights, so the Controller sees the re-prefill burst coming.
+
+    def weight_update_started(
+        self,
+        *,
+        version: int,
+        expected_seconds: float | None = None,
+        ts: float | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Just before the engines load ``version``; ``expected_seconds``: how long it takes.
+
+        When several processes may report the same update, pass the same ``id`` from each
+        (say ``f"weights-{version}-started"``): the webhook applies it once.
+        """
+        return self.emit(
+            "weight_update_started",
+            None,
+            ts=ts,
+            id=id,
+            version=version,
+            expected_seconds=expected_seconds,
+        )
+
+    def weight_update_finished(
+        self,
+        *,
+        version: int,
+        reprefill_trajectories: int,
+        ts: float | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Once ``version`` is loaded; ``reprefill_trajectories``: live trajectories whose
+        context will be computed again on it (interrupted generations, tool calls in
+        progress)."""
+        return self.emit(
+            "weight_update_finished",
+            None,
+            ts=ts,
+            id=id,
+            version=version,
+            reprefill_trajectories=reprefill_trajectories,
+        )
+
 
 # -- the threaded flavour -------------------------------------------------------------------
 
@@ -751,13 +802,16 @@ class EventEmitter(_Helpers):
     def emit(
         self,
         type: str,
-        trajectory: str,
+        trajectory: str | None,
         *,
         ts: float | None = None,
         id: str | None = None,
         **fields: Any,
     ) -> str:
-        """Buffer one event (never blocks on I/O); returns its id."""
+        """Buffer one event (never blocks on I/O); returns its id.
+
+        ``trajectory`` is None for the cluster events (weight updates), which name none.
+        """
         core = self._core
         event = core.make(type, trajectory, ts, id, fields)
         n = core.push(event)
@@ -977,13 +1031,16 @@ class AsyncEventEmitter(_Helpers):
     def emit(
         self,
         type: str,
-        trajectory: str,
+        trajectory: str | None,
         *,
         ts: float | None = None,
         id: str | None = None,
         **fields: Any,
     ) -> str:
-        """Buffer one event (no I/O, no await); returns its id. Thread-safe."""
+        """Buffer one event (no I/O, no await); returns its id. Thread-safe.
+
+        ``trajectory`` is None for the cluster events (weight updates), which name none.
+        """
         core = self._core
         event = core.make(type, trajectory, ts, id, fields)
         n = core.push(event)

@@ -12,7 +12,8 @@ erase the others'. Build the snapshot from the trainer's global state instead.
 
 States follow the webhook CONTRACT table (and the Controller's reading of it): an aborted
 decode goes back to ``ready`` (cancel-and-resend); ``tool_finished`` keeps ``tool`` until
-the next ``request_queued``; context in ``tool``/``reward`` is prompt plus output.
+the next ``request_queued``; context in ``tool``/``reward`` is prompt plus output. A weight
+update started and not yet finished goes into the snapshot too.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from prorsa.events import EVENT_TYPES, Snapshot, SnapshotTrajectory
+from prorsa.events import EVENT_TYPES, Snapshot, SnapshotTrajectory, SnapshotWeightUpdate
 
 log = logging.getLogger("prorsa.client")
 
 _TERMINAL = frozenset({"reward_finished", "trajectory_dropped"})
 _KNOWN = frozenset(EVENT_TYPES)
+_UPDATES = frozenset({"weight_update_started", "weight_update_finished"})
 
 
 class _Live:
@@ -51,6 +53,7 @@ class TrajectoryTracker:
         self._live: dict[str, _Live] = {}
         self._max = max_trajectories
         self.evicted = 0
+        self._update: SnapshotWeightUpdate | None = None  # started, not finished
 
     def __len__(self) -> int:
         return len(self._live)
@@ -63,6 +66,9 @@ class TrajectoryTracker:
         kind = event.get("type")
         key = event.get("trajectory")
         ts = event.get("ts")
+        if kind in _UPDATES:
+            self._weight_update(kind, event)
+            return
         if kind not in _KNOWN or not isinstance(key, str) or not isinstance(ts, int | float):
             return
         ts = float(ts)
@@ -115,6 +121,24 @@ class TrajectoryTracker:
         elif kind == "reward_started":
             t.state, t.since = "reward", ts
 
+    def _weight_update(self, kind: str, event: Mapping[str, Any]) -> None:
+        version, ts = event.get("version"), event.get("ts")
+        if not isinstance(version, int) or not isinstance(ts, int | float):
+            return
+        pending = self._update
+        if kind == "weight_update_started":
+            if pending is not None and version <= pending.version:
+                return  # the same update reported again (several reporters): keep the first
+            expected = event.get("expected_seconds")
+            try:
+                self._update = SnapshotWeightUpdate(
+                    version=version, started_at=ts, expected_seconds=expected
+                )
+            except ValueError:  # the server will refuse the event with 422
+                return
+        elif pending is not None and version >= pending.version:
+            self._update = None
+
     def snapshot(self, *, ts: float) -> Snapshot:
         """Every live trajectory as of ``ts`` (trainer clock)."""
         rows = [
@@ -132,4 +156,4 @@ class TrajectoryTracker:
             )
             for key, t in self._live.items()
         ]
-        return Snapshot(ts=ts, trajectories=rows)
+        return Snapshot(ts=ts, trajectories=rows, weight_update=self._update)

@@ -39,6 +39,7 @@ def predict_admissions(
     queued_work: np.ndarray | None = None,
     arrival_work: np.ndarray | None = None,
     ranks: int = 1,
+    resume_at: float | None = None,
 ) -> Admissions:
     """Run the recurrence. ``inflight_instance`` holds 0..instances-1, or -1 when unknown.
 
@@ -52,6 +53,9 @@ def predict_admissions(
     With ``ranks`` attention-DP ranks per instance the servers are the ranks: each serves
     one request at a time at 1/ranks of the instance's speed (``seconds_per_token`` is the
     instance's); an in-flight request holds the least-busy rank of its instance.
+
+    ``resume_at``: the engines serve nothing before it (a weight update is loading), so the
+    ready queue waits for it and every server is free no earlier.
     """
     end = now + horizon
     if instances <= 0:
@@ -65,9 +69,10 @@ def predict_admissions(
     pinned = inflight_instance >= 0
     # Each in-flight request holds the rank of its instance that frees soonest; taken in
     # finish order, an instance's ranks end up free at its `ranks` latest finishes.
-    free = np.full((instances, ranks), now)
+    start = now if resume_at is None else max(now, resume_at)
+    free = np.full((instances, ranks), start)
     where = np.minimum(inflight_instance[pinned], instances - 1)
-    finishes = np.maximum(inflight_finish[pinned], now)
+    finishes = np.maximum(inflight_finish[pinned], start)
     for m in np.unique(where).tolist():
         latest = np.sort(finishes[where == m])[-ranks:]
         free[m, : len(latest)] = latest
@@ -81,7 +86,7 @@ def predict_admissions(
 
     # Ready queue first (already arrived, FIFO), then predicted arrivals by arrival time.
     order = np.argsort(arrival_u, kind="stable")
-    u = np.concatenate((np.full(len(queued_x), now), arrival_u[order]))
+    u = np.concatenate((np.full(len(queued_x), start), arrival_u[order]))
     x = np.concatenate((queued_x, arrival_x[order]))
     w = np.concatenate((np.ones(len(queued_x)), arrival_w[order]))
     work = np.concatenate(

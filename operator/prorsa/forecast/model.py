@@ -133,6 +133,9 @@ class ForecastResult:
     ready: float  # Eq. 8
     tool: float  # Eq. 11
     inflight: float  # Eq. 12
+    # Live contexts that re-prefill once a pending weight update ends (paper §3.1); a
+    # term of Eq. 15 beyond the paper, observed like the ready queue (not bias-corrected).
+    reprefill: float
     prefill: float  # Eq. 15 (bias-corrected)
     prefill_seconds: float  # instance-seconds to prefill W_P at g (W_P / θ_P of Eq. 1)
     admission: float  # Â_D, Eq. 14 (bias-corrected)
@@ -438,8 +441,11 @@ class Forecaster:
 
         # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
         # q = P(T_dec < e + S − τ̂ | T_dec > e) · P(tool call | task); x̂ = x + ô + growth.
+        # Not while a weight update is pending: it interrupts those decodes instead.
         dc = np.flatnonzero(state == DECODE)
-        if len(dc) and c.decode_chain:
+        update = table.weight_update
+        updating = update.in_progress(now)
+        if len(dc) and c.decode_chain and not updating:
             d_task = task[dc].astype(np.int64)
             turns = col["turn"][:n][dc]
             tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
@@ -463,11 +469,23 @@ class Forecaster:
                 arr_w.append(w[keep])
                 arr_c.append(comp[keep])
 
+        # A pending weight update: nothing prefills before it ends, and then every request
+        # still decoding has been interrupted and re-prefills its whole context.
+        resume_at = update.expected_end(now) if updating else None
+        re_u = re_x = re_c = np.empty(0)
+        if resume_at is not None:
+            arr_u = [np.maximum(u, resume_at) for u in arr_u]
+            if resume_at < now + S:
+                re_x = x[dc]
+                re_u = np.full(len(dc), resume_at)
+                re_c = prefill_work(re_x, 0.0, doubling)
+        w_reprefill = float(re_x.sum())
+
         raw_arrivals = w_samp + w_start + w_tool
         corrected = c.bias_correction
         a_factor = self.accuracy.arrival_factor if corrected else 1.0
         d_factor = self.accuracy.admission_factor if corrected else 1.0
-        prefill = w_ready + w_inflight + a_factor * raw_arrivals  # Eq. 15
+        prefill = w_ready + w_inflight + w_reprefill + a_factor * raw_arrivals  # Eq. 15
 
         # Decode admissions, Eq. 13–14, on the current prefill instances.
         names = {name: i for i, name in enumerate(site.names)}
@@ -481,6 +499,10 @@ class Forecaster:
         per_computed = site.per_computed_token
         per_rank = site.seconds_per_token * site.ranks
         finish = np.maximum(since[pre] + (c_inflight if per_computed else x[pre]) * per_rank, now)
+        if resume_at is not None:
+            # Interrupted prefills start over on the new weights.
+            full = prefill_work(x[pre], 0.0, doubling) if per_computed else x[pre]
+            finish = resume_at + full * per_rank
         arrival_w = np.concatenate(arr_w) if arr_w else np.empty(0)
         arrival_work = np.concatenate(arr_c) if arr_c else np.empty(0)
         adm: Admissions = predict_admissions(
@@ -491,18 +513,24 @@ class Forecaster:
             inflight_finish=finish,
             inflight_x=x[pre],
             queued_x=x[ready_idx],
-            arrival_u=np.concatenate(arr_u) if arr_u else np.empty(0),
-            arrival_x=np.concatenate(arr_x) if arr_x else np.empty(0),
-            arrival_w=arrival_w,
+            arrival_u=np.concatenate([*arr_u, re_u]),
+            arrival_x=np.concatenate([*arr_x, re_x]),
+            arrival_w=np.concatenate([arrival_w, np.ones(len(re_x))]),
             queued_work=c_ready if per_computed else None,
-            arrival_work=arrival_work if per_computed else None,
+            arrival_work=np.concatenate([arrival_work, re_c]) if per_computed else None,
+            resume_at=resume_at,
             seconds_per_token=site.seconds_per_token,
             kv_per_token=c.kv_per_token,
             ranks=site.ranks,
         )
         # W_P / θ_P of Eq. 1, counted over the same requests as W_P with the same g.
         if per_computed:
-            work = c_ready.sum() + c_inflight.sum() + a_factor * np.dot(arrival_w, arrival_work)
+            work = (
+                c_ready.sum()
+                + c_inflight.sum()
+                + re_c.sum()
+                + a_factor * np.dot(arrival_w, arrival_work)
+            )
         else:
             work = prefill
         prefill_seconds = float(work) * site.seconds_per_token
@@ -512,6 +540,7 @@ class Forecaster:
             ready=w_ready,
             tool=a_factor * w_tool,
             inflight=w_inflight,
+            reprefill=w_reprefill,
             prefill=prefill,
             prefill_seconds=prefill_seconds,
             admission=d_factor * adm.tokens,

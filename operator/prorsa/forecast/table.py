@@ -9,6 +9,9 @@ trajectory costs ~70 bytes of columns plus its id and dict entry.
 Events that do not fit the current state never raise: each is resolved by a fixed rule and
 counted by kind in :attr:`TrajectoryTable.anomalies`, so a trainer bug shows up in metrics
 instead of crashing the controller.
+
+Cluster events (weight updates) touch no slot: they flush every cached prefix at once and
+leave a :class:`WeightUpdate` view that the forecast reads.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ _TO_TOOL = frozenset({TOOL, DECODE})
 _FROM_TOOL = frozenset({TOOL})
 _TO_REWARD = frozenset({REWARD, DECODE, TOOL})
 _REMOVALS = frozenset({"reward_finished", "trajectory_dropped"})
+_CLUSTER = frozenset(ev.CLUSTER_EVENT_TYPES)
+# States whose trajectory holds a context that comes back to prefill (paper §3.1: after a
+# weight update every carried-over trajectory re-prefills its whole context).
+_HOLDS_CONTEXT = (READY, PREFILL, DECODE, TOOL)
 
 
 class Observer(Protocol):
@@ -116,6 +123,40 @@ def load_bucket(n_in_tool: int) -> int:
     return min(int(n_in_tool).bit_length() // 2, 10)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightUpdate:
+    """What the trainer said of its weight updates (all None before the first one).
+
+    ``pending`` holds from ``weight_update_started`` to ``weight_update_finished``: the
+    engines are loading new weights, every generation in flight is being interrupted and
+    every prefix cache is gone, so the live contexts will re-prefill once it ends.
+    """
+
+    pending: bool = False
+    version: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    expected_seconds: float | None = None
+    reprefill_trajectories: int | None = None
+    last_seconds: float | None = None  # how long the last completed update took
+
+    def in_progress(self, now: float) -> bool:
+        """Pending and not abandoned: a trainer that crashed mid-update never says it
+        finished, and the forecast must not wait for it forever."""
+        if not self.pending or self.started_at is None:
+            return False
+        seconds = self.expected_seconds if self.expected_seconds is not None else self.last_seconds
+        return now - self.started_at <= max(UPDATE_GIVE_UP_SECONDS, 4.0 * (seconds or 0.0))
+
+    def expected_end(self, now: float) -> float:
+        """When a pending update should end: its announced duration, else the last
+        update's, else now; never in the past (an overdue update may end any moment)."""
+        if not self.pending or self.started_at is None:
+            return now
+        seconds = self.expected_seconds if self.expected_seconds is not None else self.last_seconds
+        return max(now, self.started_at + (seconds or 0.0))
+
+
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
     applied: int
@@ -129,6 +170,9 @@ FLUSH_MIN_ABORTS = 8
 FLUSH_SHARE = 0.5
 FLUSH_WINDOW_SECONDS = 5.0
 FLUSH_REFRACTORY_SECONDS = 30.0
+# A weight update announced but not finished after this long (or four times its expected
+# duration, if longer) is taken as abandoned: the forecast stops waiting for it.
+UPDATE_GIVE_UP_SECONDS = 600.0
 
 # (name, array typecode, numpy dtype, fill value of a fresh slot)
 _COLUMNS: tuple[tuple[str, str, type, float], ...] = (
@@ -200,6 +244,9 @@ class TrajectoryTable:
         self._aborts: deque[float] = deque()
         self.cache_flushes = 0
         self._last_flush = -math.inf
+        # Weight updates the trainer announced; once it does, aborts are only aborts.
+        self._weight_update = WeightUpdate()
+        self._announced_updates = False
         self._handlers: dict[str, Callable[[Any, int | None], None]] = {
             "sample_dispatched": self._sample_dispatched,
             "sandbox_started": self._sandbox_started,
@@ -212,6 +259,8 @@ class TrajectoryTable:
             "reward_started": self._reward_started,
             "reward_finished": self._reward_finished,
             "trajectory_dropped": self._trajectory_dropped,
+            "weight_update_started": self._weight_update_started,
+            "weight_update_finished": self._weight_update_finished,
         }
 
     # -- storage -------------------------------------------------------------------------
@@ -341,6 +390,9 @@ class TrajectoryTable:
                 ts = event.ts
                 if ts > latest:
                     latest = ts
+                if event.type in _CLUSTER:
+                    handlers[event.type](event, None)
+                    continue
                 slot = slots.get(event.trajectory)
                 if slot is not None and ts < since[slot] and event.type not in _REMOVALS:
                     stale += 1  # the table already holds newer news of this trajectory
@@ -365,9 +417,12 @@ class TrajectoryTable:
 
         A weight update aborts every generation in flight at once and flushes every prefix
         cache (SGLang flushes its radix cache with new weights), also under trajectories
-        that were running tools. The CONTRACT has no event for it; half of the decoding
-        trajectories aborted within a few seconds is taken as one.
+        that were running tools. A trainer that does not send the weight-update events
+        leaves it to this guess: half of the decoding trajectories aborted within a few
+        seconds is taken as one. One that sends them has flushed already.
         """
+        if self._announced_updates:
+            return
         aborts = self._aborts
         aborts.append(ts)
         while aborts and aborts[0] < ts - FLUSH_WINDOW_SECONDS:
@@ -375,11 +430,15 @@ class TrajectoryTable:
         if ts - self._last_flush < FLUSH_REFRACTORY_SECONDS:
             return  # the rest of the same update's aborts
         if len(aborts) >= max(FLUSH_MIN_ABORTS, FLUSH_SHARE * (self.counts[DECODE] + len(aborts))):
-            n = self._hwm
-            self._cached[:n] = array("d", bytes(8 * n))
             aborts.clear()
-            self._last_flush = ts
-            self.cache_flushes += 1
+            self._flush_caches(ts)
+
+    def _flush_caches(self, ts: float) -> None:
+        """Every cached prefix is gone (new weights): each next prefill computes it all."""
+        n = self._hwm
+        self._cached[:n] = array("d", bytes(8 * n))
+        self._last_flush = ts
+        self.cache_flushes += 1
 
     def _create(self, e: ev.Event, state: int, *, expected: bool = False) -> int | None:
         """A slot for a trajectory first heard of now, or None if it already finished."""
@@ -527,7 +586,8 @@ class TrajectoryTable:
             self._since[slot] = e.ts
         tokens = self._x[slot]
         computed = max(tokens - self._cached[slot], 1.0)
-        self._cached[slot] = tokens
+        # A prefill done on the old weights during an update is flushed with them.
+        self._cached[slot] = 0.0 if self._weight_update.pending else tokens
         m = self._instance[slot]
         if m < 0 and e.instance is not None:
             m = self.instances.code(e.instance)
@@ -625,6 +685,68 @@ class TrajectoryTable:
             return
         self._release(e.trajectory, slot)
 
+    # -- weight updates (cluster events) -------------------------------------------------
+
+    @property
+    def weight_update(self) -> WeightUpdate:
+        """The last weight update the trainer announced, as of the events applied."""
+        return self._weight_update
+
+    def _update_is_stale(self, version: int) -> bool:
+        """An older version, or this one over already: a late or re-sent (new id) event."""
+        wu = self._weight_update
+        if wu.version is None:
+            return False
+        return version < wu.version or (version == wu.version and not wu.pending)
+
+    def _weight_update_started(self, e: ev.WeightUpdateStarted, _slot: int | None) -> None:
+        wu = self._weight_update
+        if self._update_is_stale(e.version):
+            self.anomalies["stale"] += 1
+            return
+        self._announced_updates = True
+        if wu.pending and wu.version == e.version:
+            return  # the same update announced twice (a restart of the trainer's sync)
+        self._flush_caches(e.ts)
+        self._weight_update = WeightUpdate(
+            pending=True,
+            version=e.version,
+            started_at=e.ts,
+            expected_seconds=e.expected_seconds,
+            last_seconds=wu.last_seconds,
+        )
+
+    def _weight_update_finished(self, e: ev.WeightUpdateFinished, _slot: int | None) -> None:
+        wu = self._weight_update
+        if self._update_is_stale(e.version):
+            self.anomalies["stale"] += 1
+            return
+        self._announced_updates = True
+        started = wu.started_at if wu.pending and wu.version == e.version else None
+        if started is None:
+            self._flush_caches(e.ts)  # its start was never heard: the weights changed anyway
+        self._weight_update = WeightUpdate(
+            pending=False,
+            version=e.version,
+            started_at=started,
+            finished_at=e.ts,
+            expected_seconds=wu.expected_seconds if started is not None else None,
+            reprefill_trajectories=e.reprefill_trajectories,
+            last_seconds=max(e.ts - started, 0.0) if started is not None else wu.last_seconds,
+        )
+
+    def reprefill_tokens(self) -> float:
+        """Tokens of the live contexts that will re-prefill after a weight update.
+
+        A trajectory that is ready, in prefill, decoding (to be interrupted and resent) or
+        running a tool holds a context that comes back to prefill, and with every prefix
+        cache flushed it computes all of it (paper §3.1).
+        """
+        n = self._hwm
+        cols = self.cols
+        holds = np.isin(cols["state"][:n], _HOLDS_CONTEXT)
+        return float(cols["x"][:n][holds].sum())
+
     def _gone(self, e: ev.Event) -> None:
         kind = "finished_trajectory" if e.trajectory in self._finished else "unknown_trajectory"
         self.anomalies[kind] += 1
@@ -658,8 +780,27 @@ class TrajectoryTable:
                 self._tool[slot] = self.tools.code(t.tool)
             if t.state == "tool":
                 self._tool_load[slot] = load_bucket(self.counts[TOOL])
+        self._load_weight_update(snapshot.weight_update)
         if self.last_event_ts is None or snapshot.ts > self.last_event_ts:
             self.last_event_ts = snapshot.ts
+
+    def _load_weight_update(self, update: ev.SnapshotWeightUpdate | None) -> None:
+        """The trainer's word on an update under way replaces ours; none means none."""
+        wu = self._weight_update
+        if update is None:
+            if wu.pending:
+                self._weight_update = WeightUpdate(
+                    version=wu.version, started_at=wu.started_at, last_seconds=wu.last_seconds
+                )
+            return
+        self._announced_updates = True
+        self._weight_update = WeightUpdate(
+            pending=True,
+            version=update.version,
+            started_at=update.started_at,
+            expected_seconds=update.expected_seconds,
+            last_seconds=wu.last_seconds,
+        )
 
     def evict_older_than(self, cutoff: float) -> int:
         """Drop trajectories that have sat in one state since before ``cutoff``."""

@@ -108,7 +108,11 @@ def openapi_document() -> dict[str, Any]:
         "description": "The batch is validated whole and applied whole, or refused whole. "
         'Send JSON `{"events": [...]}` or one event per line (NDJSON). Event ids are '
         "idempotency keys: a replayed id is counted in `duplicates` and not applied again. "
-        "When the reply says `resync: true`, POST a snapshot before more events.",
+        "When the reply says `resync: true`, POST a snapshot before more events. "
+        "Trajectory events name their `trajectory`; the cluster events "
+        "`weight_update_started` and `weight_update_finished` name none (they concern every "
+        "live trajectory: a weight update flushes every prefix cache, and the live contexts "
+        "re-prefill once it ends).",
         "security": secured,
         "parameters": [_SENT_AT_PARAM],
         "requestBody": {
@@ -181,7 +185,7 @@ def openapi_document() -> dict[str, Any]:
             "title": "Prorsa trainer webhook",
             "version": __version__,
             "description": "Trajectory lifecycle events from an RL trainer to the Prorsa "
-            "controller (the webhook CONTRACT of shared/DESIGN.md).",
+            "controller (the webhook contract; see docs/webhook-events.md).",
         },
         "paths": {
             f"{CLUSTER_PATH}/events": {"parameters": _CLUSTER_PARAMS, "post": events_op},

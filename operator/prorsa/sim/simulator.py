@@ -51,6 +51,9 @@ class Scenario:
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     hysteresis: float | None = None  # switching.hysteresis; None: the spec default
     horizon: float = 10.0  # S
+    # The trainer announces weight updates (weight_update_started/_finished); off: the
+    # Controller infers them from the burst of aborts, as with a trainer that does not.
+    weight_update_events: bool = True
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
 
     @property
@@ -189,6 +192,7 @@ class Simulation:
             max_concurrent=scenario.max_concurrent,
             max_context=self.profile.max_context,
             emit=emit_events,
+            weight_update_events=scenario.weight_update_events,
         )
 
     def record_prediction(self, now: float, *, prefill: float, decode: float) -> None:

@@ -2,9 +2,11 @@
 
 It drives every trajectory through the lifecycle of the paper's Figure 4 (dispatch, sandbox
 start from the prewarm pool or cold, ready queue, prefill, KV transfer, decode, tool, back to
-ready, reward) and emits exactly the webhook CONTRACT events of shared/DESIGN.md for it, as
-pydantic models from :mod:`prorsa.events` (validated on construction). The Prorsa policy
-sees nothing else of the trainer.
+ready, reward) and emits exactly the webhook CONTRACT events for it (docs/webhook-events.md),
+as pydantic models from :mod:`prorsa.events` (validated on construction). The Prorsa policy
+sees nothing else of the trainer. Each weight update is announced with the cluster events
+``weight_update_started`` / ``weight_update_finished`` unless ``weight_update_events`` is
+off, which leaves the Controller to infer updates from the burst of aborts.
 
 Rollout modes:
 - on-policy (staleness 0): a step dispatches ``groups_per_step`` groups and waits for all of
@@ -37,6 +39,9 @@ INJECTIONS: tuple[str, ...] = ("replaceOnReward", "fixedRate", "groupReplenish")
 # Asynchronous rollout keeps this many batches in flight by default ("sample over-dispatch",
 # paper §5.4); AReaL's own default, one batch, is max_concurrent=batch.
 OVER_DISPATCH = 2
+# Live trajectories whose context comes back to prefill on new weights: the interrupted
+# generations (resent as ready) and tool calls in progress (paper §3.1).
+_REPREFILL = frozenset({"ready", "prefill", "decode", "tool"})
 
 
 @dataclass(slots=True)
@@ -100,6 +105,7 @@ class Trainer:
         max_concurrent: int | None = None,
         max_context: int = 131072,
         emit: bool = False,
+        weight_update_events: bool = True,
     ) -> None:
         if staleness < 0 or steps < 1:
             raise ValueError("staleness must be >= 0 and steps >= 1")
@@ -120,6 +126,7 @@ class Trainer:
         self.max_concurrent = max_concurrent or OVER_DISPATCH * self.batch
         self.max_context = max_context
         self.emit_events = emit
+        self.weight_update_events = weight_update_events
         self.outbox: list[ev.Event] = []
         self.version = 0
         self.live: dict[str, Trajectory] = {}
@@ -419,7 +426,14 @@ class Trainer:
             stale = [t for t in self.live.values() if t.version < self.version - self.staleness]
             for t in stale:
                 self._drop(t, "staleness")
+        self._announce(ev.WeightUpdateStarted, type="weight_update_started", version=self.version)
         self.cluster.new_weights()
+        self._announce(
+            ev.WeightUpdateFinished,
+            type="weight_update_finished",
+            version=self.version,
+            reprefill_trajectories=sum(t.state in _REPREFILL for t in self.live.values()),
+        )
         if self.on_policy:
             self._dispatch_step()
         elif self.injection == "groupReplenish":
@@ -429,6 +443,15 @@ class Trainer:
             self._top_up()
 
     # -- events ------------------------------------------------------------------------------
+
+    def _announce(self, cls: type[Any], **fields: Any) -> None:
+        """A cluster event: the weights change for every trajectory at once."""
+        if not self.weight_update_events:
+            return
+        self.stats.events += 1
+        if self.emit_events:
+            kind = fields["type"]
+            self.outbox.append(cls(id=f"weights#{self.version}#{kind}", ts=self.loop.now, **fields))
 
     def _emit(self, cls: type[Any], t: Trajectory, **fields: Any) -> None:
         self.stats.events += 1
