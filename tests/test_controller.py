@@ -551,3 +551,24 @@ def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) ->
     # The floor switched off: decode is not short either, so nothing is worth a switch.
     assert target({"prefillCacheTokens": 0})[0] == 2
     assert target({"prefillCacheTokens": 6_000_000})[0] == 2  # a cache tier that holds them
+
+
+def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None:
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
+        switching=PER_HORIZON,
+    )
+    c = Controller(spec)
+    for i in range(24):
+        log("request_queued", f"long{i}", 1.0, prompt_tokens=100_000, turn=0)
+        log("prefill_started", f"long{i}", 1.0, instance="c-engine-0")
+        log("prefill_finished", f"long{i}", 2.0, instance="c-engine-0")
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    c.tick(10.0)
+    assert c.last_cache_demand == pytest.approx(3.0)  # 2.4M tokens in 0.8M caches
+    log.cluster("weight_update_started", 15.0, version=1, expected_seconds=30.0)
+    c.observe(log.take())
+    c.tick(20.0)
+    assert c.last_cache_demand == 0.0, "the new weights flush every cache anyway"

@@ -280,6 +280,9 @@ class Controller:
         demand = self.demand_source(self, inputs)
         self.last_demand = (demand.a, demand.b)
         cache_now = demand.cache if demand.cache is not None else self._cache_demand()
+        if self.table.weight_update.in_progress(now):
+            # New weights flush every prefix cache: nothing cached is worth protecting.
+            cache_now = 0.0
         # The split is sized for the demand expected to persist (smoothed); switches are
         # priced on this tick's demand for the coming horizon and the smoothed one beyond.
         # The prefix-cache floor is averaged the same way: a burst of new trajectories that
