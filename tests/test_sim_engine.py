@@ -213,3 +213,35 @@ def test_new_weights_interrupt_generation_and_flush_caches() -> None:
     assert [r.rid for r in rec.aborted] == ["a"]
     assert not any(r.cache for i in cluster.instances for r in i.ranks)
     cluster.check()
+
+
+def test_a_host_tier_hit_is_loaded_back_not_recomputed_and_a_flip_wipes_it() -> None:
+    """HiCache: the GPU cache evicts a context, its host copy still saves the recompute."""
+    profile = dataclasses.replace(load_profile("qwen3-235b-tp8"), kv_capacity_per_rank=200_000)
+
+    def second_turn(hicache_ratio: float) -> int:
+        loop, cluster, _rec = make([PREFILL, DECODE], profile=profile, hicache_ratio=hicache_ratio)
+        cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
+        run_until(loop, 20.0, cluster)
+        # Two more trajectories push "a" out of the single rank's 200k-token GPU cache.
+        for t in ("b", "c"):
+            cluster.submit(Request(rid=f"{t}0", traj=t, turn=0, prompt=90_000, new_tokens=1))
+            run_until(loop, loop.now + 20.0, cluster)
+        assert "a" not in cluster.instances[0].ranks[0].cache
+        again = Request(rid="a1", traj="a", turn=1, prompt=101_000, new_tokens=1)
+        cluster.submit(again)
+        run_until(loop, loop.now + 20.0, cluster)
+        return again.cached
+
+    assert second_turn(2.0) == 100_000, "the host tier held the evicted context"
+    assert second_turn(0.0) == 0, "GPU-only: the evicted context is recomputed"
+
+    loop, cluster, _rec = make([PREFILL, PREFILL, DECODE], profile=profile, hicache_ratio=2.0)
+    cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
+    run_until(loop, 20.0, cluster)
+    home = cluster.home["a"]
+    assert home.host["a"] == 100_000
+    assert cluster.start_switch(home.inst.name, DECODE)
+    run_until(loop, 60.0, cluster)
+    assert home.inst.role == DECODE
+    assert not home.host and not home.cache, "SGLang's flip resets the radix tree and host pool"

@@ -131,11 +131,14 @@ class Rank:
         "dkey_n",
         "dtime",
         "heap",
+        "host",
+        "host_tokens",
         "idx",
         "inst",
         "kind",
         "kv_base",
         "kv_prefill",
+        "load_seconds",
         "n_run",
         "plan",
         "pq",
@@ -162,6 +165,10 @@ class Rank:
         self.n_run = 0
         self.cache: OrderedDict[str, int] = OrderedDict()  # trajectory -> cached prefix
         self.cache_tokens = 0
+        # HiCache's host tier (L2), written through from the GPU cache; LRU by its size.
+        self.host: OrderedDict[str, int] = OrderedDict()
+        self.host_tokens = 0
+        self.load_seconds = 0.0  # host -> GPU loads to run with the next prefill step
         self.kind = 0  # this step: 0 idle, 1 prefill, 2 decode
         self.plan: list[tuple[Request, int]] = []
         self.step_time = 0.0
@@ -197,6 +204,7 @@ class Instance:
         p = cluster.profile
         self.ranks = [Rank(self, i) for i in range(p.ranks)]
         self.cap = p.kv_capacity_per_rank
+        self.host_cap = int(cluster.hicache_ratio * self.cap)
         self.accepting = True
         self.switch: SwitchJob | None = None
         self.gen = 0  # bumps to cancel a scheduled step
@@ -365,7 +373,8 @@ class Instance:
         r.plan = plan
         if not tokens:
             return 0.0
-        return times.prefill(tokens, prefix_weight / tokens)
+        load, r.load_seconds = r.load_seconds, 0.0
+        return times.prefill(tokens, prefix_weight / tokens) + load
 
     def _start_prefill(self, r: Rank, req: Request, now: float) -> None:
         req.started = True
@@ -373,6 +382,11 @@ class Instance:
         hit = r.cache.pop(req.traj, 0)
         if hit:
             r.cache_tokens -= hit
+        else:
+            hit = r.host.get(req.traj, 0)
+            if hit:
+                # A host-tier hit is loaded back to GPU memory before it is attended to.
+                r.load_seconds += self.cluster.host_load_seconds(min(hit, target - 1))
         cached = min(hit, target - 1)
         req.cached = cached
         req.done = cached
@@ -397,6 +411,16 @@ class Instance:
         r.cache_tokens += tokens - old
         r.cache[traj] = tokens
         self._evict(r)
+        host_cap = self.host_cap
+        if host_cap > 0:
+            # HiCache write-through (SGLang's default policy): the host tier holds a copy,
+            # so a prefix the GPU cache evicts is loaded back instead of recomputed.
+            old = r.host.pop(traj, 0)
+            r.host_tokens += tokens - old
+            r.host[traj] = tokens
+            while r.host_tokens > host_cap and r.host:
+                _t, n = r.host.popitem(last=False)
+                r.host_tokens -= n
 
     def _step_end(self, gen: int) -> None:
         if gen != self.gen:
@@ -570,11 +594,19 @@ class Instance:
         now = self.cluster.loop.now
         self.role = job.to
         for r in self.ranks:
-            r.cache.clear()
-            r.cache_tokens = 0
+            # SGLang 0.5.23's flip resets the radix tree and the HiCache host pool.
+            _clear_caches(r)
         self.switch = None
         self.accepting = True
         self.cluster.on_switched(self, job, now)
+
+
+def _clear_caches(r: Rank) -> None:
+    r.cache.clear()
+    r.cache_tokens = 0
+    r.host.clear()
+    r.host_tokens = 0
+    r.load_seconds = 0.0
 
 
 class Cluster:
@@ -589,6 +621,7 @@ class Cluster:
         listener: Listener | None = None,
         switch_seconds: float = 5.0,
         drain_timeout: float = 30.0,
+        hicache_ratio: float = 0.0,
         prefix: str = "sim",
     ) -> None:
         self.loop = loop
@@ -596,6 +629,7 @@ class Cluster:
         self.listener: Listener = listener if listener is not None else _Detached()
         self.switch_seconds = switch_seconds
         self.drain_timeout = drain_timeout
+        self.hicache_ratio = hicache_ratio
         self.prefix = prefix
         self.gpus_per_rank = max(1, profile.gpus_per_instance // profile.ranks)
         self.times = StepTimes(profile)
@@ -618,6 +652,11 @@ class Cluster:
         self.timeline: list[tuple[float, int, int, int]] = []  # (t, prefill, decode, switching)
         self.on_prefill_complete: Callable[[Request, float], None] | None = None
         self._record_roles()
+
+    def host_load_seconds(self, tokens: int) -> float:
+        """Loading ``tokens`` of a rank's KV back from host memory (each GPU its share)."""
+        bw = HOST_BYTES_PER_SECOND_PER_GPU * self.gpus_per_rank
+        return tokens * self.profile.kv_bytes_per_token / bw
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -657,6 +696,8 @@ class Cluster:
                 assert r.n_run == len(r.running)
                 assert r.wait_tokens == sum(q.prompt + q.generated for q in r.wait)
                 assert sum(r.cache.values()) == r.cache_tokens
+                assert sum(r.host.values()) == r.host_tokens
+                assert r.host_tokens <= inst.host_cap or not r.host
                 assert r.kv_used() <= inst.cap or r.n_run <= 1, (inst.name, r.idx)
                 backlog += sum(q.prompt for q in r.pq if not q.silent)
             assert nreq == inst.nreq, (inst.name, nreq, inst.nreq)
@@ -693,7 +734,7 @@ class Cluster:
         target: Rank | None = None
         home = self.home.get(traj)
         if home is not None and home.inst.accepting and home.inst.role != DECODE:
-            hit = home.cache.get(traj, 0)
+            hit = home.cache.get(traj, 0) or home.host.get(traj, 0)
             skewed = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
             if hit and hit >= CACHE_THRESHOLD * req.prompt and not skewed:
                 target = home
@@ -828,8 +869,7 @@ class Cluster:
             inst.gen += 1
             inst.busy = False
             for r in inst.ranks:
-                r.cache.clear()
-                r.cache_tokens = 0
+                _clear_caches(r)
                 r.plan = []
                 r.kind = 0
                 for req in r.pq:

@@ -51,6 +51,9 @@ class Scenario:
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     hysteresis: float | None = None  # switching.hysteresis; None: the spec default
     horizon: float = 10.0  # S
+    # HiCache host tier per rank over its GPU KV pool: SGLang 0.5.23's default ratio (2.0),
+    # which the engine image enables (--enable-hierarchical-cache); 0 for a GPU-only cache.
+    hicache_ratio: float = 2.0
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
@@ -101,6 +104,8 @@ class Scenario:
                     "prefillCostDoublingTokens": p.prefill_cost_doubling_tokens(),
                     "decodeKvTokens": p.usable_kv_tokens(),
                     "decodeConcurrency": p.decode_concurrency(),
+                    # What one prefill instance's prefix cache holds: GPU and host tiers.
+                    "prefillCacheTokens": int(p.kv_capacity * (1.0 + self.hicache_ratio)),
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
@@ -177,6 +182,7 @@ class Simulation:
             roles=policy.initial_roles(self),
             switch_seconds=scenario.switch_seconds,
             drain_timeout=scenario.drain_timeout,
+            hicache_ratio=scenario.hicache_ratio,
             prefix="sim",
         )
         self.trainer = Trainer(
