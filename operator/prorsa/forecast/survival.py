@@ -30,7 +30,6 @@ decodes still gives a finite, decreasing hazard as they keep running).
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -96,12 +95,15 @@ class SurvivalWindow:
     at most once per tick, when a query finds it stale.
     """
 
-    __slots__ = ("_ce_age", "_ce_weight", "_ev", "_events", "_fit", "_now", "_prior")
+    __slots__ = ("_buf", "_ce_age", "_ce_weight", "_ev", "_fit", "_n", "_next", "_now", "_prior")
 
     def __init__(self, *, window: int, prior: Prior) -> None:
-        # (completion time, duration, mark); completion time is the last tick's time, -inf
-        # before the first tick or for restored samples.
-        self._events: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # A ring of the last ``window`` completions: rows (completion time, duration, mark).
+        # The completion time is the last tick's time; -inf before the first tick or for
+        # restored samples. An array, not a deque of tuples: a refit reads it whole.
+        self._buf = np.empty((3, max(window, 1)))
+        self._n = 0
+        self._next = 0
         self._ce_age = np.empty(0)
         self._ce_weight = 1.0
         self._now = -math.inf
@@ -111,7 +113,7 @@ class SurvivalWindow:
 
     def __len__(self) -> int:
         """Completed decodes held (running ones are not samples of a duration)."""
-        return len(self._events)
+        return self._n
 
     @property
     def running(self) -> int:
@@ -119,14 +121,20 @@ class SurvivalWindow:
 
     def add(self, duration: float, mark: float = 0.0, stamp: float = -math.inf) -> None:
         if 0.0 <= duration < math.inf:
-            self._events.append((stamp, duration, min(max(mark, 0.0), 1.0)))
+            i = self._next
+            buf = self._buf
+            buf[0, i] = stamp
+            buf[1, i] = duration
+            buf[2, i] = min(max(mark, 0.0), 1.0)
+            self._next = (i + 1) % buf.shape[1]
+            self._n = min(self._n + 1, buf.shape[1])
             self._fit = self._ev = None
 
     def set_running(self, ages: np.ndarray, *, now: float) -> None:
         """Replace the censored observations: the ages of the decodes running at ``now``."""
         a = np.asarray(ages, dtype=float)
         a = a[np.isfinite(a) & (a >= 0)]
-        cap = self._events.maxlen or len(a)
+        cap = self._buf.shape[1]
         if len(a) > cap:
             step = math.ceil(len(a) / cap)
             self._ce_weight = len(a) / len(a[::step])
@@ -138,7 +146,9 @@ class SurvivalWindow:
         self._fit = None
 
     def export(self) -> list[list[float]]:
-        return [[d, m] for _, d, m in self._events]
+        """[duration, mark] pairs, oldest first (restoring keeps the eviction order)."""
+        order = np.arange(self._next - self._n, self._next) % self._buf.shape[1]
+        return self._buf[1:, order].T.tolist()
 
     # -- the fit ---------------------------------------------------------------------------
 
@@ -146,10 +156,9 @@ class SurvivalWindow:
         """What depends on the completions only: rebuilt when one is added, not per tick."""
         if self._ev is not None:
             return self._ev
-        ev = np.array(self._events, dtype=float).reshape(-1, 3)
-        stamp, dur, mark = ev[:, 0], ev[:, 1], ev[:, 2]
+        stamp, dur, mark = self._buf[:, : self._n]
         # Left truncation at t0, the oldest retained completion (see the module docstring).
-        t0 = float(stamp.min()) if len(stamp) == self._events.maxlen else -math.inf
+        t0 = float(stamp.min()) if self._n == self._buf.shape[1] else -math.inf
         if math.isfinite(t0):
             entry = np.minimum(np.maximum(0.0, t0 - (stamp - dur)), dur)
         else:
@@ -245,19 +254,22 @@ class SurvivalWindow:
         cm, ca = (f.cum_mark, f.cum_age_mark) if marked else (f.cum_mass, f.cum_age_mass)
         mass = cm[hi] - cm[lo]
         age_mass = ca[hi] - ca[lo]
-        # Exponential tail past the last completion, over [max(e, last), e + S).
+        alive = f.surv[lo]  # S(e)
+        # Exponential tail past the last completion, over [max(e, last), e + S): only for
+        # the decodes whose window reaches past it.
         rate, last = f.tail_rate, f.last
-        s_last = float(f.surv[-1])
-        a = np.maximum(e, last)
-        length = np.maximum(end - a, 0.0)
         share = f.tail_share if marked else 1.0
-        t_mass = s_last * np.exp(-rate * (a - last)) * -np.expm1(-rate * length) * share
-        mass = mass + t_mass
-        age_mass = age_mass + t_mass * (a + _truncated_exp_mean(rate, length))
-        alive = self.survival(e)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(alive > _TINY, mass / np.maximum(alive, _TINY), 0.0)
-            mean_end = np.where(mass > _TINY, age_mass / np.maximum(mass, _TINY), e + horizon / 2)
+        tail = np.flatnonzero(end > last)
+        if len(tail):
+            a = np.maximum(e[tail], last)
+            length = end[tail] - a
+            decay = np.exp(-rate * (a - last))
+            alive[tail] *= decay
+            t_mass = float(f.surv[-1]) * decay * -np.expm1(-rate * length) * share
+            mass[tail] += t_mass
+            age_mass[tail] += t_mass * (a + _truncated_exp_mean(rate, length))
+        q = np.divide(mass, alive, out=np.zeros_like(e), where=alive > _TINY)
+        mean_end = np.divide(age_mass, mass, out=end - horizon / 2, where=mass > _TINY)
         residual = np.clip(mean_end - e, 0.0, horizon)
         # The estimate has reached zero survival before e: an overdue decode. Memoryless.
         gone = alive <= _TINY
