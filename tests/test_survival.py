@@ -167,6 +167,10 @@ def test_export_and_restore_round_trip_marks_and_accept_plain_durations() -> Non
     q, _ = b.conditional(KEY, np.array([0.0]), 10.0, marked=True)
     assert q == pytest.approx(0.5)
     assert len(b.lookup((1,))) == 2
+    ring = SurvivalWindow(window=3, prior=Prior(20.0))
+    for d in (1.0, 2.0, 3.0, 4.0, 5.0):
+        ring.add(d)
+    assert ring.export() == [[3.0, 0.0], [4.0, 0.0], [5.0, 0.0]]  # the last 3, oldest first
 
 
 def test_forecaster_counts_its_decoding_trajectories_as_censored(log) -> None:
