@@ -151,7 +151,9 @@ def test_oracle_keeps_the_controllers_prefix_cache_floor() -> None:
         t.context for t in sim.trainer.live.values() if t.state == "prefill"
     )
     floor = sim.policy.cache_demand()  # type: ignore[attr-defined]
-    assert floor == pytest.approx(need / (0.8 * sim.profile.kv_capacity))
+    per = sim.spec.capacity.prefill_cache_tokens  # GPU and HiCache host tiers
+    assert per == int(sim.profile.kv_capacity * (1 + sim.scenario.hicache_ratio))
+    assert floor == pytest.approx(need / (0.8 * per))
 
 
 def test_colocation_and_static_roles() -> None:

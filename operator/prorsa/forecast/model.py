@@ -17,6 +17,7 @@ import numpy as np
 from prorsa.forecast.accuracy import AccuracyTracker
 from prorsa.forecast.admission import Admissions, predict_admissions
 from prorsa.forecast.stats import ClassedDistributions, EmaTable, Prior, WindowMean
+from prorsa.forecast.survival import ClassedSurvival
 from prorsa.forecast.table import (
     DECODE,
     PREFILL,
@@ -166,8 +167,10 @@ class Forecaster:
         self.growth = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
         self.template = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
         # Decode durations and outcomes, for trajectories that will decode, call a tool and
-        # come back within the horizon (an extension of Eq. 11 one step back).
-        self.decode_time = ClassedDistributions(
+        # come back within the horizon (an extension of Eq. 11 one step back). A survival
+        # estimate: the decodes still running count as censored durations, else long
+        # decodes (math final answers) would be under-represented.
+        self.decode_time = ClassedSurvival(
             window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_decode_seconds)
         )
         self.decode_outcome: dict[int, list[float]] = {}
@@ -210,7 +213,7 @@ class Forecaster:
         self.tool.update(key, seconds)
 
     def on_decode(self, task: int, turn: int, seconds: float, output: float, tool: bool) -> None:
-        self.decode_time.add((task, turn), seconds)
+        self.decode_time.add((task, turn), seconds, marked=tool)
         share = 1.0 if tool else 0.0
         a = _OUTCOME_ALPHA
         for k in (task, -2):  # -2: every task together
@@ -440,34 +443,39 @@ class Forecaster:
             arr_c.append(comp)
 
         # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
-        # q = P(T_dec < e + S − τ̂ | T_dec > e) · P(tool call | task); x̂ = x + ô + growth.
+        # q = P(T_dec < e + S − τ̂ and ends in a tool call | T_dec > e); x̂ = x + ô + growth.
+        # The decodes running now are the censored observations of that survival estimate.
         # Not while a weight update is pending: it interrupts those decodes instead.
-        dc = np.flatnonzero(state == DECODE)
         update = table.weight_update
         updating = update.in_progress(now)
-        if len(dc) and c.decode_chain and not updating:
-            d_task = task[dc].astype(np.int64)
-            turns = col["turn"][:n][dc]
-            tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
-            elapsed = now - since[dc]
-            for code, idx in self._by_class(pack(d_task + 1, tb)):
-                t_code, turn = _unpack(code, 2)
-                t = t_code - 1
-                tau = self.tool.get((t,))
-                window = S - tau
-                if window <= 0:
-                    continue
-                q, res = self.decode_time.conditional((t, turn), elapsed[idx], window)
-                p_tool, out = self._decode_outcome(t)
-                xhat = x[dc[idx]] + out + self.growth.get((t, -1))
-                w = q * p_tool
-                w_tool += float(np.dot(w, xhat))
-                comp = prefill_work(xhat, cached[dc[idx]], doubling)
-                keep = w > 0
-                arr_u.append(now + res[keep] + tau)
-                arr_x.append(xhat[keep])
-                arr_w.append(w[keep])
-                arr_c.append(comp[keep])
+        dc = np.flatnonzero(state == DECODE) if c.decode_chain else np.empty(0, dtype=np.int64)
+        d_task = task[dc].astype(np.int64)
+        turns = col["turn"][:n][dc]
+        tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+        elapsed = now - since[dc]
+        groups = [
+            ((t_code - 1, turn), idx)
+            for code, idx in self._by_class(pack(d_task + 1, tb))
+            for t_code, turn in (_unpack(code, 2),)
+        ]
+        self.decode_time.observe_running(now, {key: elapsed[idx] for key, idx in groups})
+        for (t, turn), idx in groups if not updating else ():
+            tau = self.tool.get((t,))
+            window = S - tau
+            if window <= 0:
+                continue
+            # Conditioned on the outcome as well as on e: the longer a decode has run,
+            # the likelier it is a final answer rather than a tool call.
+            w, res = self.decode_time.conditional((t, turn), elapsed[idx], window, marked=True)
+            _, out = self._decode_outcome(t)
+            xhat = x[dc[idx]] + out + self.growth.get((t, -1))
+            w_tool += float(np.dot(w, xhat))
+            comp = prefill_work(xhat, cached[dc[idx]], doubling)
+            keep = w > 0
+            arr_u.append(now + res[keep] + tau)
+            arr_x.append(xhat[keep])
+            arr_w.append(w[keep])
+            arr_c.append(comp[keep])
 
         # A pending weight update: nothing prefills before it ends, and then every request
         # still decoding has been interrupted and re-prefills its whole context.
@@ -476,8 +484,9 @@ class Forecaster:
         if resume_at is not None:
             arr_u = [np.maximum(u, resume_at) for u in arr_u]
             if resume_at < now + S:
-                re_x = x[dc]
-                re_u = np.full(len(dc), resume_at)
+                interrupted = np.flatnonzero(state == DECODE)
+                re_x = x[interrupted]
+                re_u = np.full(len(interrupted), resume_at)
                 re_c = prefill_work(re_x, 0.0, doubling)
         w_reprefill = float(re_x.sum())
 
