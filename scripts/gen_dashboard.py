@@ -561,7 +561,7 @@ def build() -> dict[str, Any]:
         .description(
             "Prorsa operator: instances vs target, forecast demand by source, demand/capacity "
             "and safety margin, forecast accuracy, role switches, the trainer webhook and "
-            "live trajectories. Metrics: prorsa_* (see the README's metrics section)."
+            "live trajectories. Metrics: prorsa_* (see docs/metrics.md)."
         )
         .tags(["prorsa", "rl", "sglang"])
         .editable()

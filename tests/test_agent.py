@@ -1,9 +1,9 @@
 """The in-pod agent against the SGLang double, over real HTTP on loopback.
 
-Every switch path of shared/notes/sglang.md: idle, with requests streaming (aborted with
-their partial output), not idle at the flip (retried), refused with safe_to_restore true or
-false, left unhealthy, timed out, crashed mid-switch; plus concurrent calls, an agent restart
-during a switch, and bad tokens.
+Every switch path of SGLang 0.5.23's role switch (docs/sglang-role-switch.md): idle, with
+requests streaming (aborted with their partial output), not idle at the flip (retried),
+refused with safe_to_restore true or false, left unhealthy, timed out, crashed mid-switch;
+plus concurrent calls, an agent restart during a switch, and bad tokens.
 """
 
 from __future__ import annotations

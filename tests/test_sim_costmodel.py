@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_tp8_table_reproduces_the_anchor_figures_of_the_notes() -> None:
-    """shared/notes/performance.md quotes aiconfigurator for Qwen3-235B TP8 BF16 on H200."""
+    """aiconfigurator's figures for Qwen3-235B TP8 BF16 on H200 (docs/benchmarks.md)."""
     p = load_profile("qwen3-235b-tp8")
     assert p.ranks == 1 and p.gpus_per_instance == 8
     for tokens, ms in ((1024, 65), (4096, 199), (8192, 379), (16384, 827)):

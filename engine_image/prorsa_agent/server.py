@@ -1,4 +1,4 @@
-"""The in-pod agent's HTTP server (CONTRACT: shared/DESIGN.md, "in-pod agent", port 8080).
+"""The in-pod agent's HTTP server (CONTRACT: docs/agent-api.md, port 8080).
 
 ``GET /v1/state``  the engine as an :class:`~prorsa.engine_state.EngineState` (summed over DP
                    ranks), from ``/v1/loads``; 200 even when the engine is down (then

@@ -1,6 +1,7 @@
 """CONTRACT: the Decision (status.target/forecast, ``GET .../forecast``, ``prorsa plan``).
 
-Frozen and serialised with exactly the keys of shared/DESIGN.md; ``wire()`` is the JSON form.
+Frozen and serialised with exactly the keys of docs/architecture.md ("The Decision");
+``wire()`` is the JSON form.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CONTRACT: the in-pod agent's wire bodies (shared/DESIGN.md, "in-pod agent").
+"""CONTRACT: the in-pod agent's wire bodies (docs/agent-api.md).
 
 ``GET /v1/state`` bodies are also the engine-state input of ``prorsa plan --engines`` and of
 :meth:`prorsa.controller.Controller.observe_engines`.

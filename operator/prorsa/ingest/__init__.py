@@ -1,4 +1,4 @@
-"""The trainer webhook (webhook CONTRACT of shared/DESIGN.md), for one or many clusters.
+"""The trainer webhook (the CONTRACT of docs/webhook-events.md), for one or many clusters.
 
 >>> registry = ClusterRegistry()
 >>> handle = registry.add(namespace="rl", name="c", token="t", controller=Controller(spec))

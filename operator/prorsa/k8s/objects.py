@@ -1,6 +1,6 @@
 """Kubernetes objects of one RolloutCluster, as plain manifests (pure functions).
 
-The names, labels and annotations here are the CONTRACT of shared/DESIGN.md: engine pods
+The names, labels and annotations here are the CONTRACT of docs/agent-api.md: engine pods
 ``<cluster>-engine-<i>``, labels ``app.kubernetes.io/managed-by: prorsa``,
 ``prorsa.io/cluster`` and ``prorsa.io/role`` (prefill | decode | draining), the
 ``sglang.ai/bootstrap-port`` annotation on every engine pod (any pod may become prefill),

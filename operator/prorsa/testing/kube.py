@@ -1,7 +1,7 @@
 """An in-process Kubernetes API server for tests, CI and ``make demo`` (no cluster needed).
 
 :class:`KubeEmulator` is a subclass of ``kmock.KubernetesEmulator`` (kmock 0.8, by kopf's
-author) that fills the gaps listed in ``shared/notes/kubernetes-testing.md`` so that kopf,
+author) that fills the gaps listed below (and in docs/testing.md) so that kopf,
 the official ``kubernetes`` client and ``kubectl`` behave against it as against a cluster:
 
 * server-filled metadata: namespace from the URL, ``uid``, a ``resourceVersion`` that
