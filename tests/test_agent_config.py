@@ -35,6 +35,7 @@ def test_every_engine_starts_as_decode_with_role_switching_and_metrics():
         *SGLANG,
         "--model-path", "/models/qwen", "--tp-size", "8",
         "--disaggregation-mode", "decode", "--enable-pd-role-switch", "--enable-metrics",
+        "--disaggregation-decode-enable-radix-cache", "--enable-hierarchical-cache",
         "--port", "30000",
     ]  # fmt: skip
 
@@ -50,6 +51,103 @@ def test_explicit_flags_come_after_env_flags_and_are_not_duplicated():
     assert argv.count("--port") == 1
     assert "--disaggregation-mode" not in argv  # given as --disaggregation-mode=prefill
     assert "--enable-pd-role-switch" in argv
+
+
+def _cache_flags(*explicit: str) -> list[str]:
+    """The prefix-cache flags in the engine command line, in order, however they were given."""
+    argv = engine_argv(command=SGLANG, engine_url="http://127.0.0.1:30000", explicit=explicit)
+    names = (
+        "--disaggregation-decode-enable-radix-cache",
+        "--enable-hierarchical-cache",
+        "--enable-hicache",
+        "--disable-radix-cache",
+    )
+    return [a for a in argv if a.split("=")[0] in names]
+
+
+def test_an_engine_launched_as_decode_keeps_a_radix_cache_and_a_host_tier():
+    # SGLang disables a decode server's radix cache without the decode flag, and a flip to
+    # prefill does not bring it back: a flipped engine would have no prefix cache at all.
+    assert _cache_flags() == [
+        "--disaggregation-decode-enable-radix-cache",
+        "--enable-hierarchical-cache",
+    ]
+    # Also when launched as prefill: a flip to decode keeps the cache consistent.
+    assert _cache_flags("--disaggregation-mode", "prefill") == [
+        "--disaggregation-decode-enable-radix-cache",
+        "--enable-hierarchical-cache",
+    ]
+
+
+def test_prefix_cache_flags_given_by_the_user_are_not_duplicated():
+    assert _cache_flags("--enable-hicache", "--disaggregation-decode-enable-radix-cache") == [
+        "--enable-hicache",
+        "--disaggregation-decode-enable-radix-cache",
+    ]
+    assert _cache_flags("--enable-hierarchical-cache", "--hicache-ratio", "1.5") == [
+        "--enable-hierarchical-cache",
+        "--disaggregation-decode-enable-radix-cache",
+    ]
+
+
+def test_disable_radix_cache_leaves_out_every_prefix_cache_flag():
+    assert _cache_flags("--disable-radix-cache") == ["--disable-radix-cache"]
+
+
+@pytest.mark.parametrize(
+    "explicit",
+    [
+        ("--enable-hisparse",),
+        ("--disaggregation-transfer-backend", "fake"),
+        ("--speculative-algorithm", "NGRAM"),
+    ],
+)
+def test_no_decode_radix_cache_where_sglang_refuses_it_and_so_no_hicache(explicit):
+    # HiCache next to a decode server's disabled radix cache is refused by SGLang.
+    assert _cache_flags(*explicit) == []
+
+
+@pytest.mark.parametrize(
+    "explicit",
+    [
+        ("--enable-lmcache",),
+        ("--enable-unified-cache-external-linker",),
+        ("--enable-int8-mamba-checkpoint",),
+        ("--dcp-size", "2"),
+        ("--enable-unified-memory", "--speculative-algorithm", "EAGLE3"),
+    ],
+)
+def test_no_hicache_where_sglang_refuses_it(explicit):
+    assert _cache_flags(*explicit) == ["--disaggregation-decode-enable-radix-cache"]
+
+
+def test_eagle_keeps_both_prefix_cache_flags():
+    assert _cache_flags("--speculative-algorithm", "eagle") == [
+        "--disaggregation-decode-enable-radix-cache",
+        "--enable-hierarchical-cache",
+    ]
+
+
+def test_hicache_can_be_left_out():
+    argv = engine_argv(command=SGLANG, engine_url="http://127.0.0.1:30000", hicache=False)
+    assert "--disaggregation-decode-enable-radix-cache" in argv
+    assert "--enable-hierarchical-cache" not in argv
+
+
+def test_a_hicache_storage_backend_needs_an_explicit_opt_in():
+    with pytest.raises(ConfigError, match="wipes the entries of every other engine"):
+        engine_argv(
+            command=SGLANG,
+            engine_url="http://127.0.0.1:30000",
+            explicit=["--hicache-storage-backend", "mooncake"],
+        )
+    argv = engine_argv(
+        command=SGLANG,
+        engine_url="http://127.0.0.1:30000",
+        explicit=["--hicache-storage-backend", "mooncake"],
+        allow_hicache_storage=True,
+    )
+    assert "--enable-hierarchical-cache" in argv
 
 
 def test_a_port_flag_that_contradicts_the_engine_url_is_refused():
@@ -127,10 +225,46 @@ def test_command_line_to_config(tmp_path: Path):
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[3:] == [
         "--tp-size", "4", "--model-path", "/m", "--disaggregation-mode", "decode",
-        "--enable-pd-role-switch", "--enable-metrics", "--port", "30001",
+        "--enable-pd-role-switch", "--enable-metrics",
+        "--disaggregation-decode-enable-radix-cache", "--enable-hierarchical-cache",
+        "--port", "30001",
     ]  # fmt: skip
     attach = build_config(_args(["--token-file", "t"]), env={})
     assert attach.launch is None
+
+
+def _launch_argv(tmp_path: Path, env: dict[str, str], *engine: str) -> list[str]:
+    args = _args(
+        [
+            "--engine-url", "http://127.0.0.1:30001", "--token-file", str(tmp_path / "t"),
+            "--instance", "rc-engine-0", "--launch", "--", "--model-path", "/m", *engine,
+        ]
+    )  # fmt: skip
+    config = build_config(args, env=env)
+    assert config.launch is not None
+    return list(config.launch.argv)
+
+
+def test_hicache_storage_backend_is_refused_unless_opted_in(tmp_path: Path):
+    with pytest.raises(ConfigError) as refused:
+        _launch_argv(tmp_path, {}, "--hicache-storage-backend", "mooncake")
+    message = str(refused.value)
+    assert "--hicache-storage-backend mooncake" in message
+    assert "role_switch.py" in message and "_release_prefix_cache_for_role_switch" in message
+    assert "every other engine" in message and "PRORSA_ALLOW_HICACHE_STORAGE=1" in message
+    with pytest.raises(ConfigError, match="clears the whole HiCache storage backend"):
+        _launch_argv(tmp_path, {"PRORSA_EXTRA_ARGS": '["--hicache-storage-backend=file"]'})
+    argv = _launch_argv(
+        tmp_path, {"PRORSA_ALLOW_HICACHE_STORAGE": "1"}, "--hicache-storage-backend", "file"
+    )
+    assert argv.count("--hicache-storage-backend") == 1
+    assert "--enable-hierarchical-cache" in argv  # L3 sits behind the host tier
+
+
+def test_hicache_can_be_left_out_by_environment(tmp_path: Path):
+    argv = _launch_argv(tmp_path, {"PRORSA_DISABLE_HICACHE": "1"})
+    assert "--disaggregation-decode-enable-radix-cache" in argv
+    assert "--enable-hierarchical-cache" not in argv
 
 
 def test_loads_are_summed_over_dp_ranks():

@@ -6,6 +6,7 @@ load_snapshot.py, http_server.py, role_switch.py); the double is only useful if 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -26,6 +27,8 @@ from prorsa.testing.engine import (
     Faults,
     TimingModel,
 )
+from prorsa.testing.engine_cli import check_cache_flags, configure
+from prorsa_agent.config import engine_argv
 
 SLOW_DECODE = TimingModel(decode_step_seconds=0.02, health_check_timeout_seconds=0.5)
 SWITCH_REPLY_KEYS = {
@@ -715,3 +718,28 @@ def test_module_entry_point_ignores_unmodelled_sglang_flags():
         assert "--mem-fraction-static 0.8" in proc.stderr.read()
     finally:
         _reap(proc)
+
+
+def _double_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_double_accepts_the_prefix_cache_flags_the_agent_adds():
+    argv = engine_argv(command=(), engine_url="http://127.0.0.1:30000")
+    args = _double_args(*argv)  # parse_args: an unknown flag would exit
+    assert args.disaggregation_decode_enable_radix_cache and args.enable_hierarchical_cache
+    check_cache_flags(args)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--disaggregation-mode", "prefill", "--enable-hicache", "--disable-radix-cache"),
+        ("--disaggregation-mode", "decode", "--enable-hierarchical-cache"),
+    ],
+)
+def test_double_refuses_hicache_without_a_radix_cache_as_sglang_does(argv):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        check_cache_flags(_double_args(*argv))

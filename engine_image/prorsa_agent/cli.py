@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from prorsa_agent.config import (
+    ALLOW_HICACHE_STORAGE_ENV,
+    DISABLE_HICACHE_ENV,
     SGLANG_COMMAND,
     AgentConfig,
     Backoff,
@@ -131,6 +133,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
                     engine_url=args.engine_url,
                     env_args=args_from_env(env),
                     explicit=explicit,
+                    hicache=env.get(DISABLE_HICACHE_ENV, "") not in ("1", "true"),
+                    allow_hicache_storage=env.get(ALLOW_HICACHE_STORAGE_ENV, "") in ("1", "true"),
                 )
             ),
             backoff=Backoff(

@@ -5,7 +5,9 @@ is ``prorsa agent --launch``), so that one image serves every model and size. Th
 flags come from ``PRORSA_*`` variables, then from the arguments after ``--``, then the flags
 every Prorsa engine needs are added when missing: it starts as ``decode`` (so that decode
 CUDA graphs are captured at start-up and any flip back to decode finds them), with role
-switching and metrics on, on the port the agent talks to.
+switching and metrics on, on the port the agent talks to, and with a prefix cache that
+survives the launch role (a radix cache and a per-instance host-memory tier; see
+``prefix_cache_flags`` and docs/engine-flags.md).
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ AGENT_ENV = frozenset(
 )
 """The agent's own settings (``prorsa agent`` flag defaults)."""
 
-ENV_VARS = AGENT_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
+ALLOW_HICACHE_STORAGE_ENV = "PRORSA_ALLOW_HICACHE_STORAGE"
+"""``1``: accept ``--hicache-storage-backend`` although every role flip clears that store."""
+
+DISABLE_HICACHE_ENV = "PRORSA_DISABLE_HICACHE"
+"""``1``: do not add ``--enable-hierarchical-cache`` (keeps the GPU radix cache)."""
+
+CACHE_ENV = frozenset({ALLOW_HICACHE_STORAGE_ENV, DISABLE_HICACHE_ENV})
+"""Settings of the prefix-cache flags ``engine_argv`` adds (read by ``cli.build_config``)."""
+
+ENV_VARS = AGENT_ENV | CACHE_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
 """Every ``PRORSA_*`` variable an engine pod may set; the engine image is checked against it."""
 
 
@@ -195,25 +206,137 @@ def has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+DECODE_RADIX_CACHE = "--disaggregation-decode-enable-radix-cache"
+HIERARCHICAL_CACHE = ("--enable-hierarchical-cache", "--enable-hicache")
+"""SGLang's flag and its alias (``srt/arg_groups/fields/memory.py``)."""
+
+DECODE_RADIX_SPECULATIVE = frozenset({"EAGLE", "EAGLE3", "NEXTN", "DSPARK"})
+"""Speculative algorithms SGLang accepts with the decode radix cache (NEXTN aliases EAGLE;
+``srt/arg_groups/speculative_hook.py``)."""
+
+HICACHE_REFUSED_WITH = (
+    "--enable-lmcache",
+    "--enable-unified-cache-external-linker",
+    "--enable-int8-mamba-checkpoint",
+    "--enable-hisparse",
+)
+"""User flags SGLang refuses next to ``--enable-hierarchical-cache`` (``kv_cache_hook.py``
+``handle_cache_compatibility``, ``hicache_hook.py`` ``handle_hicache``, ``mamba_hook.py``
+``handle_int8_mamba_checkpoint``; HiSparse needs ``--disable-radix-cache`` anyway)."""
+
+
+def _speculative(args: Sequence[str]) -> str | None:
+    value = flag_value(args, "--speculative-algorithm")
+    return value.upper() if value else None
+
+
+def _int_flag(args: Sequence[str], *names: str) -> int:
+    for name in names:
+        value = flag_value(args, name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return 0  # SGLang's own parser reports it
+    return 1
+
+
+def check_hicache_storage(args: Sequence[str], *, allow: bool) -> None:
+    """Refuse an L3 HiCache storage backend unless the user opted in.
+
+    A role flip calls the tree cache's ``clear_storage_backend()``
+    (``srt/disaggregation/role_switch.py`` ``_release_prefix_cache_for_role_switch``), which
+    clears the WHOLE store (Mooncake's ``remove_all()``, every file of the ``file`` backend's
+    directory): with a store shared by several engines, one engine's flip wipes every other
+    engine's cached prefixes. Only a per-instance store is safe, which the agent cannot tell.
+    """
+    backend = flag_value(args, "--hicache-storage-backend")
+    if backend is None or allow:
+        return
+    raise ConfigError(
+        f"--hicache-storage-backend {backend} is refused: every role flip clears the whole "
+        "HiCache storage backend (SGLang srt/disaggregation/role_switch.py "
+        "_release_prefix_cache_for_role_switch calls the tree cache's clear_storage_backend(), "
+        "e.g. Mooncake's remove_all()), which wipes the entries of every other engine sharing "
+        f"that store. Set {ALLOW_HICACHE_STORAGE_ENV}=1 if this engine's store is its own."
+    )
+
+
+def prefix_cache_flags(args: Sequence[str], *, hicache: bool = True) -> list[str]:
+    """The prefix-cache flags to add to ``args`` so the cache survives the launch role.
+
+    Every engine starts as decode, and SGLang disables the radix cache of a decode server
+    unless ``--disaggregation-decode-enable-radix-cache`` is given
+    (``srt/arg_groups/pd_disaggregation_hook.py`` ``handle_pd_disaggregation``); a role flip
+    does not bring it back (``role_switch.py`` ``_release_prefix_cache_for_role_switch``
+    returns early when it is disabled), so a flipped prefill engine would recompute every
+    multi-turn context in full. ``--enable-hierarchical-cache`` adds a host-memory tier of
+    this instance only (a flip resets it with the GPU tree, ``unified_radix_cache.py``
+    ``reset``). Neither is added when the user gave it, gave ``--disable-radix-cache``, or
+    gave a flag SGLang refuses next to it; HiCache also needs the radix cache of the launch
+    role (``kv_cache_hook.py`` ``handle_cache_compatibility`` refuses it with a disabled one).
+    """
+    if has_flag(args, "--disable-radix-cache"):
+        return []
+    added: list[str] = []
+    mode = flag_value(args, "--disaggregation-mode") or "decode"
+    speculative = _speculative(args)
+    decode_radix = has_flag(args, DECODE_RADIX_CACHE)
+    if (
+        not decode_radix
+        and not has_flag(args, "--enable-hisparse")
+        and flag_value(args, "--disaggregation-transfer-backend") != "fake"
+        and (speculative is None or speculative in DECODE_RADIX_SPECULATIVE)
+    ):
+        added.append(DECODE_RADIX_CACHE)
+        decode_radix = True
+    radix_at_launch = decode_radix or mode != "decode"
+    if (
+        hicache
+        and radix_at_launch
+        and not any(has_flag(args, f) for f in HIERARCHICAL_CACHE)
+        and not any(has_flag(args, f) for f in HICACHE_REFUSED_WITH)
+        # HiCache with DCP needs an MLA model and no draft but DSPARK (hicache_hook.py
+        # resolve_hicache_dcp_compatibility): the agent cannot tell the model.
+        and _int_flag(args, "--dcp-size", "--decode-context-parallel-size") <= 1
+        # The unified pool refuses HiCache with an EAGLE draft (kv_cache_hook.py).
+        and not (
+            has_flag(args, "--enable-unified-memory")
+            and speculative in ("EAGLE", "EAGLE3", "NEXTN")
+        )
+    ):
+        added.append(HIERARCHICAL_CACHE[0])
+    return added
+
+
 def engine_argv(
     *,
     command: Sequence[str],
     engine_url: str,
     env_args: Sequence[str] = (),
     explicit: Sequence[str] = (),
+    hicache: bool = True,
+    allow_hicache_storage: bool = False,
 ) -> list[str]:
-    """The full engine command line: command, env flags, explicit flags, required flags."""
+    """The full engine command line: command, env flags, explicit flags, required flags.
+
+    ``hicache=False`` (``PRORSA_DISABLE_HICACHE=1``) leaves out the host-memory tier;
+    ``allow_hicache_storage`` (``PRORSA_ALLOW_HICACHE_STORAGE=1``) accepts an L3 storage
+    backend, see ``check_hicache_storage``.
+    """
     args = [*env_args, *explicit]
     port = urlsplit(engine_url).port or (443 if engine_url.startswith("https") else 80)
     given = flag_value(args, "--port")
     if given is not None and given != str(port):
         raise ConfigError(f"the engine flag --port {given} does not match --engine-url {port}")
+    check_hicache_storage(args, allow=allow_hicache_storage)
     if not has_flag(args, "--disaggregation-mode"):
         args += ["--disaggregation-mode", "decode"]
     if not has_flag(args, "--enable-pd-role-switch"):
         args.append("--enable-pd-role-switch")
     if not has_flag(args, "--enable-metrics"):
         args.append("--enable-metrics")
+    args += prefix_cache_flags(args, hicache=hicache)
     if given is None:
         args += ["--port", str(port)]
     return [*command, *args]

@@ -59,7 +59,13 @@ class EngineSpec(_Spec):
         description="Extended resource requested per GPU; empty requests none (tests on "
         "clusters without GPUs).",
     )
-    resources: dict[str, Any] = Field(default_factory=dict)
+    resources: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Resources of the engine container (the GPUs are added). Give it host "
+        "memory (requests.memory = limits.memory): every engine keeps an SGLang HiCache host "
+        "tier, by default twice its GPU KV pool, sized to fit the container's memory limit "
+        "(see docs/engine-flags.md).",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)

@@ -3,7 +3,10 @@
 The agent launches ``python -m sglang.launch_server`` with a small model exactly as the
 engine image does (``prorsa agent --launch``; every engine starts as decode), then flips it
 to prefill, to decode and to prefill again while a light load runs, and checks after each
-flip that ``/server_info`` reports the new role and that the engine still generates. The
+flip that ``/server_info`` reports the new role and that the engine still generates. It also
+checks the prefix cache the agent asks for (docs/engine-flags.md): the engine launched as
+decode reports a radix cache and HiCache, and once flipped to prefill a repeated prompt
+finds its prefix cached (SGLang would otherwise run a flipped prefill with no cache). The
 flip times are printed, attached to the test report (``record_property``) and, when
 ``PRORSA_GPU_REPORT`` names a file, written there as JSON.
 
@@ -114,9 +117,9 @@ def _echo(stream) -> None:
         print(line, end="")
 
 
-def _generate_once(engine_url: str) -> dict:
+def _generate_once(engine_url: str, text: str = "The capital of France is") -> dict:
     body = {
-        "text": "The capital of France is",
+        "text": text,
         "bootstrap_host": FAKE_BOOTSTRAP_HOST,
         "bootstrap_room": random.randrange(1 << 62),
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
@@ -180,6 +183,11 @@ def test_real_engine_flips_prefill_decode_prefill_under_load(tmp_path: Path, rec
                 time.sleep(2)
             state = client.get(f"{agent_url}/v1/state").json()
             assert state["role"] == "decode" and state["kvCapacityTokens"] > 0
+            cache_on = "--disable-radix-cache" not in engine_args
+            if cache_on:
+                info = client.get(f"{engine_url}/server_info").json()  # resolved server args
+                assert info["disable_radix_cache"] is False, "a decode launch lost its radix cache"
+                assert info["enable_hierarchical_cache"] is True
             assert _generate_once(engine_url)["meta_info"]["completion_tokens"] > 0
 
             load = _Load(engine_url)
@@ -208,6 +216,11 @@ def test_real_engine_flips_prefill_decode_prefill_under_load(tmp_path: Path, rec
                 assert out["meta_info"]["completion_tokens"] > 0
                 assert out["meta_info"]["finish_reason"]["type"] in ("length", "stop")
                 time.sleep(3)
+            if cache_on:  # the last flip was to prefill: a repeated prompt hits the cache
+                prompt = "Summarise the rules of chess. " * 40
+                _generate_once(engine_url, prompt)
+                cached = _generate_once(engine_url, prompt)["meta_info"].get("cached_tokens", 0)
+                assert cached > 0, "a prefill engine flipped from decode has no prefix cache"
             load.stop.set()
             load.join(timeout=180)
             assert not load.errors, load.errors[:5]

@@ -45,6 +45,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--chunked-prefill-size", type=int, default=16_384)
     sg.add_argument("--api-key", default=None)
     sg.add_argument("--admin-api-key", default=None)
+    # Prefix-cache flags the agent adds (prorsa_agent.config.prefix_cache_flags): the double
+    # keeps no prefix cache, but it accepts them and refuses what SGLang refuses, so a test
+    # that launches it through the agent sees a command line SGLang would start with.
+    pc = parser.add_argument_group("SGLang prefix-cache flags (accepted, not modelled)")
+    pc.add_argument("--disable-radix-cache", action="store_true")
+    pc.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true")
+    pc.add_argument(
+        "--enable-hierarchical-cache",
+        "--enable-hicache",
+        action="store_true",
+        dest="enable_hierarchical_cache",
+    )
+    pc.add_argument("--hicache-ratio", type=float, default=None)
+    pc.add_argument("--hicache-size", type=int, default=0)
+    pc.add_argument("--hicache-write-policy", default="write_through")
+    pc.add_argument("--hicache-storage-backend", default=None)
 
     d = parser.add_argument_group("double: timing model and failure injection")
     d.add_argument("--double-prefill-tokens-per-second", type=float, default=200_000.0)
@@ -67,7 +83,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--log-level", default="warning")
 
 
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """Refuse the prefix-cache combinations SGLang 0.5.23 refuses at start-up.
+
+    ``srt/arg_groups/kv_cache_hook.py`` ``handle_cache_compatibility``: HiCache and a
+    disabled radix cache are mutually exclusive, and a decode server's radix cache is
+    disabled unless ``--disaggregation-decode-enable-radix-cache`` is given
+    (``pd_disaggregation_hook.py`` ``handle_pd_disaggregation``, which runs first).
+    """
+    radix_off = args.disable_radix_cache or (
+        args.disaggregation_mode == "decode" and not args.disaggregation_decode_enable_radix_cache
+    )
+    if args.enable_hierarchical_cache and radix_off:
+        raise ValueError(
+            "The arguments enable-hierarchical-cache and disable-radix-cache are mutually "
+            "exclusive (a decode server disables its radix cache without "
+            "--disaggregation-decode-enable-radix-cache)"
+        )
+
+
 def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
+    check_cache_flags(args)
     # Imported here so that `prorsa --help` does not load aiohttp and prometheus_client.
     from prorsa.testing.engine_model import EngineConfig, Faults, TimingModel
     from prorsa.testing.engine_server import EngineDouble
