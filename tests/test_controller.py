@@ -462,8 +462,9 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
     assert c._lost_tokens(states["c-engine-0"]) == 5 * 30_010
     assert c._lost_tokens(states["c-engine-2"]) == 0  # it served none of them
     # What a cache can hold bounds what it loses (80% of a 1M-token KV pool here).
-    small = states["c-engine-0"].model_copy(update={"kv_capacity_tokens": 100_000})
-    assert c._lost_tokens(small) == 80_000
+    # The HiCache host tier holds twice the 50k-token GPU pool: 80% of 150k.
+    small = states["c-engine-0"].model_copy(update={"kv_capacity_tokens": 50_000})
+    assert c._lost_tokens(small) == 120_000
 
 
 def test_switch_durations_and_aborts_are_measured(log) -> None:
@@ -531,7 +532,11 @@ def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) ->
     # instance and every returning turn would recompute its whole context.
     def target(capacity: dict[str, int]) -> tuple[int, str]:
         spec = make_spec(
-            engine={"gpusPerInstance": 8},
+            # GPU-only prefix caches (no HiCache host tier): 1M tokens each.
+            engine={
+                "gpusPerInstance": 8,
+                "env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}],
+            },
             capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000} | capacity,
             switching=PER_HORIZON | {"maxConcurrent": 8, "holdMargin": 0.0},
         )
@@ -567,7 +572,7 @@ def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     c.tick(10.0)
-    assert c.last_cache_demand == pytest.approx(3.0)  # 2.4M tokens in 0.8M caches
+    assert c.last_cache_demand == pytest.approx(1.0)  # 2.4M tokens in 0.8 x (1M + 2M host)
     log.cluster("weight_update_started", 15.0, version=1, expected_seconds=30.0)
     c.observe(log.take())
     c.tick(20.0)

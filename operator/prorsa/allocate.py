@@ -218,7 +218,7 @@ class PrefixCacheHits:
     """
 
     MIN_CALIBRATION = 0.25
-    MAX_CALIBRATION = 4.0
+    MAX_CALIBRATION = 64.0
 
     def __init__(self, *, window: float, min_tokens: float = 1.0) -> None:
         self.window = window

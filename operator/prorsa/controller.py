@@ -433,7 +433,7 @@ class Controller:
                 for s in self._engines.values()
                 if s.role == "prefill" and s.kv_capacity_tokens > 0
             ]
-            per = sum(caps) // len(caps) if caps else 0
+            per = int(sum(caps) / len(caps) * self.spec.engine.prefix_cache_scale) if caps else 0
         if per <= 0:
             return 0.0
         n = self.table.hwm
@@ -639,7 +639,7 @@ class Controller:
         held = self.table.live_context_on(s.instance)
         per = self.spec.capacity.prefill_cache_tokens
         if per is None:
-            per = s.kv_capacity_tokens
+            per = int(s.kv_capacity_tokens * self.spec.engine.prefix_cache_scale)
         return min(held, CACHE_FILL * per) if per > 0 else held
 
     def engines(self) -> Sequence[EngineState]:

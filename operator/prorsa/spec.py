@@ -80,6 +80,35 @@ class EngineSpec(_Spec):
         return self.gpus_per_instance
 
     @property
+    def prefix_cache_scale(self) -> float:
+        """What a prefill instance's prefix cache holds, in multiples of its GPU KV pool.
+
+        The engine image turns on SGLang's HiCache host tier, which by default holds twice
+        the GPU pool (``--hicache-ratio`` 2.0) and keeps what the GPU cache evicts: 3x in
+        all. ``--disable-radix-cache`` leaves no cache, ``PRORSA_DISABLE_HICACHE=1`` the
+        GPU pool alone, and an explicit ``--hicache-ratio`` its own multiple.
+        """
+        args = self.extra_args
+        if "--disable-radix-cache" in args:
+            return 0.0
+        if any(
+            e.get("name") == "PRORSA_DISABLE_HICACHE" and e.get("value") == "1" for e in self.env
+        ):
+            return 1.0
+        ratio = 2.0
+        for i, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            if name != "--hicache-ratio":
+                continue
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            try:
+                ratio = max(float(value), 0.0)
+            except ValueError:
+                continue
+        return 1.0 + ratio
+
+    @property
     def attention_dp_size(self) -> int:
         """Attention data-parallel ranks per instance, read from SGLang's ``extraArgs``.
 
@@ -169,8 +198,9 @@ class CapacitySpec(_Spec):
         description="Prefix-cache capacity of one prefill instance in tokens. The prefill "
         "side is never sized below the instances whose caches hold the contexts of every "
         "live trajectory (past it each turn recomputes its whole context). Unset: the "
-        "prefill engines' reported KV capacity; 0: no such floor (e.g. with a host-memory "
-        "cache tier).",
+        "prefill engines' reported KV capacity times the cache tiers the engine runs (3 "
+        "with the engine image's HiCache host tier at SGLang's default ratio 2.0); 0: no "
+        "such floor.",
     )
 
 
