@@ -36,7 +36,14 @@ from prorsa.forecast.model import ForecastConfig, Forecaster, ForecastResult, Pr
 from prorsa.forecast.persist import export_state, restore_state
 from prorsa.forecast.table import DECODE, PREFILL, READY, TOOL, ApplyResult, TrajectoryTable
 from prorsa.spec import RolloutClusterSpec
-from prorsa.switch_cost import Move, SwitchCosts, price_move
+from prorsa.switch_cost import (
+    Move,
+    Persistence,
+    Regret,
+    SwitchCosts,
+    price_move,
+    slowdown,
+)
 
 # C_KV when neither the spec nor any engine says (≈ an 8×H200 Qwen3-235B instance).
 DEFAULT_KV_TOKENS = 1_300_000
@@ -130,6 +137,8 @@ class Controller:
         self._cooldown_until: dict[str, float] = {}
         self._assumed_prefill = spec.initial_prefill()
         self.switch_costs = SwitchCosts()
+        self.regret = Regret()
+        self.persistence = Persistence(prior=spec.switching.payoff_seconds)
         self.last_moves: tuple[Move, ...] = ()  # the moves priced at the last tick
         self.last_decision: Decision | None = None
         self.last_forecast: ForecastResult | None = None
@@ -321,11 +330,27 @@ class Controller:
                 else "over budget: a role with demand has no instance"
             )
         forced = cur_p < min_p or cur_d < min_d
+        step = (target.prefill > cur_p) - (target.prefill < cur_p)
+        toward = {1: "prefill", -1: "decode"}.get(step)
+        rate = 1.0 - slowdown(cur_p + step, cur_d - step, a, b) / slowdown(cur_p, cur_d, a, b)
+        regret = self.regret.update(now, toward=toward, rate=rate if toward else 0.0)
+        # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
+        lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
+        payoff = min(self.persistence.update(now, toward=lean), spec.switching.payoff_seconds)
         switches, moves = self._plan_switches(
-            target, (cur_p, cur_d), now=now, now_demand=now_demand, ahead=(a, b), forced=forced
+            target,
+            (cur_p, cur_d),
+            now=now,
+            now_demand=now_demand,
+            ahead=(a, b),
+            forced=forced,
+            regret=regret,
+            payoff=payoff,
         )
         self.last_moves = tuple(moves)
         made = [m for m in moves if m.worth_it or forced]
+        if made:
+            self.regret.reset()
         if made:
             notes.append("switching: " + "; ".join(m.describe() for m in made))
         if len(made) < len(moves):
@@ -555,6 +580,8 @@ class Controller:
         now_demand: tuple[float, float],
         ahead: tuple[float, float],
         forced: bool,
+        regret: float = 0.0,
+        payoff: float | None = None,
     ) -> tuple[list[Switch], list[Move]]:
         """Appendix C step 1, priced: the cheapest eligible instances, while worth it.
 
@@ -580,6 +607,9 @@ class Controller:
             and self._cooldown_until.get(s.instance, -math.inf) <= now
         ]
         lost = {s.instance: self._lost_tokens(s) for s in eligible}
+        # A move back later would throw away what a typical instance of the other role holds.
+        others = [self._lost_tokens(s) for s in self._engines.values() if s.role == dst]
+        back = sum(others) / len(others) if others else 0.0
         if src == "decode":
             eligible.sort(
                 key=lambda s: (
@@ -611,10 +641,12 @@ class Controller:
                 now_demand=now_demand,
                 ahead_demand=ahead,
                 horizon=self.horizon,
-                payoff_seconds=sw.payoff_seconds,
+                payoff_seconds=sw.payoff_seconds if payoff is None else payoff,
                 switch_seconds=self.switch_costs.seconds,
                 lost_tokens=lost[s.instance],
+                return_tokens=back,
                 prefill_seconds_per_token=per_token,
+                regret=regret if not moves else 0.0,
             )
             moves.append(move)
             if not (forced or move.worth_it):

@@ -9,11 +9,12 @@ Fixed smoothing and hysteresis guard against that cost blindly, and what suits o
 deployment (a prefix cache worth minutes of prefill) is far too slow for another (a
 KV-bound decode side that needs the instance now). So the Controller prices each move.
 
-Both sides are measured in seconds of rollout time. A split (n_P, n_D) serves demand
-(a, b) (instances, Eq. 1) at load ρ = max(a/n_P, b/n_D): demand arriving over L seconds
-takes L·max(ρ, 1) seconds to serve. Moving one instance gains L·(max(ρ, 1) − max(ρ', 1))
-over the payoff horizon L, and costs the switch's own duration at the load of the split
-without that instance plus the prefill work it throws away, spread over the prefill side.
+Both sides are measured in seconds of wall time. A split (n_P, n_D) serves demand (a, b)
+(instances, Eq. 1) at load ρ = max(a/n_P, b/n_D), so the rollout runs max(ρ, 1) times
+slower than its demand. Moving one instance saves L·(1 − max(ρ', 1)/max(ρ, 1)) over the
+payoff horizon L, and costs the switch's own duration at the slowdown of the split
+without that instance, plus the prefill work it throws away (and that a move back would
+throw away), spread over the prefill side.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Before any switch was measured: the drain of a busy instance (half the default 30 s
-# timeout), SGLang's flip (~5 s, Appendix C) and smg's fixed 5 s drain of a worker.
-PRIOR_SWITCH_SECONDS = 25.0
-# Before any decode -> prefill switch was measured: the share of the instance's running
-# decode KV that is still running at the drain timeout and must be re-prefilled.
-PRIOR_ABORT_SHARE = 0.25
-EMA_WEIGHT = 0.3  # of a new measurement: a handful of switches sets the estimate
+# Before any switch was measured: SGLang's flip (~5 s, Appendix C), smg's fixed 5 s drain
+# of a worker and a few seconds for the instance's own queue to drain.
+PRIOR_SWITCH_SECONDS = 15.0
+# Before any decode -> prefill switch was measured: the share of the instance's decode KV
+# still running at the drain timeout, aborted and prefilled again. Agentic turns of a few
+# hundred tokens rarely outlast a 30 s drain (the simulator measures 2-5%); long reasoning
+# decodes do, and the measurement replaces this after the first switches.
+PRIOR_ABORT_SHARE = 0.1
+EMA_WEIGHT = 0.3
+# The share of an agentic turn spent decoding, which scales with the decode step time.
+DECODE_SHARE = 0.5  # of a new measurement: a handful of switches sets the estimate
 
 
 def load(n_prefill: int, n_decode: int, a: float, b: float) -> float:
@@ -35,12 +40,6 @@ def load(n_prefill: int, n_decode: int, a: float, b: float) -> float:
     p = 0.0 if a <= 0 else (math.inf if n_prefill <= 0 else a / n_prefill)
     d = 0.0 if b <= 0 else (math.inf if n_decode <= 0 else b / n_decode)
     return max(p, d)
-
-
-def serve_seconds(n_prefill: int, n_decode: int, a: float, b: float, *, seconds: float) -> float:
-    """Wall seconds to serve the demand of ``seconds`` at this split (never below it)."""
-    rho = load(n_prefill, n_decode, a, b)
-    return math.inf if math.isinf(rho) else seconds * max(rho, 1.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +113,92 @@ class SwitchCosts:
             self.abort_share += EMA_WEIGHT * (share - self.abort_share)
 
 
+class Persistence:
+    """How long a shift of demand lasts: the payoff horizon a move can count on.
+
+    GRPO groups move through prefill, decode and tools in waves; when a wave turns before
+    the instances chasing it have switched, every switch is lost twice over. The target
+    split of Eq. 1 says which way demand leans; this measures how long it keeps leaning
+    one way (an exponential mean of the runs of the same direction), and a move counts
+    its gain over that long at most. Before any run has ended it says ``prior``.
+    """
+
+    __slots__ = ("_since", "_toward", "seconds")
+
+    def __init__(self, *, prior: float) -> None:
+        self.seconds = prior
+        self._toward: str | None = None
+        self._since: float | None = None
+
+    def update(self, now: float, *, toward: str | None) -> float:
+        if toward != self._toward:
+            if self._toward is not None and self._since is not None:
+                run = max(now - self._since, 0.0)
+                self.seconds += EMA_WEIGHT * (run - self.seconds)
+            self._toward, self._since = toward, now
+        return self.seconds
+
+
+class Regret:
+    """Wall seconds the current split has lost so far against one move toward the target.
+
+    The forecast prices a move over the coming horizons; a sustained imbalance too small to
+    pay for a switch within them still costs time every horizon it lasts. Each tick adds
+    what the move would have saved since the last one (at the smoothed demand); the sum
+    counts toward the move's gain, and starts over when the target's direction changes,
+    when a move is made, or when the current split is the target. Noise that favours
+    each direction in turn therefore never builds up, while a real shift does.
+    """
+
+    __slots__ = ("_at", "seconds", "toward")
+
+    def __init__(self) -> None:
+        self.toward: str | None = None
+        self.seconds = 0.0
+        self._at: float | None = None
+
+    def update(self, now: float, *, toward: str | None, rate: float) -> float:
+        """Add ``rate`` (seconds saved per second) since the last tick, toward ``toward``."""
+        dt = 0.0 if self._at is None else max(now - self._at, 0.0)
+        self._at = now
+        if toward != self.toward:
+            self.toward, self.seconds = toward, 0.0
+        if toward is not None and math.isfinite(rate):
+            self.seconds = max(0.0, self.seconds + rate * dt)
+        return self.seconds
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+
+def slowdown(n_prefill: int, n_decode: int, a: float, b: float) -> float:
+    """How much slower than its demand the rollout runs at this split (∞: a role is empty).
+
+    Past capacity the tighter side sets the pace: max(ρ, 1). Below it, prefill keeps up,
+    but decode does not run at a fixed speed: a rank's step grows with its batch, about
+    t₀·(1 + n/k) with k the half-saturation knee of ``capacity.decodeConcurrency``, so a
+    decode side at load ρ_D = n/k spends (1 + ρ_D) times a lone request's step on every
+    token. About half of an agentic turn is decoding, hence the DECODE_SHARE of that term:
+    spare decode instances still shorten every trajectory, and a split stuck with one
+    decode instance after a burst is seen as slow even though it "keeps up".
+    """
+    rho = load(n_prefill, n_decode, a, b)
+    if math.isinf(rho):
+        return math.inf
+    rho_d = 0.0 if b <= 0 else b / n_decode
+    return max(rho, 1.0) + DECODE_SHARE * min(rho_d, 1.0)
+
+
+def time_saved(before: float, after: float, *, seconds: float) -> float:
+    """Wall seconds saved over ``seconds`` of wall time when the slowdown goes from
+    ``before`` to ``after``: the rollout progresses at 1/slowdown of its demand."""
+    if math.isinf(after):
+        return -math.inf
+    if math.isinf(before):
+        return math.inf
+    return seconds * (1.0 - after / before)
+
+
 def price_move(
     *,
     instance: str,
@@ -125,15 +210,25 @@ def price_move(
     payoff_seconds: float,
     switch_seconds: float,
     lost_tokens: float,
+    return_tokens: float,
     prefill_seconds_per_token: float,
+    regret: float = 0.0,
 ) -> Move:
     """Gain and cost of moving ``instance`` out of ``src`` (one instance, Eq. 1 units).
 
-    The first horizon is served at this tick's forecast (``now_demand``); the rest of the
-    payoff horizon at the demand expected to persist (``ahead_demand``, smoothed). The
-    switch costs its duration at the split without the instance, and the recomputed tokens
-    as prefill instance-seconds shared by the prefill side after the move, in proportion
-    to how busy that side is (spare prefill capacity absorbs them).
+    Gain: wall seconds saved over the payoff horizon, its first horizon at this tick's
+    forecast (``now_demand``), the rest at the demand expected to persist (``ahead_demand``,
+    smoothed). Demand of Eq. 1 counts queued work as well as arrivals, so an overloaded
+    split has a large load ρ; the rollout then runs at 1/ρ of its demand, and the move saves
+    the fraction 1 − ρ'/ρ of the wall time, not ρ − ρ' times it.
+
+    Cost: the switch's duration at the slowdown of the split without the instance, and the
+    tokens to recompute as prefill instance-seconds shared by the prefill side after the
+    move, in proportion to how busy that side is (spare prefill capacity absorbs them).
+    Demand that moves back and forth is paid for twice, so the cost also counts the
+    tokens a move back would throw away (``return_tokens``): a move must pay for the
+    round trip within the payoff horizon. ``regret`` (see :class:`Regret`) is what not
+    making the move has already cost, added to the gain.
     """
     p, d = current
     dst = "prefill" if src == "decode" else "decode"
@@ -141,24 +236,26 @@ def price_move(
     during = (p, d - 1) if src == "decode" else (p - 1, d)
     a0, b0 = now_demand
     a1, b1 = ahead_demand
-    first = min(horizon, payoff_seconds)
-    rest = max(payoff_seconds - first, 0.0)
-
-    def span(split: tuple[int, int]) -> float:
-        return serve_seconds(*split, a0, b0, seconds=first) + serve_seconds(
-            *split, a1, b1, seconds=rest
-        )
-
-    before, after = span(current), span(new)
-    gain = before - after if math.isfinite(before) else math.inf
-    if not math.isfinite(after):
+    # The instance serves its new role only once the switch is done: what the move saves
+    # accrues from then on, first at this tick's forecast, then at the persisting demand.
+    start = min(switch_seconds, payoff_seconds)
+    first = max(min(horizon, payoff_seconds) - start, 0.0)
+    rest = max(payoff_seconds - max(horizon, start), 0.0)
+    gain = time_saved(
+        slowdown(*current, a0, b0), slowdown(*new, a0, b0), seconds=first
+    ) + time_saved(slowdown(*current, a1, b1), slowdown(*new, a1, b1), seconds=rest)
+    if math.isnan(gain):
         gain = -math.inf
+    gain += regret
     a_worst, b_worst = max(a0, a1), max(b0, b1)
-    held = serve_seconds(*during, a_worst, b_worst, seconds=switch_seconds)
-    base = serve_seconds(*current, a_worst, b_worst, seconds=switch_seconds)
-    cost = (held - base) if math.isfinite(held) else math.inf
+    cost = -time_saved(
+        slowdown(*current, a_worst, b_worst),
+        slowdown(*during, a_worst, b_worst),
+        seconds=switch_seconds,
+    )
     n_p = new[0]
-    if lost_tokens > 0 and n_p > 0:
+    lost = lost_tokens + return_tokens
+    if lost > 0 and n_p > 0:
         busy = min(a_worst / n_p, 1.0)
-        cost += lost_tokens * prefill_seconds_per_token / n_p * busy
-    return Move(instance=instance, src=src, dst=dst, gain=gain, cost=cost, lost_tokens=lost_tokens)
+        cost += lost * prefill_seconds_per_token / n_p * busy
+    return Move(instance=instance, src=src, dst=dst, gain=gain, cost=cost, lost_tokens=lost)

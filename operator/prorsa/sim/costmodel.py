@@ -118,16 +118,23 @@ class ModelProfile:
         return int(1.0 / slope) if slope > 0 else self.max_context * 1000
 
     def decode_concurrency(self, *, context: float = 8192.0) -> int:
-        """The profiled ``capacity.decodeConcurrency`` of one instance: requests per rank up
-        to the batch whose decode step takes twice a lone request's, times the ranks.
-        Past that knee each added request slows every other's tokens more than it adds."""
-        lone = self.decode_seconds(1, context)
-        best = 1
-        for batch in range(1, int(self.decode_ms.xs[-1]) + 1):
-            if self.decode_seconds(batch, context) > 2.0 * lone:
-                break
-            best = batch
-        return best * self.ranks
+        """The profiled ``capacity.decodeConcurrency`` of one instance: requests per rank at
+        the decode batch's half-saturation point, times the ranks.
+
+        A rank's decode throughput (batch / step time) rises almost linearly with the batch
+        while the step is dominated by reading weights, then flattens as attention and the
+        MoE grow with it. The knee is the smallest batch that reaches half the throughput
+        of the largest batch the rank's KV holds at ``context``: below it decode capacity
+        is idle, past it each added request buys less throughput than it costs every
+        other request in speed. (A knee at twice the lone request's step time instead sits
+        at a batch of 10 for an 8-GPU tensor-parallel rank, whose lone step is fast, and
+        sizes decode for a fraction of what its KV serves.)
+        """
+        top = int(min(self.decode_ms.xs[-1], max(self.kv_capacity_per_rank // context, 1)))
+        rate = [b / self.decode_seconds(b, context) for b in range(1, top + 1)]
+        peak = max(rate)
+        knee = next(b for b, r in enumerate(rate, start=1) if r >= 0.5 * peak)
+        return knee * self.ranks
 
     def usable_kv_tokens(self, *, reserve_per_request: int = 410) -> int:
         """The profiled ``capacity.decodeKvTokens`` of one instance: its KV memory less the

@@ -250,6 +250,10 @@ class Prorsa(_Planned):
         result.extra["anomalies"] = self.anomalies
         result.extra["controllerSeconds"] = self.tick_seconds
         result.extra["ticks"] = self.decisions
+        costs = self.controller.switch_costs
+        result.extra["switchSeconds"] = costs.seconds
+        result.extra["abortShare"] = costs.abort_share
+        result.extra["switchesMeasured"] = costs.measured
 
 
 class Oracle(Prorsa):
