@@ -7,7 +7,8 @@ measured per-operation data for H200 under SGLang) to predict. The generated JSO
 committed under ``operator/prorsa/sim/data/`` so that the simulator and the benchmarks run
 without aiconfigurator installed; it stays an optional extra (``prorsa[aiconfigurator]``).
 
-Run (about 8 minutes on a laptop CPU)::
+Run (3-4 minutes per table on a free laptop core; about 12 when two run side by side on two
+cores; ``--only NAME`` for one table)::
 
     python -m venv /tmp/aic-venv && /tmp/aic-venv/bin/pip install aiconfigurator==0.12.0
     /tmp/aic-venv/bin/python scripts/gen_cost_tables.py [--only NAME] [--out DIR]
@@ -42,11 +43,19 @@ DECODE_BATCH = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 DECODE_CONTEXT = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
 GIB = 1 << 30
+# H200 servers of the paper's testbed: 8 GPUs per node (NVLink inside, RDMA between).
+GPUS_PER_NODE = 8
 # SGLang reserves this fraction of GPU memory for weights plus KV (--mem-fraction-static is
 # picked per GPU size; about 0.85 on 141 GB parts); the rest holds activations and graphs.
 MEM_FRACTION_STATIC = 0.85
 # One 400 Gbps RDMA NIC per GPU on the paper's testbed (§5.1): about 50 GB/s each.
 NIC_BYTES_PER_SECOND_PER_GPU = 50e9
+
+
+# BF16 weights with an FP8 KV cache (--kv-cache-dtype fp8_e4m3). SGLang's FA3 backend (the
+# Hopper default) then casts the queries to FP8 too, in prefill and decode
+# (FlashAttentionBackend: q = q.to(self.kv_cache_dtype)), so the attention kernels are FP8.
+BF16_WEIGHTS_FP8_KV = {"kvcache_quant_mode": "fp8", "fmha_quant_mode": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -62,9 +71,19 @@ class Deployment:
     moe_ep: int
     chunk: int
     max_context: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # the model's unique KV per token (what one copy of it weighs)
     source: str
+    moe_tp: int = 1
+    # SGLang 0.5.23 refuses --enable-pd-role-switch with --ep-size > 1 (and MoE all-to-all
+    # backends, PP, DCP, speculative decoding): see docs/sglang-role-switch.md.
+    role_switch_capable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tp * self.dp != self.gpus or self.moe_tp * self.moe_ep != self.gpus:
+            raise ValueError(f"{self.name}: parallel sizes do not cover {self.gpus} GPUs")
+        if self.role_switch_capable and self.moe_ep > 1:
+            raise ValueError(f"{self.name}: SGLang refuses role switching with EP > 1")
 
 
 DEPLOYMENTS = [
@@ -116,6 +135,111 @@ DEPLOYMENTS = [
         kv_bytes_per_token=61 * 576 * 1,
         source="paper §5.1 (EP16, attention TP disabled, chunk 512)",
     ),
+    # ---- Role-switch-capable deployments (MoE tensor parallel, EP = 1) ------------------
+    # SGLang 0.5.23 flips an instance between prefill and decode only without expert
+    # parallelism (pd_disaggregation_hook.handle_pd_disaggregation). The MoE layer must
+    # then be tensor parallel across the instance. Qwen3-235B-A22B's experts are
+    # 1536 wide: at MoE TP8 a GPU holds 192 columns, which the FP8 checkpoint's 128x128
+    # weight blocks do not divide (SGLang's Fp8MoEMethod.create_weights refuses it, and
+    # so does aiconfigurator's _validate_fp8_block_quantized_moe_config). So the 8-GPU
+    # Qwen3 instances below serve the BF16 checkpoint, with an FP8 KV cache
+    # (--kv-cache-dtype fp8_e4m3), and the FP8 checkpoint gets 4-GPU instances (MoE TP4,
+    # 384 columns = 3 blocks). Qwen3 has 4 KV heads: at attention TP8 each GPU holds one,
+    # every head twice over (SGLang replicates KV heads when TP > KV heads); at TP4 each
+    # GPU holds one distinct head. aiconfigurator's KV per GPU (kvBytesPerTokenPerGpu)
+    # counts the replicas, and the capacity per rank is the free memory of a GPU over it.
+    Deployment(
+        name="qwen3-235b-bf16-tp8",
+        model_path="Qwen/Qwen3-235B-A22B",
+        title="Qwen3-235B-A22B (BF16 weights), 8xH200, attention TP8, MoE TP8 (EP1), "
+        "FP8 KV; role-switch-capable",
+        gpus=8,
+        tp=8,
+        dp=1,
+        moe_tp=8,
+        moe_ep=1,
+        chunk=4096,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="role-switch-capable Qwen3 at TP8 (the FP8 checkpoint cannot run MoE TP8)",
+        role_switch_capable=True,
+        extra=BF16_WEIGHTS_FP8_KV,
+    ),
+    # Shaped like the paper's Qwen3 instance (several attention-DP ranks on 8 GPUs), with
+    # 2 ranks (--attn-dp-size 2, formerly --enable-dp-attention --dp-size 2) of attention
+    # TP4 and the MoE tensor parallel over all 8 GPUs.
+    Deployment(
+        name="qwen3-235b-bf16-dp2",
+        model_path="Qwen/Qwen3-235B-A22B",
+        title="Qwen3-235B-A22B (BF16 weights), 8xH200, attention TP4 x DP2, MoE TP8 (EP1), "
+        "FP8 KV; role-switch-capable",
+        gpus=8,
+        tp=4,
+        dp=2,
+        moe_tp=8,
+        moe_ep=1,
+        chunk=4096,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="role-switch-capable, paper-shaped (2 attention-DP ranks, chunk 4096)",
+        role_switch_capable=True,
+        extra=BF16_WEIGHTS_FP8_KV,
+    ),
+    # The FP8 checkpoint (the paper's "all models use FP8"), role-switch-capable: MoE TP4.
+    Deployment(
+        name="qwen3-235b-fp8-tp4",
+        model_path="Qwen/Qwen3-235B-A22B-FP8",
+        title="Qwen3-235B-A22B-FP8, 4xH200, attention TP4, MoE TP4 (EP1), FP8 KV; "
+        "role-switch-capable",
+        gpus=4,
+        tp=4,
+        dp=1,
+        moe_tp=4,
+        moe_ep=1,
+        chunk=4096,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="role-switch-capable FP8 Qwen3 (MoE TP4: 1536/4 = 3 FP8 blocks)",
+        role_switch_capable=True,
+    ),
+    Deployment(
+        name="qwen3-235b-fp8-tp2dp2",
+        model_path="Qwen/Qwen3-235B-A22B-FP8",
+        title="Qwen3-235B-A22B-FP8, 4xH200, attention TP2 x DP2, MoE TP4 (EP1), FP8 KV; "
+        "role-switch-capable",
+        gpus=4,
+        tp=2,
+        dp=2,
+        moe_tp=4,
+        moe_ep=1,
+        chunk=4096,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="role-switch-capable FP8 Qwen3 with the paper's attention TP2 (2 DP ranks)",
+        role_switch_capable=True,
+    ),
+    # DeepSeek-V3 at attention TP16 over two 8-GPU servers, MoE TP16 (EP1), FP8 (2048-wide
+    # experts / 16 = 128: one FP8 block), chunk 512 as in §5.1. MLA keeps one latent KV per
+    # token (61 x 576 bytes in FP8) and every TP rank holds all of it (replicated), so an
+    # instance holds as many tokens as ONE GPU's free memory does. aiconfigurator has
+    # measured all-reduce data for 2, 4 and 8 GPUs only; past a node it models the
+    # all-reduce from its system file (50 GB/s per GPU between nodes, 10 us per hop).
+    Deployment(
+        name="deepseek-v3-tp16",
+        model_path="deepseek-ai/DeepSeek-V3",
+        title="DeepSeek-V3, 16xH200 (2 nodes), attention TP16, MoE TP16 (EP1), FP8; "
+        "role-switch-capable",
+        gpus=16,
+        tp=16,
+        dp=1,
+        moe_tp=16,
+        moe_ep=1,
+        chunk=512,
+        max_context=131072,
+        kv_bytes_per_token=61 * 576 * 1,
+        source="role-switch-capable DeepSeek (TP16 over 2 nodes, chunk 512 as paper §5.1)",
+        role_switch_capable=True,
+    ),
 ]
 
 
@@ -134,7 +258,7 @@ def _estimate(dep: Deployment, *, mode: str, isl: int, batch: int, prefix: int =
         tp_size=dep.tp,
         attention_dp_size=dep.dp,
         moe_ep_size=dep.moe_ep,
-        moe_tp_size=1,
+        moe_tp_size=dep.moe_tp,
         **dep.extra,
     )
 
@@ -171,6 +295,10 @@ def build(dep: Deployment) -> dict[str, Any]:
         decode.append(row)
         print(f"  {dep.name}: decode batch={batch} done", file=sys.stderr, flush=True)
     gpus_per_rank = dep.gpus // dep.dp
+    # One rank's GPUs hold at least one copy of the model's KV between them; more where
+    # KV is replicated (KV heads < attention TP, or MLA's latent on every TP rank).
+    if kv_per_gpu * gpus_per_rank < dep.kv_bytes_per_token * 0.999:
+        raise RuntimeError(f"{dep.name}: aiconfigurator's KV per GPU {kv_per_gpu} is short")
     static = MEM_FRACTION_STATIC * capacity
     fixed = (memory["weights"] + memory["nccl"]) * GIB
     kv_tokens_per_rank = int((static - fixed) / kv_per_gpu)
@@ -190,8 +318,11 @@ def build(dep: Deployment) -> dict[str, Any]:
             "gpusPerInstance": dep.gpus,
             "attentionTp": dep.tp,
             "attentionDp": dep.dp,
+            "moeTp": dep.moe_tp,
             "moeEp": dep.moe_ep,
+            "nodes": -(-dep.gpus // GPUS_PER_NODE),
         },
+        "roleSwitchCapable": dep.role_switch_capable,
         "chunkedPrefillSize": dep.chunk,
         "maxContextTokens": dep.max_context,
         "kvBytesPerToken": dep.kv_bytes_per_token,

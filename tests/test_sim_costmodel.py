@@ -26,9 +26,11 @@ def test_tp8_table_reproduces_the_anchor_figures_of_the_notes() -> None:
     # "An 8xH200 instance holds on the order of 1.3-1.5 M tokens of KV for Qwen3-235B."
     assert 1_300_000 <= p.kv_capacity <= 1_500_000
     # "an 8k-token Qwen3 prompt's KV (~1.5 GB) moves in ~30 ms" over one 50 GB/s NIC; a
-    # TP8 rank sends its shards over its 8 GPUs' NICs at once.
+    # TP8 rank sends its shards over its 8 GPUs' NICs at once. With 4 KV heads over 8 GPUs
+    # every head lives on two GPUs, and each GPU sends its own (48,128 bytes per token).
     assert 8192 * p.kv_bytes_per_token == pytest.approx(1.58e9, rel=0.01)
-    assert p.transfer_seconds(8192) == pytest.approx(8192 * 192_512 / (8 * 50e9))
+    assert p.kv_bytes_per_token_per_gpu == 94 * 1 * 128 * 2 * 2
+    assert p.transfer_seconds(8192) == pytest.approx(8192 * 48_128 / 50e9)
 
 
 def test_benchmark_deployments_follow_the_paper() -> None:
@@ -119,3 +121,93 @@ def test_profiled_prefill_cost_doubling_matches_the_table() -> None:
         for prefix in (16_384, 65_536, 120_000):
             model = base * (1 + prefix / L)
             assert p.prefill_seconds(p.chunk, prefix) == pytest.approx(model, rel=0.15)
+
+
+# Role-switch-capable deployments (MoE tensor parallel, EP 1): benchmark name ->
+# (GPUs, attention-DP ranks, chunk, attention TP, KV bytes per token on one GPU).
+# KV per GPU, replicas counted: Qwen3-235B has 94 layers and 4 KV heads of 128 (FP8 KV, 1
+# byte): a GPU of attention TP t holds max(1, 4 // t) heads (TP8 replicates each head on two
+# GPUs). DeepSeek-V3's MLA latent (61 layers x 576, FP8) sits whole on every TP rank.
+ROLE_SWITCH_CAPABLE = {
+    "qwen3-tp8": (8, 1, 4096, 8, 94 * 1 * 128 * 2),
+    "qwen3-dp2": (8, 2, 4096, 4, 94 * 1 * 128 * 2),
+    "qwen3-fp8-tp4": (4, 1, 4096, 4, 94 * 1 * 128 * 2),
+    "qwen3-fp8-dp2": (4, 2, 4096, 2, 94 * 2 * 128 * 2),
+    "deepseek-v3-tp16": (16, 1, 512, 16, 61 * 576),
+}
+# Weights per GPU from the parameter counts, as a check on aiconfigurator's memory figures:
+# Qwen3-235B-A22B 235.1e9 parameters, of which 6.7e9 attention (sharded by the attention TP
+# only under DP attention); DeepSeek-V3 671e9 (FP8) plus its MLA down-projections (0.92e9)
+# that every TP rank holds whole.
+QWEN_PARAMS, QWEN_ATTN = 235.1e9, 6.7e9
+WEIGHT_BYTES_PER_GPU = {
+    "qwen3-tp8": QWEN_PARAMS * 2 / 8,
+    "qwen3-dp2": (QWEN_PARAMS - QWEN_ATTN) * 2 / 8 + QWEN_ATTN * 2 / 4,
+    "qwen3-fp8-tp4": QWEN_PARAMS / 4,
+    "qwen3-fp8-dp2": (QWEN_PARAMS - QWEN_ATTN) / 4 + QWEN_ATTN / 2,
+    "deepseek-v3-tp16": 671e9 / 16 + 0.92e9,
+}
+H200_BYTES = 151_397_597_184  # 141 GiB
+MEM_FRACTION_STATIC = 0.85
+
+
+@pytest.mark.parametrize("name", sorted(ROLE_SWITCH_CAPABLE))
+def test_role_switch_capable_tables_count_kv_honestly(name: str) -> None:
+    gpus, ranks, chunk, attn_tp, kv_per_gpu = ROLE_SWITCH_CAPABLE[name]
+    p = load_profile(name)
+    assert p.role_switch_capable
+    assert (p.gpus_per_instance, p.ranks, p.chunk) == (gpus, ranks, chunk)
+    assert p.nodes == (2 if gpus == 16 else 1)
+    assert p.gpus_per_rank * ranks == gpus and p.gpus_per_rank == attn_tp
+    # aiconfigurator's KV per GPU is the per-GPU arithmetic above, replicas included.
+    assert p.kv_bytes_per_token_per_gpu == kv_per_gpu
+    data = json.loads((resources.files("prorsa.sim") / "data" / f"{MODELS[name]}.json").read_text())
+    assert data["parallel"]["moeEp"] == 1 and data["parallel"]["moeTp"] == gpus
+    memory = data["memory"]
+    fixed = (memory["weightsGiBPerGpu"] + memory["ncclGiBPerGpu"]) * 2**30
+    assert memory["weightsGiBPerGpu"] * 2**30 == pytest.approx(WEIGHT_BYTES_PER_GPU[name], rel=0.12)
+    # A rank holds what ONE of its GPUs' free memory holds at that GPU's KV per token;
+    # an instance holds that times its ranks (not times its GPUs).
+    per_rank = (MEM_FRACTION_STATIC * H200_BYTES - fixed) / kv_per_gpu
+    assert p.kv_capacity_per_rank == pytest.approx(per_rank, rel=0.05)
+    assert p.kv_capacity == pytest.approx(ranks * per_rank, rel=0.05)
+    # The honest capacity with the independent weight estimate, too.
+    indep = (MEM_FRACTION_STATIC * H200_BYTES - WEIGHT_BYTES_PER_GPU[name]) / kv_per_gpu
+    assert p.kv_capacity_per_rank == pytest.approx(indep, rel=0.08)
+    # KV moves GPU by GPU (each over its own NIC), replicas included.
+    assert p.transfer_seconds(8192) == pytest.approx(8192 * kv_per_gpu / 50e9)
+
+
+def test_deepseek_tp16_holds_one_gpus_worth_of_mla_kv() -> None:
+    """MLA's latent KV is replicated on every TP rank: 16 GPUs hold one copy's tokens."""
+    p = load_profile("deepseek-v3-tp16")
+    one_gpu = MEM_FRACTION_STATIC * H200_BYTES / (61 * 576)
+    assert p.kv_capacity < one_gpu < 16 * p.kv_capacity
+    assert p.kv_capacity == p.kv_capacity_per_rank
+
+
+@pytest.mark.parametrize("name", sorted(ROLE_SWITCH_CAPABLE))
+def test_role_switch_capable_step_times_grow(name: str) -> None:
+    p = load_profile(name)
+    for ctx in (2048, 16384, 65536):
+        times = [p.decode_seconds(b, ctx) for b in (1, 4, 16, 64, 256)]
+        assert times == sorted(times) and times[-1] > times[0]
+    for batch in (1, 16, 128):
+        times = [p.decode_seconds(batch, c) for c in (1024, 8192, 65536, 131072)]
+        assert times == sorted(times) and times[-1] > times[0]
+    for prefix in (0, 8192, 65536):
+        times = [p.prefill_seconds(n, prefix) for n in (64, 512, 4096, 16384)]
+        assert times == sorted(times) and times[-1] > times[0]
+    assert p.decode_concurrency() >= p.ranks
+    assert 0 < p.usable_kv_tokens() <= p.kv_capacity
+
+
+def test_expert_parallel_tables_are_not_role_switch_capable() -> None:
+    """SGLang refuses --enable-pd-role-switch with --ep-size > 1 (docs/sglang-role-switch.md)."""
+    for name in ("qwen3-235b", "deepseek-v3", "qwen3-235b-tp8"):
+        p = load_profile(name)
+        assert not p.role_switch_capable
+        data = json.loads(
+            (resources.files("prorsa.sim") / "data" / f"{MODELS[name]}.json").read_text()
+        )
+        assert data["parallel"]["moeEp"] > 1 and "EP" in data["title"]

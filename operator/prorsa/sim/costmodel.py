@@ -26,8 +26,16 @@ MODELS: dict[str, str] = {
     # benchmark name -> table file (without .json)
     "qwen3-235b": "qwen3-235b-a22b",
     "deepseek-v3": "deepseek-v3",
-    "qwen3-235b-tp8": "qwen3-235b-a22b-tp8",
+    "qwen3-235b-tp8": "qwen3-235b-a22b-tp8",  # BF16 reference with MoE EP8 (notes' anchors)
+    # Role-switch-capable deployments (MoE tensor parallel, EP 1; docs/deployments.md):
+    "qwen3-tp8": "qwen3-235b-bf16-tp8",
+    "qwen3-dp2": "qwen3-235b-bf16-dp2",
+    "qwen3-fp8-tp4": "qwen3-235b-fp8-tp4",
+    "qwen3-fp8-dp2": "qwen3-235b-fp8-tp2dp2",
+    "deepseek-v3-tp16": "deepseek-v3-tp16",
 }
+
+GPUS_PER_NODE = 8  # H200 servers (HGX, 8 GPUs each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,28 @@ class ModelProfile:
     prefill_ms: Table2D  # (new tokens, cached prefix) -> ms
     decode_ms: Table2D  # (batch per rank, context per request) -> ms
     source: str
+    # SGLang can flip it between prefill and decode (--enable-pd-role-switch): no expert
+    # parallelism, no MoE all-to-all, no PP/DCP/speculative decoding.
+    role_switch_capable: bool = False
+    # KV bytes per token on ONE GPU of a rank, replicas counted (KV heads fewer than the
+    # attention TP, or MLA's latent on every TP rank); 0 = one copy split over the rank.
+    kv_bytes_per_token_per_gpu: float = 0.0
+
+    @property
+    def nodes(self) -> int:
+        """Servers one instance spans (8 H200s each)."""
+        return -(-self.gpus_per_instance // GPUS_PER_NODE)
+
+    @property
+    def gpus_per_rank(self) -> int:
+        return max(1, self.gpus_per_instance // self.ranks)
+
+    @property
+    def kv_wire_bytes_per_token(self) -> float:
+        """Bytes one rank moves per token of KV (to a decode rank, or back from host
+        memory): every GPU moves its own share, replicas included, over its own link."""
+        per_gpu = self.kv_bytes_per_token_per_gpu or self.kv_bytes_per_token / self.gpus_per_rank
+        return max(float(self.kv_bytes_per_token), per_gpu * self.gpus_per_rank)
 
     def prefill_seconds(self, new: float, prefix: float) -> float:
         """One rank prefilling ``new`` tokens over ``prefix`` cached ones (one step)."""
@@ -92,8 +122,9 @@ class ModelProfile:
         return max(self.decode_ms(batch, max(context, 1.0)), 0.0) * 1e-3
 
     def transfer_seconds(self, tokens: float) -> float:
-        """KV of ``tokens`` from a prefill rank to a decode rank over RDMA."""
-        return tokens * self.kv_bytes_per_token / self.transfer_bytes_per_second
+        """KV of ``tokens`` from a prefill rank to a decode rank over RDMA (each GPU sends
+        its own KV, replicas included, over its own NIC)."""
+        return tokens * self.kv_wire_bytes_per_token / self.transfer_bytes_per_second
 
     @property
     def kv_capacity(self) -> int:
@@ -206,6 +237,8 @@ def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
             tuple(tuple(map(float, r)) for r in dec["ms"]),
         ),
         source=str(data.get("source", "")),
+        role_switch_capable=bool(data.get("roleSwitchCapable", False)),
+        kv_bytes_per_token_per_gpu=float(data.get("kvBytesPerTokenPerGpu", 0.0)),
     )
 
 

@@ -566,7 +566,7 @@ class Instance:
                 cluster.transferring[req] = None
                 cluster.retracted += 1
                 bw = HOST_BYTES_PER_SECOND_PER_GPU * cluster.gpus_per_rank
-                delay = 2 * req.context() * cluster.profile.kv_bytes_per_token / bw
+                delay = 2 * req.context() * cluster.profile.kv_wire_bytes_per_token / bw
                 self.transfers_in += 1
                 cluster.loop.after(delay, self._reload, req)
 
@@ -631,7 +631,7 @@ class Cluster:
         self.drain_timeout = drain_timeout
         self.hicache_ratio = hicache_ratio
         self.prefix = prefix
-        self.gpus_per_rank = max(1, profile.gpus_per_instance // profile.ranks)
+        self.gpus_per_rank = profile.gpus_per_rank
         self.times = StepTimes(profile)
         self.instances = [Instance(self, i, role) for i, role in enumerate(roles)]
         self.by_name = {i.name: i for i in self.instances}
