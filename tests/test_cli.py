@@ -63,10 +63,10 @@ def test_plan_prints_the_decision(tmp_path: Path, cluster: Path) -> None:
     events = [
         {
             "id": f"q{i}",
-            "ts": 100.0 + i,
+            "ts": 100.0 + 15.0 * i,
             "trajectory": f"t{i}",
             "type": "request_queued",
-            "prompt_tokens": 50_000,
+            "prompt_tokens": 100_000,
             "turn": 0,
         }
         for i in range(20)
@@ -102,10 +102,11 @@ def test_plan_prints_the_decision(tmp_path: Path, cluster: Path) -> None:
         "switches",
         "reason",
     }
-    assert decision["at"] == 119.0 and decision["mode"] == "predictive"
-    # 1M tokens queued = 1e6 / (10 s · 20k) = 5 instances: more prefill than 4.
-    assert decision["forecast"]["components"]["ready"] == 1_000_000
-    assert decision["target"]["prefill"] > 4
+    assert decision["at"] == 385.0 and decision["mode"] == "predictive"
+    # 2M tokens queued over 5 minutes = 2e6 / (10 s · 20k) = 10 instances at the end:
+    # a lasting shift, worth more prefill than 4.
+    assert decision["forecast"]["components"]["ready"] == 2_000_000
+    assert decision["target"]["prefill"] > 4, decision["reason"]
     assert decision["switches"][0]["from"] == "decode"
 
 

@@ -656,7 +656,7 @@ class Cluster:
     def host_load_seconds(self, tokens: int) -> float:
         """Loading ``tokens`` of a rank's KV back from host memory (each GPU its share)."""
         bw = HOST_BYTES_PER_SECOND_PER_GPU * self.gpus_per_rank
-        return tokens * self.profile.kv_bytes_per_token / bw
+        return tokens * self.profile.kv_wire_bytes_per_token / bw
 
     # -- bookkeeping -------------------------------------------------------------------------
 
