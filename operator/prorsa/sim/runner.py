@@ -23,7 +23,14 @@ REPORTED = ("colocation", "best-static", *DYNAMIC)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GridConfig:
-    models: tuple[str, ...] = ("qwen3-235b", "deepseek-v3")
+    # Role-switch-capable deployments first, then the EP references SGLang cannot flip.
+    models: tuple[str, ...] = (
+        "qwen3-tp8",
+        "qwen3-dp2",
+        "deepseek-v3-tp16",
+        "qwen3-235b",
+        "deepseek-v3",
+    )
     tasks: tuple[str, ...] = ("math", "coding", "general")
     staleness: tuple[int, ...] = (0, 2, 8)
     steps: int = 3
