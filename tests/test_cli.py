@@ -108,6 +108,8 @@ def test_plan_prints_the_decision(tmp_path: Path, cluster: Path) -> None:
     assert decision["forecast"]["components"]["ready"] == 2_000_000
     assert decision["target"]["prefill"] > 4, decision["reason"]
     assert decision["switches"][0]["from"] == "decode"
+    # Pure tensor-parallel attention (no --enable-dp-attention): colocation may win.
+    assert "prorsa plan: advice: attention is not data-parallel" in out.stderr
 
 
 def test_plan_at_a_chosen_time_and_from_stdin(cluster: Path) -> None:

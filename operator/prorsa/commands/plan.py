@@ -42,6 +42,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from prorsa.advice import deployment_advice
     from prorsa.controller import Controller
     from prorsa.engine_state import ENGINE_STATES
     from prorsa.events import BatchError, parse_lines
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     controller.observe_engines(states)
     decision = controller.tick(at)
     print(json.dumps(decision.wire(), indent=2))
+    for note in deployment_advice(cluster.spec):
+        print(f"prorsa plan: advice: {note}", file=sys.stderr)
     anomalies = {k: v for k, v in controller.table.anomalies.items() if v}
     if anomalies:
         summary = ", ".join(f"{k}={v}" for k, v in anomalies.items())
