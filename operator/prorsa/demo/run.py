@@ -166,6 +166,8 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
             "drainTimeoutSeconds": m.drain_timeout_seconds,
             "hysteresis": m.hysteresis,
             "smoothingSeconds": m.smoothing_seconds,
+            # The default 300 s is 30 horizons; the demo runs ten times faster.
+            "payoffSeconds": 30 * m.horizon_seconds,
         },
     )
 
