@@ -329,36 +329,16 @@ class Controller:
                 if ratio > 0
                 else "over budget: a role with demand has no instance"
             )
-        forced = cur_p < min_p or cur_d < min_d
-        step = (target.prefill > cur_p) - (target.prefill < cur_p)
-        toward = {1: "prefill", -1: "decode"}.get(step)
-        rate = 1.0 - slowdown(cur_p + step, cur_d - step, a, b) / slowdown(cur_p, cur_d, a, b)
-        regret = self.regret.update(now, toward=toward, rate=rate if toward else 0.0)
-        # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
-        lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
-        payoff = min(self.persistence.update(now, toward=lean), spec.switching.payoff_seconds)
-        switches, moves = self._plan_switches(
+        target, switches, planned = self._priced_plan(
             target,
+            best,
             (cur_p, cur_d),
             now=now,
             now_demand=now_demand,
             ahead=(a, b),
-            forced=forced,
-            regret=regret,
-            payoff=payoff,
+            forced=cur_p < min_p or cur_d < min_d,
         )
-        self.last_moves = tuple(moves)
-        made = [m for m in moves if m.worth_it or forced]
-        if made:
-            self.regret.reset()
-        if made:
-            notes.append("switching: " + "; ".join(m.describe() for m in made))
-        if len(made) < len(moves):
-            # The next move does not pay for itself: aim where the made ones lead.
-            notes.append("holding: " + moves[len(made)].describe())
-            step = 1 if target.prefill > cur_p else -1
-            reached = cur_p + step * len(made)
-            target = Target(prefill=reached, decode=cur_p + cur_d - reached)
+        notes += planned
         if not self._engines:
             self._assumed_prefill = target.prefill
         margin = margin_of(target.prefill, target.decode, a, b)
@@ -570,6 +550,55 @@ class Controller:
         if why:
             return Target(prefill=cur_p, decode=cur_d), why
         return Target(prefill=best.prefill, decode=best.decode), ""
+
+    def _priced_plan(
+        self,
+        target: Target,
+        best: Allocation,
+        current: tuple[int, int],
+        *,
+        now: float,
+        now_demand: tuple[float, float],
+        ahead: tuple[float, float],
+        forced: bool,
+    ) -> tuple[Target, list[Switch], list[str]]:
+        """The switches worth making toward ``target``, and where they lead.
+
+        Updates the regret of the current lean and how long leans last (see
+        :mod:`prorsa.switch_cost`), prices the moves, and when a move does not pay for
+        itself aims the target where the ones made lead.
+        """
+        cur_p, cur_d = current
+        a, b = ahead
+        step = (target.prefill > cur_p) - (target.prefill < cur_p)
+        toward = {1: "prefill", -1: "decode"}.get(step)
+        rate = 1.0 - slowdown(cur_p + step, cur_d - step, a, b) / slowdown(cur_p, cur_d, a, b)
+        regret = self.regret.update(now, toward=toward, rate=rate if toward else 0.0)
+        # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
+        lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
+        payoff = min(self.persistence.update(now, toward=lean), self.spec.switching.payoff_seconds)
+        switches, moves = self._plan_switches(
+            target,
+            current,
+            now=now,
+            now_demand=now_demand,
+            ahead=ahead,
+            forced=forced,
+            regret=regret,
+            payoff=payoff,
+        )
+        self.last_moves = tuple(moves)
+        made = [m for m in moves if m.worth_it or forced]
+        notes = []
+        if made:
+            self.regret.reset()
+            notes.append("switching: " + "; ".join(m.describe() for m in made))
+        if len(made) < len(moves):
+            # The next move does not pay for itself: aim where the made ones lead.
+            notes.append("holding: " + moves[len(made)].describe())
+            reached = cur_p + step * len(made)
+            target = Target(prefill=reached, decode=cur_p + cur_d - reached)
+        return target, switches, notes
 
     def _plan_switches(
         self,
