@@ -299,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     results = run_jobs(todo, workers=args.workers, progress=progress)
     print(file=sys.stderr)
     rows = aggregate(results, instances=cfg.instances)
+    # The grid's order: role-switch-capable deployments first, EP references after.
+    rows.sort(key=lambda r: cfg.models.index(r.model))
     png: Path | None = None
     pick = [r for r in rows if r.task in AGENTIC and r.staleness == max(cfg.staleness)]
     pick = [r for r in pick if r.model == rows[0].model] or rows[:1]
