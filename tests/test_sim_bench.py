@@ -196,3 +196,17 @@ def test_schedule_bound_script_ranks_schedules_against_the_best_static_split() -
     times = [float(line.split()[0]) for line in ranked]
     assert len(times) == 8 and times == sorted(times)
     assert times[0] <= best_static  # the static splits are among the schedules
+
+
+def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    rollout.configure(parser)
+    args = ["--hicache-ratio", "0", "--no-weight-update-events", "--smoothing", "300"]
+    cfg = rollout._config(parser.parse_args(args))
+    for sc in cfg.scenarios():
+        assert (sc.hicache_ratio, sc.weight_update_events, sc.smoothing) == (0.0, False, 300.0)
+        assert sc.spec().capacity.prefill_cache_tokens == sc.profile().kv_capacity
+    assert main(["bench", "rollout", "--hicache-ratio", "-1", "--workers", "1"]) == 2
+    assert "--hicache-ratio must be >= 0" in capsys.readouterr().err

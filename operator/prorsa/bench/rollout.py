@@ -52,6 +52,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="training steps per run (default 3; quick 2)")
     parser.add_argument("--scale", type=float, help="batch scale (default 1; quick 0.5)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--hicache-ratio",
+        type=float,
+        help="HiCache host tier over each rank's GPU KV pool (default 2.0, SGLang's and the "
+        "engine image's; 0: GPU-only prefix caches)",
+    )
+    parser.add_argument(
+        "--no-weight-update-events",
+        action="store_true",
+        help="the simulated trainer does not announce weight updates (the Controller infers "
+        "them from a burst of aborts)",
+    )
+    parser.add_argument(
+        "--smoothing", type=float, help="switching.smoothingSeconds (default: the spec's)"
+    )
     parser.add_argument("--workers", type=int, help="processes (default: one per CPU)")
 
 
@@ -72,6 +87,14 @@ def _config(args: argparse.Namespace) -> Any:
         kw["steps"] = args.steps
     if args.scale:
         kw["scale"] = args.scale
+    if args.hicache_ratio is not None:
+        if not (args.hicache_ratio >= 0 and math.isfinite(args.hicache_ratio)):
+            raise ValueError(f"--hicache-ratio must be >= 0, got {args.hicache_ratio}")
+        kw["hicache_ratio"] = args.hicache_ratio
+    if args.no_weight_update_events:
+        kw["weight_update_events"] = False
+    if args.smoothing is not None:
+        kw["smoothing"] = args.smoothing
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
     from prorsa.sim.costmodel import load_profile
     from prorsa.sim.workloads import get_task

@@ -37,6 +37,9 @@ class GridConfig:
     seed: int = 1
     instances: int = 8
     scale: float = 1.0  # multiplies every task's groups per step (at least one group)
+    hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
+    weight_update_events: bool = True  # the trainer announces weight updates
+    smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1
     policies: tuple[str, ...] = ("colocation", "static", *DYNAMIC)
 
@@ -57,6 +60,9 @@ class GridConfig:
                             seed=self.seed,
                             instances=self.instances,
                             groups_per_step=groups,
+                            hicache_ratio=self.hicache_ratio,
+                            weight_update_events=self.weight_update_events,
+                            smoothing=self.smoothing,
                         )
                     )
         return out
