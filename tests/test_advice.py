@@ -10,9 +10,7 @@ from prorsa.advice import deployment_advice, refused_flags
 def test_role_switch_refusals_are_named() -> None:
     args = ["--ep-size", "8", "--moe-a2a-backend=deepep", "--pp-size", "1", "--dp-size", "4"]
     assert refused_flags(args) == ["--ep-size 8", "--moe-a2a-backend deepep"]
-    assert refused_flags(["--speculative-algorithm", "EAGLE"]) == [
-        "--speculative-algorithm EAGLE"
-    ]
+    assert refused_flags(["--speculative-algorithm", "EAGLE"]) == ["--speculative-algorithm EAGLE"]
     assert refused_flags(["--moe-a2a-backend", "none", "--ep", "1"]) == []
 
 
