@@ -105,7 +105,7 @@ DEPLOYMENTS = [
         source="paper §5.1 (attention TP=2, chunk 4096, FP8)",
     ),
     # BF16 at plain TP8 (one attention rank): the configuration the project notes quote;
-    # kept so that the anchors in shared/notes/performance.md can be checked (tests do).
+    # kept so that its aiconfigurator anchors (docs/deployments.md) can be checked (tests do).
     Deployment(
         name="qwen3-235b-a22b-tp8",
         model_path="Qwen/Qwen3-235B-A22B",
@@ -117,7 +117,7 @@ DEPLOYMENTS = [
         chunk=4096,
         max_context=131072,
         kv_bytes_per_token=94 * 4 * 128 * 2 * 2,
-        source="shared/notes/performance.md anchors (TP8)",
+        source="aiconfigurator anchors of Qwen3-235B at TP8, BF16 (docs/deployments.md)",
     ),
     # Paper §5.1: DeepSeek with EP16 and no attention TP, i.e. 16 attention-DP ranks on two
     # 8-GPU servers, chunk 512. MLA KV per token: 61 layers x 576 x 1 byte (aiconfigurator's

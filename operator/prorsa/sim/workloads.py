@@ -7,8 +7,9 @@ same trajectories (common random numbers): differences in makespan come from the
 not from the draw. Scripts never depend on timing; only the sandbox prewarm pool (which
 depends on when trajectories are dispatched) decides prewarm hit versus cold start.
 
-Sources of each figure are named next to it. "notes" is shared/notes/performance.md;
-"paper" is the Prorsa paper in shared/seed/.
+Sources of each figure are named next to it. "notes" marks public figures the project
+collected on agentic workloads (mini-swe-agent's model calls per task, bash and sandbox
+times, test-run rewards); "paper" is the Prorsa paper (arXiv 2610.16592).
 """
 
 from __future__ import annotations
