@@ -456,12 +456,23 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
         log("prefill_finished", traj, 1.2, instance=inst)
         log("decode_finished", traj, 1.3, output_tokens=10, finish="tool")
         log("tool_started", traj, 1.4)
-    c.observe(log.take())
+    events = log.take()
+    c.observe(events)
     states = {s.instance: s for s in engines(3, 5)}
     assert c.table.live_context_on("c-engine-0") == 5 * 30_010
     assert c._lost_tokens(states["c-engine-0"]) == 5 * 30_010
     assert c._lost_tokens(states["c-engine-2"]) == 0  # it served none of them
     # What a cache can hold bounds what it loses (80% of a 1M-token KV pool here).
+    # No prefix cache at all (engines without a radix cache): a switch flushes nothing.
+    nocache = Controller(
+        make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "prefillCacheTokens": 0},
+        )
+    )
+    nocache.observe(events)
+    assert nocache.table.live_context_on("c-engine-0") == 5 * 30_010
+    assert nocache._lost_tokens(states["c-engine-0"]) == 0.0
     # The HiCache host tier holds twice the 50k-token GPU pool: 80% of 150k.
     small = states["c-engine-0"].model_copy(update={"kv_capacity_tokens": 50_000})
     assert c._lost_tokens(small) == 120_000

@@ -701,7 +701,8 @@ class Controller:
         per = self.spec.capacity.prefill_cache_tokens
         if per is None:
             per = int(s.kv_capacity_tokens * self.spec.engine.prefix_cache_scale)
-        return min(held, CACHE_FILL * per) if per > 0 else held
+        # No prefix cache (0), e.g. engines without a radix cache: nothing to flush.
+        return min(held, CACHE_FILL * per) if per > 0 else 0.0
 
     def engines(self) -> Sequence[EngineState]:
         return tuple(self._engines.values())

@@ -200,7 +200,7 @@ class CapacitySpec(_Spec):
         "live trajectory (past it each turn recomputes its whole context). Unset: the "
         "prefill engines' reported KV capacity times the cache tiers the engine runs (3 "
         "with the engine image's HiCache host tier at SGLang's default ratio 2.0); 0: no "
-        "such floor.",
+        "prefix cache (no floor, and a switch flushes nothing).",
     )
 
 
