@@ -15,28 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prorsa.spec import RolloutClusterSpec
+from prorsa.spec import RolloutClusterSpec, flag_values
 
 # Flags whose value above 1 (or other than "none") SGLang refuses with role switching.
 _REFUSED_SIZES = ("--ep-size", "--ep", "--expert-parallel-size", "--pp-size", "--dcp-size")
-
-
-def _values(args: Sequence[str], flag: str) -> list[str]:
-    out = []
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name == flag:
-            out.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
-    return out
 
 
 def refused_flags(args: Sequence[str]) -> list[str]:
     """The engine flags SGLang 0.5.23 refuses next to ``--enable-pd-role-switch``."""
     bad = []
     for flag in _REFUSED_SIZES:
-        bad += [f"{flag} {v}" for v in _values(args, flag) if v.isdigit() and int(v) > 1]
-    bad += [f"--moe-a2a-backend {v}" for v in _values(args, "--moe-a2a-backend") if v != "none"]
-    bad += [f"--speculative-algorithm {v}" for v in _values(args, "--speculative-algorithm")]
+        bad += [f"{flag} {v}" for v in flag_values(args, flag) if v.isdigit() and int(v) > 1]
+    bad += [f"--moe-a2a-backend {v}" for v in flag_values(args, "--moe-a2a-backend") if v != "none"]
+    bad += [f"--speculative-algorithm {v}" for v in flag_values(args, "--speculative-algorithm")]
     return bad
 
 

@@ -151,22 +151,7 @@ TrajectoryEvent = (
 )
 ClusterEvent = WeightUpdateStarted | WeightUpdateFinished
 
-Event = Annotated[
-    SampleDispatched
-    | SandboxStarted
-    | RequestQueued
-    | PrefillStarted
-    | PrefillFinished
-    | DecodeFinished
-    | ToolStarted
-    | ToolFinished
-    | RewardStarted
-    | RewardFinished
-    | TrajectoryDropped
-    | WeightUpdateStarted
-    | WeightUpdateFinished,
-    Field(discriminator="type"),
-]
+Event = Annotated[TrajectoryEvent | ClusterEvent, Field(discriminator="type")]
 
 # Events without a ``trajectory`` field.
 CLUSTER_EVENT_TYPES: tuple[str, ...] = ("weight_update_started", "weight_update_finished")

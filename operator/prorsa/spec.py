@@ -6,6 +6,7 @@ admission checks and of the Controller's configuration. Wire names are camelCase
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,16 @@ PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def flag_values(args: Sequence[str], *names: str) -> list[str]:
+    """Every value given to any of ``names`` in an argv (``--flag v`` or ``--flag=v``)."""
+    out = []
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            out.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    return out
 
 
 class _Spec(BaseModel):
@@ -96,12 +107,7 @@ class EngineSpec(_Spec):
         ):
             return 1.0
         ratio = 2.0
-        for i, arg in enumerate(args):
-            name, eq, value = arg.partition("=")
-            if name != "--hicache-ratio":
-                continue
-            if not eq:
-                value = args[i + 1] if i + 1 < len(args) else ""
+        for value in flag_values(args, "--hicache-ratio"):
             try:
                 ratio = max(float(value), 0.0)
             except ValueError:
@@ -120,12 +126,7 @@ class EngineSpec(_Spec):
         if "--enable-dp-attention" not in args:
             return 1
         size = 1
-        for i, arg in enumerate(args):
-            name, eq, value = arg.partition("=")
-            if name not in ("--dp-size", "--dp", "--data-parallel-size"):
-                continue
-            if not eq:
-                value = args[i + 1] if i + 1 < len(args) else ""
+        for value in flag_values(args, "--dp-size", "--dp", "--data-parallel-size"):
             if value.isdigit() and int(value) >= 1:
                 size = int(value)
         return size
@@ -232,10 +233,11 @@ class SwitchingSpec(_Spec):
     payoff_seconds: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = Field(
         300.0,
         alias="payoffSeconds",
-        description="A switch must pay for itself within this many seconds: it is made "
-        "only when the rollout time it saves over this horizon (this tick's forecast, then "
-        "the smoothed demand) exceeds what it costs (the measured switch duration, the "
-        "prefix cache it flushes and the decodes it aborts).",
+        description="A switch must pay for itself within this many seconds (or within how "
+        "long demand has leaned one way, if shorter): it is made only when the wall time "
+        "it saves (this tick's forecast, then the smoothed demand) exceeds what it costs "
+        "(the measured switch duration, the prefix cache it flushes, the decodes it aborts "
+        "and what a move back would cost).",
     )
 
 
