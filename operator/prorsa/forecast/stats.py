@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 # A class key is a tuple, finest first; ``coarsen`` drops trailing parts one by one.
 Key = tuple[Hashable, ...]
+T = TypeVar("T")
 
 
 def coarsen(key: Key) -> list[Key]:
@@ -93,6 +95,49 @@ class Prior:
     mean_seconds: float
 
 
+class ClassChains(Generic[T]):
+    """Statistics per conditioning class, and the fallback chain each key feeds.
+
+    A sample of a key feeds its class and every coarser one, so the fallback chain always
+    holds data. The number of classes is capped: past the cap a new fine class is not
+    created (the coarsest, ``()``, always is), which bounds memory against unbounded label
+    values. Adding a sample is on the event path, so each key's chain is resolved once.
+    """
+
+    __slots__ = ("_feeds", "_make", "_max", "by_key")
+
+    def __init__(self, make: Callable[[], T], *, max_classes: int) -> None:
+        self._make = make
+        self._max = max_classes
+        self.by_key: dict[Key, T] = {}
+        self._feeds: dict[Key, list[T]] = {}
+
+    def get_or_create(self, key: Key) -> T | None:
+        """The class of ``key``, created while under the cap; None past it."""
+        stat = self.by_key.get(key)
+        if stat is None:
+            if len(self.by_key) >= self._max and key:
+                return None
+            stat = self.by_key[key] = self._make()
+        return stat
+
+    def feeds(self, key: Key) -> list[T]:
+        """The classes a sample of ``key`` feeds, finest first."""
+        chain = self._feeds.get(key)
+        if chain is None:
+            chain = [s for k in coarsen(key) if (s := self.get_or_create(k)) is not None]
+            if len(self._feeds) < self._max:
+                self._feeds[key] = chain
+        return chain
+
+    def chain(self, key: Key) -> list[T]:
+        """The existing classes of ``key``'s fallback chain, finest first (none created)."""
+        return [s for k in coarsen(key) if (s := self.by_key.get(k)) is not None]
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+
 class ClassedDistributions:
     """Empirical distributions per conditioning class, with fallback to coarser classes.
 
@@ -104,32 +149,16 @@ class ClassedDistributions:
     def __init__(
         self, *, window: int, min_samples: int, prior: Prior, max_classes: int = 4096
     ) -> None:
-        self._window = window
         self._min = min_samples
         self._prior = prior
-        self._max = max_classes
-        self._by_key: dict[Key, EmpiricalDistribution] = {}
-        # key -> the distributions a sample of that key feeds (its fallback chain); adding
-        # a sample is on the event path, so the chain is resolved once per key.
-        self._feeds: dict[Key, list[EmpiricalDistribution]] = {}
-
-    def _resolve(self, key: Key) -> list[EmpiricalDistribution]:
-        feeds = []
-        for k in coarsen(key):
-            dist = self._by_key.get(k)
-            if dist is None:
-                if len(self._by_key) >= self._max and k:
-                    continue
-                dist = self._by_key[k] = EmpiricalDistribution(window=self._window)
-            feeds.append(dist)
-        if len(self._feeds) < self._max:
-            self._feeds[key] = feeds
-        return feeds
+        self._classes: ClassChains[EmpiricalDistribution] = ClassChains(
+            lambda: EmpiricalDistribution(window=window), max_classes=max_classes
+        )
 
     def add(self, key: Key, value: float) -> None:
         if not 0.0 <= value < math.inf:
             return
-        for dist in self._feeds.get(key) or self._resolve(key):
+        for dist in self._classes.feeds(key):
             dist._samples.append(value)
             dist._dirty = True
 
@@ -137,9 +166,8 @@ class ClassedDistributions:
         """The finest class with enough samples, else the coarsest with any (every sample
         also feeds the coarser classes, so that one holds the most data), else None."""
         best: EmpiricalDistribution | None = None
-        for k in coarsen(key):
-            dist = self._by_key.get(k)
-            if dist is None or not len(dist):
+        for dist in self._classes.chain(key):
+            if not len(dist):
                 continue
             if len(dist) >= self._min:
                 return dist
@@ -162,19 +190,17 @@ class ClassedDistributions:
         return dist.mean() if dist is not None else self._prior.mean_seconds
 
     def classes(self) -> int:
-        return len(self._by_key)
+        return len(self._classes)
 
     def export(self) -> list[tuple[Key, list[float]]]:
         """Samples by class, for persistence across operator restarts."""
-        return [(k, list(d._samples)) for k, d in self._by_key.items()]
+        return [(k, list(d._samples)) for k, d in self._classes.by_key.items()]
 
     def restore(self, items: list[tuple[Key, list[float]]]) -> None:
         for key, samples in items:
-            dist = self._by_key.get(key)
+            dist = self._classes.get_or_create(key)
             if dist is None:
-                if len(self._by_key) >= self._max and key:
-                    continue
-                dist = self._by_key[key] = EmpiricalDistribution(window=self._window)
+                continue
             for v in samples:
                 dist.add(float(v))
 

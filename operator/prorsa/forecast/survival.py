@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prorsa.forecast.stats import Key, Prior, coarsen
+from prorsa.forecast.stats import ClassChains, Key, Prior, coarsen
 
 _TINY = 1e-12
 
@@ -302,33 +302,17 @@ class ClassedSurvival:
         self._min = min_samples
         self._prior = prior
         self._share = prior_mark_share
-        self._max = max_classes
-        self._by_key: dict[Key, SurvivalWindow] = {}
-        self._feeds: dict[Key, list[SurvivalWindow]] = {}
+        self._classes: ClassChains[SurvivalWindow] = ClassChains(
+            lambda: SurvivalWindow(window=window, prior=prior), max_classes=max_classes
+        )
         self._clock = -math.inf  # the last tick's time: completion stamps
-
-    def _new(self) -> SurvivalWindow:
-        return SurvivalWindow(window=self._window, prior=self._prior)
-
-    def _resolve(self, key: Key) -> list[SurvivalWindow]:
-        feeds = []
-        for k in coarsen(key):
-            dist = self._by_key.get(k)
-            if dist is None:
-                if len(self._by_key) >= self._max and k:
-                    continue
-                dist = self._by_key[k] = self._new()
-            feeds.append(dist)
-        if len(self._feeds) < self._max:
-            self._feeds[key] = feeds
-        return feeds
 
     def add(self, key: Key, value: float, *, marked: bool = False) -> None:
         """A completed decode of ``value`` seconds (an event)."""
         if not 0.0 <= value < math.inf:
             return
         mark = 1.0 if marked else 0.0
-        for dist in self._feeds.get(key) or self._resolve(key):
+        for dist in self._classes.feeds(key):
             dist.add(value, mark, self._clock)
 
     def observe_running(self, now: float, running: Mapping[Key, np.ndarray]) -> None:
@@ -341,9 +325,8 @@ class ClassedSurvival:
         for key, ages in running.items():
             for k in coarsen(key):
                 parts.setdefault(k, []).append(np.asarray(ages, dtype=float))
-            if key not in self._feeds:
-                self._resolve(key)
-        for k, dist in self._by_key.items():
+            self._classes.feeds(key)
+        for k, dist in self._classes.by_key.items():
             chunks = parts.get(k)
             if chunks:
                 dist.set_running(np.concatenate(chunks), now=now)
@@ -352,9 +335,8 @@ class ClassedSurvival:
 
     def lookup(self, key: Key) -> SurvivalWindow | None:
         best: SurvivalWindow | None = None
-        for k in coarsen(key):
-            dist = self._by_key.get(k)
-            if dist is None or not (len(dist) or dist.running):
+        for dist in self._classes.chain(key):
+            if not (len(dist) or dist.running):
                 continue
             if len(dist) >= self._min:
                 return dist
@@ -378,21 +360,19 @@ class ClassedSurvival:
         return dist.median() if dist is not None else self._prior.mean_seconds * math.log(2)
 
     def classes(self) -> int:
-        return len(self._by_key)
+        return len(self._classes)
 
     def export(self) -> list[tuple[Key, list[list[float]]]]:
         """Completed decodes by class as [duration, mark] pairs, for persistence."""
-        return [(k, d.export()) for k, d in self._by_key.items()]
+        return [(k, d.export()) for k, d in self._classes.by_key.items()]
 
     def restore(self, items: list[tuple[Key, list[object]]]) -> None:
         """Accepts what :meth:`export` wrote, and plain durations (marked with the prior
         share), as :class:`ClassedDistributions` exported them."""
         for key, samples in items:
-            dist = self._by_key.get(key)
+            dist = self._classes.get_or_create(key)
             if dist is None:
-                if len(self._by_key) >= self._max and key:
-                    continue
-                dist = self._by_key[key] = self._new()
+                continue
             for v in samples:
                 if isinstance(v, list | tuple) and len(v) == 2:
                     dist.add(float(v[0]), float(v[1]))
