@@ -536,6 +536,14 @@ def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
     assert demand({"prefillCostDoublingTokens": 40_000}) == pytest.approx(1.75 * flat, rel=0.02)
 
 
+def decoding_long_contexts(log: EventLog) -> None:
+    """24 trajectories decoding on 100k-token contexts, all prefilled on c-engine-0."""
+    for i in range(24):
+        log("request_queued", f"long{i}", 1.0, prompt_tokens=100_000, turn=0)
+        log("prefill_started", f"long{i}", 1.0, instance="c-engine-0")
+        log("prefill_finished", f"long{i}", 2.0, instance="c-engine-0")
+
+
 def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) -> None:
     # 24 trajectories of 100k-token contexts are decoding and will come back with them as
     # prefixes: 2.4M tokens over 0.8 of a 1M-token prefill cache is 3 instances. Decode is
@@ -552,10 +560,7 @@ def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) ->
             switching=PER_HORIZON | {"maxConcurrent": 8, "holdMargin": 0.0},
         )
         c = Controller(spec)
-        for i in range(24):
-            log("request_queued", f"long{i}", 1.0, prompt_tokens=100_000, turn=0)
-            log("prefill_started", f"long{i}", 1.0, instance="c-engine-0")
-            log("prefill_finished", f"long{i}", 2.0, instance="c-engine-0")
+        decoding_long_contexts(log)
         c.observe(log.take())
         busy = {f"c-engine-{i}": {"kvUsedTokens": 900_000} for i in range(2, 8)}
         c.observe_engines(engines(2, 6, **busy))
@@ -576,10 +581,7 @@ def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None
         switching=PER_HORIZON,
     )
     c = Controller(spec)
-    for i in range(24):
-        log("request_queued", f"long{i}", 1.0, prompt_tokens=100_000, turn=0)
-        log("prefill_started", f"long{i}", 1.0, instance="c-engine-0")
-        log("prefill_finished", f"long{i}", 2.0, instance="c-engine-0")
+    decoding_long_contexts(log)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     c.tick(10.0)

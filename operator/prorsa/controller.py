@@ -635,9 +635,10 @@ class Controller:
             and not s.switching
             and self._cooldown_until.get(s.instance, -math.inf) <= now
         ]
-        lost = {s.instance: self._lost_tokens(s) for s in eligible}
+        held = self.table.live_contexts_by_instance()
+        lost = {s.instance: self._lost_tokens(s, held) for s in eligible}
         # A move back later would throw away what a typical instance of the other role holds.
-        others = [self._lost_tokens(s) for s in self._engines.values() if s.role == dst]
+        others = [self._lost_tokens(s, held) for s in self._engines.values() if s.role == dst]
         back = sum(others) / len(others) if others else 0.0
         if src == "decode":
             eligible.sort(
@@ -687,7 +688,7 @@ class Controller:
             split = (split[0] + step, split[1] - step)
         return switches, moves
 
-    def _lost_tokens(self, s: EngineState) -> float:
+    def _lost_tokens(self, s: EngineState, held: dict[str, float] | None = None) -> float:
         """Prefill tokens a switch of this instance throws away.
 
         A prefill instance's prefix cache is flushed: the live trajectories whose last
@@ -697,12 +698,14 @@ class Controller:
         """
         if s.role == "decode":
             return s.kv_used_tokens * self.switch_costs.abort_share
-        held = self.table.live_context_on(s.instance)
+        contexts = (held if held is not None else self.table.live_contexts_by_instance()).get(
+            s.instance, 0.0
+        )
         per = self.spec.capacity.prefill_cache_tokens
         if per is None:
             per = int(s.kv_capacity_tokens * self.spec.engine.prefix_cache_scale)
         # No prefix cache (0), e.g. engines without a radix cache: nothing to flush.
-        return min(held, CACHE_FILL * per) if per > 0 else 0.0
+        return min(contexts, CACHE_FILL * per) if per > 0 else 0.0
 
     def engines(self) -> Sequence[EngineState]:
         return tuple(self._engines.values())

@@ -134,6 +134,21 @@ class ClassChains(Generic[T]):
         """The existing classes of ``key``'s fallback chain, finest first (none created)."""
         return [s for k in coarsen(key) if (s := self.by_key.get(k)) is not None]
 
+    def lookup(
+        self, key: Key, *, trusted: Callable[[T], bool], usable: Callable[[T], bool]
+    ) -> T | None:
+        """The finest class of ``key``'s chain that is ``trusted``, else the coarsest
+        ``usable`` one (every sample also feeds the coarser classes, so that one holds the
+        most data), else None."""
+        best: T | None = None
+        for stat in self.chain(key):
+            if not usable(stat):
+                continue
+            if trusted(stat):
+                return stat
+            best = stat
+        return best
+
     def __len__(self) -> int:
         return len(self.by_key)
 
@@ -165,14 +180,9 @@ class ClassedDistributions:
     def lookup(self, key: Key) -> EmpiricalDistribution | None:
         """The finest class with enough samples, else the coarsest with any (every sample
         also feeds the coarser classes, so that one holds the most data), else None."""
-        best: EmpiricalDistribution | None = None
-        for dist in self._classes.chain(key):
-            if not len(dist):
-                continue
-            if len(dist) >= self._min:
-                return dist
-            best = dist
-        return best
+        return self._classes.lookup(
+            key, trusted=lambda d: len(d) >= self._min, usable=lambda d: len(d) > 0
+        )
 
     def conditional(
         self, key: Key, elapsed: np.ndarray, horizon: float

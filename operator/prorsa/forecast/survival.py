@@ -334,14 +334,12 @@ class ClassedSurvival:
                 dist.set_running(np.empty(0), now=now)
 
     def lookup(self, key: Key) -> SurvivalWindow | None:
-        best: SurvivalWindow | None = None
-        for dist in self._classes.chain(key):
-            if not (len(dist) or dist.running):
-                continue
-            if len(dist) >= self._min:
-                return dist
-            best = dist
-        return best
+        # A class with only running decodes is usable: they bound its durations from below.
+        return self._classes.lookup(
+            key,
+            trusted=lambda d: len(d) >= self._min,
+            usable=lambda d: bool(len(d) or d.running),
+        )
 
     def conditional(
         self, key: Key, elapsed: np.ndarray, horizon: float, *, marked: bool = False

@@ -354,20 +354,30 @@ class TrajectoryTable:
         slot = self._slots.get(trajectory)
         return None if slot is None else float(self._x[slot])
 
-    def live_context_on(self, instance: str) -> float:
-        """Context tokens of live trajectories whose last prefill ran on ``instance``.
+    def live_contexts_by_instance(self) -> dict[str, float]:
+        """Context tokens of live trajectories by the instance their last prefill ran on.
 
         Those contexts come back as the prefixes of their next prompts, and cache-aware
-        routing sends them to the same instance: this is what its prefix cache is worth.
+        routing sends them to the same instance: this is what each prefix cache is worth.
+        One pass over the table for every instance (the tick prices several).
         """
-        code = self.instances.get(instance)
-        if code is None:
-            return 0.0
         n = self._hwm
         cols = self.cols
         state = cols["state"][:n]
-        mine = (cols["instance"][:n] == code) & np.isin(state, (READY, PREFILL, DECODE, TOOL))
-        return float(cols["x"][:n][mine].sum())
+        codes = cols["instance"][:n]
+        live = np.isin(state, (READY, PREFILL, DECODE, TOOL)) & (codes >= 0)
+        if not live.any():
+            return {}
+        sums = np.bincount(codes[live], weights=cols["x"][:n][live])
+        return {
+            name: float(sums[code])
+            for code in np.flatnonzero(sums)
+            if (name := self.instances.name(int(code))) is not None
+        }
+
+    def live_context_on(self, instance: str) -> float:
+        """Context tokens of live trajectories whose last prefill ran on ``instance``."""
+        return self.live_contexts_by_instance().get(instance, 0.0)
 
     # -- applying events -----------------------------------------------------------------
 
