@@ -74,8 +74,9 @@ def test_decision_has_exactly_the_contract_keys(log) -> None:
 
 def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> None:
     c = Controller(spec8())
-    # 600k tokens queued: 600k / (10 s · 10k tok/s) = 6 prefill instances of demand.
-    queue(log, 60, 10_000, 1.0)
+    # 12M tokens queued by the trainer and not yet at any prefill engine: 1,200 instance-
+    # seconds of work, four times what two instances prefill over the 300 s payoff horizon.
+    queue(log, 1200, 10_000, 1.0)
     c.observe(log.take())
     busy = {f"c-engine-{i}": {"runningRequests": 50} for i in range(2, 8)}
     busy["c-engine-6"] = {"runningRequests": 1}
@@ -91,7 +92,7 @@ def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> Non
 
 def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> None:
     c = Controller(spec8())
-    queue(log, 60, 10_000, 1.0)
+    queue(log, 1200, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     first = c.tick(2.0).switches[0].instance
@@ -108,7 +109,7 @@ def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> 
 
 def test_cooldown_excludes_recently_switched_instances(log) -> None:
     c = Controller(spec8(cooldownSeconds=100))
-    queue(log, 60, 10_000, 1.0)
+    queue(log, 1200, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(7, 1))
     # Demand now wants decode; the only flippable prefill instances all just switched.
@@ -184,7 +185,7 @@ def test_no_inputs_at_all_holds_the_initial_split() -> None:
 
 def test_unhealthy_and_missing_engines_are_unavailable(log) -> None:
     c = Controller(spec8(maxConcurrent=8))
-    queue(log, 60, 10_000, 1.0)
+    queue(log, 1200, 10_000, 1.0)
     c.observe(log.take())
     states = engines(2, 6, **{"c-engine-5": {"healthy": False}})[:-1]  # engine-7 missing
     c.observe_engines(states)
@@ -402,7 +403,7 @@ def test_theta_p_falls_back_to_busy_intervals_without_engine_counters(log) -> No
 
 
 def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log) -> None:
-    def run(switching: dict[str, float]) -> tuple[list[int], list[int]]:
+    def run(switching: dict[str, float], burst: int = 30) -> tuple[list[int], list[int]]:
         """Ticks (s) at which the Controller asked for more prefill, for a spike and a shift."""
         spec = make_spec(
             engine={"gpusPerInstance": 8},
@@ -422,12 +423,15 @@ def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log
                     log("trajectory_dropped", f"steady{k - 1}-{i}", now - 6)
                 log("request_queued", f"steady{k}-{i}", now - 6, prompt_tokens=10_000, turn=0)
             if k == 60:  # one horizon of 30 more prompts (a = 3.5), gone by the next
-                queue(log, 30, 10_000, now - 5, prefix="spike")
+                queue(log, burst, 10_000, now - 5, prefix="spike")
             if k == 61:
-                for i in range(30):
+                for i in range(burst):
                     log("trajectory_dropped", f"spike{i}", now - 5)
-            if k == 90:  # from here on, 200 more prompts stay queued (a = 20.5)
-                queue(log, 200, 10_000, now - 5, prefix="shift")
+            if k >= 90:  # from here on, 200 more new prompts every horizon (a = 20.5)
+                if k > 90:
+                    for i in range(200):
+                        log("trajectory_dropped", f"shift{k - 1}-{i}", now - 6)
+                queue(log, 200, 10_000, now - 5, prefix=f"shift{k}-")
             c.observe(log.take())
             c.observe_engines(engines(2, 6, **decode))
             d = c.tick(now)
@@ -438,8 +442,11 @@ def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log
     spike, shift = run({})  # the defaults: priced switches on a minute of smoothing
     assert spike == [], "the spike does not pay for the decode work a switch aborts"
     assert shift and shift[0] <= 900 + 30, "a sustained shift is followed within a few ticks"
-    spike, _ = run(PER_HORIZON | {"payoffSeconds": 3600})
-    assert spike == [600], "per horizon, paid back over an hour, the same spike flips roles"
+    # A burst of prompts is work done once: 30 prompts are 30 instance-seconds, which two
+    # prefill instances drain in 15 s. Three thousand are not drained within the payoff
+    # horizon, and that burst flips roles at once.
+    spike, _ = run({}, burst=3_000)
+    assert spike[:1] == [600], "a burst that outlasts the payoff horizon flips roles"
 
 
 def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
@@ -473,14 +480,15 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
     nocache.observe(events)
     assert nocache.table.live_context_on("c-engine-0") == 5 * 30_010
     assert nocache._lost_tokens(states["c-engine-0"]) == 0.0
-    # The HiCache host tier holds twice the 50k-token GPU pool: 80% of 150k.
+    # The HiCache host tier holds twice the 50k-token GPU pool, a copy of what the GPU
+    # caches included (write-through): 80% of 100k.
     small = states["c-engine-0"].model_copy(update={"kv_capacity_tokens": 50_000})
-    assert c._lost_tokens(small) == 120_000
+    assert c._lost_tokens(small) == 80_000
 
 
 def test_switch_durations_and_aborts_are_measured(log) -> None:
     c = Controller(spec8(maxConcurrent=1))
-    queue(log, 60, 10_000, 1.0)
+    queue(log, 1200, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     (sw,) = c.tick(2.0).switches
@@ -585,7 +593,8 @@ def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     c.tick(10.0)
-    assert c.last_cache_demand == pytest.approx(1.0)  # 2.4M tokens in 0.8 x (1M + 2M host)
+    # 2.4M tokens in 0.8 x 2M: the host tier (twice the GPU pool) holds the GPU's copy too.
+    assert c.last_cache_demand == pytest.approx(1.5)
     log.cluster("weight_update_started", 15.0, version=1, expected_seconds=30.0)
     c.observe(log.take())
     c.tick(20.0)

@@ -120,7 +120,7 @@ def test_oracle_demand_counts_the_queue_and_known_arrivals() -> None:
     sim.policy.attach(sim)
     assert sim.policy.demand(0.0)[:3] == (0.0, 0.0, 0.0)  # type: ignore[attr-defined]
     sim.trainer.start()  # 64 sandboxes starting; prewarmed ones come back within S
-    a, b, w_p, adm = sim.policy.demand(0.0)  # type: ignore[attr-defined]
+    a, b, w_p, adm, _waiting, _decoding = sim.policy.demand(0.0)  # type: ignore[attr-defined]
     soon = sum(
         x
         for t in sim.trainer.live.values()
@@ -151,8 +151,9 @@ def test_oracle_keeps_the_controllers_prefix_cache_floor() -> None:
         t.context for t in sim.trainer.live.values() if t.state == "prefill"
     )
     floor = sim.policy.cache_demand()  # type: ignore[attr-defined]
-    per = sim.spec.capacity.prefill_cache_tokens  # GPU and HiCache host tiers
-    assert per == int(sim.profile.kv_capacity * (1 + sim.scenario.hicache_ratio))
+    # The HiCache host tier holds a copy of the GPU cache (write-through): the larger of two.
+    per = sim.spec.capacity.prefill_cache_tokens
+    assert per == int(sim.profile.kv_capacity * max(1.0, sim.scenario.hicache_ratio))
     assert floor == pytest.approx(need / (0.8 * per))
 
 

@@ -4,17 +4,48 @@ from __future__ import annotations
 
 import math
 
-from prorsa.switch_cost import Persistence, Regret, SwitchCosts, load, price_move, slowdown
+from prorsa.switch_cost import (
+    Load,
+    Persistence,
+    Regret,
+    SwitchCosts,
+    load_of,
+    price_move,
+    slowdown,
+    window_demand,
+)
 
 
-def price(current, now, ahead=None, *, lost=0.0, back=0.0, src="decode", switch=20.0):
+def price(
+    current,
+    now,
+    ahead=None,
+    *,
+    lost=0.0,
+    back=0.0,
+    src="decode",
+    switch=20.0,
+    backlog=0.0,
+    queued=0.0,
+    knees=0.0,
+    share=0.5,
+):
+    demand = window_demand(
+        backlog=backlog,
+        queued=queued,
+        prefill_instances=current[0],
+        now=now,
+        ahead=ahead or now,
+        horizon=10.0,
+        seconds=300.0,
+        knees=knees,
+        decode_share=share,
+    )
     return price_move(
         instance="e",
         src=src,
         current=current,
-        now_demand=now,
-        ahead_demand=ahead or now,
-        horizon=10.0,
+        demand=demand,
         payoff_seconds=300.0,
         switch_seconds=switch,
         lost_tokens=lost,
@@ -24,20 +55,34 @@ def price(current, now, ahead=None, *, lost=0.0, back=0.0, src="decode", switch=
 
 
 def test_a_split_that_serves_its_demand_gains_little_from_a_switch() -> None:
-    assert load(4, 4, 2.0, 1.0) < 1.0
-    assert slowdown(4, 4, 2.0, 1.0) == 1.0 + 0.5 * 0.25  # decode steps at a quarter load
-    move = price((4, 4), (2.0, 1.0), src="decode", lost=1_000_000)
+    assert load_of(4, 4, 2.0, 1.0) < 1.0
+    # Two knees of requests on four decode instances: every token takes 1.5 lone steps,
+    # and half of a turn is decoding.
+    assert slowdown(4, 4, Load(a=2.0, b=1.0, knees=2.0, decode_share=0.5)) == 1.25
+    move = price((4, 4), (2.0, 1.0), src="decode", lost=1_000_000, knees=2.0)
     assert move.gain < 0 and not move.worth_it  # prefill has spare room, decode does not
 
 
 def test_moving_toward_the_short_side_saves_the_wall_time_its_load_says() -> None:
-    # Decode short: b = 6 on 4 (slowdown 1.5 + 0.5); 3P:5D serves it at 1.2 + 0.5.
+    # Decode KV short: b = 6 on 4 (load 1.5); 3P:5D serves it at load 1.2. With no knee
+    # profiled, the KV footprint stands in for the batch: every token takes 1 + 6/4 lone
+    # steps on four decode instances, 1 + 6/5 on five, over half of each turn.
     move = price((4, 4), (2.0, 6.0), src="prefill")
+    before, after = 1.5 * (0.5 + 0.5 * 2.5), 1.2 * (0.5 + 0.5 * 2.2)
     # The instance serves decode once its 20 s switch is done: 280 s of the 300.
-    assert math.isclose(move.gain, 280.0 * (1.0 - 1.7 / 2.0))
+    assert math.isclose(move.gain, 280.0 * (1.0 - after / before))
     assert move.worth_it
     # The other way makes decode shorter still.
     assert price((4, 4), (2.0, 6.0), src="decode").gain < 0
+
+
+def test_decode_step_speed_counts_by_the_share_of_a_turn_spent_decoding() -> None:
+    # Prefill a little over capacity (2.2 on 2), 12 knees of requests on 6 decode
+    # instances. Long reasoning decodes (share 0.95) lose more from a slower decode step
+    # than they gain from prefill; agentic turns that mostly prefill (share 0.3) gain.
+    reasoning = price((2, 6), (2.2, 1.0), knees=12.0, share=0.95, src="decode")
+    agentic = price((2, 6), (2.2, 1.0), knees=12.0, share=0.3, src="decode")
+    assert reasoning.gain < 0 < agentic.gain
 
 
 def test_flushed_cache_and_a_move_back_can_outweigh_the_gain() -> None:
@@ -56,6 +101,30 @@ def test_a_spike_pays_only_for_the_horizon_it_lasts() -> None:
     spike = price((2, 6), (4.0, 1.0), ahead=(1.0, 1.0), lost=2_000_000, switch=5.0)
     sustained = price((2, 6), (4.0, 1.0), ahead=(4.0, 1.0), lost=2_000_000, switch=5.0)
     assert not spike.worth_it and sustained.worth_it
+
+
+def test_a_burst_is_drained_once_not_counted_as_a_rate() -> None:
+    # 400 prefill instance-seconds of re-prefills about to be sent (40 horizons of work at
+    # once) with arrivals of 0.5 instance: two prefill instances drain it within the
+    # 300 s payoff horizon, so taking a decode instance away buys nothing.
+    load = window_demand(backlog=400.0, now=(0.5, 4.0), ahead=(0.5, 4.0), horizon=10, seconds=300)
+    assert math.isclose(load.a, 0.5 + 400.0 / 300.0) and load.b == 4.0
+    assert not price((2, 6), (0.5, 4.0), backlog=400.0, src="decode").worth_it
+    # Counted as a rate (a = 40.5 every horizon) the same burst looked like a 20x overload.
+    assert price((2, 6), (40.5, 4.0), src="decode").worth_it
+    # A burst the prefill side cannot drain within the horizon still pays for a move.
+    assert price((2, 6), (0.5, 1.0), backlog=1_500.0, src="decode").worth_it
+
+
+def test_prompts_already_queued_at_prefill_engines_do_not_follow_a_new_instance() -> None:
+    # The same 1,500 instance-seconds, but already sent to the two prefill engines: the
+    # router will not move them, so a third prefill instance only takes new arrivals.
+    routed = price((2, 6), (0.5, 1.0), queued=1_500.0, src="decode")
+    unrouted = price((2, 6), (0.5, 1.0), backlog=1_500.0, src="decode")
+    assert routed.gain < unrouted.gain / 3
+    # With no new arrivals to take, the move buys nothing at all.
+    idle = price((2, 6), (0.0, 1.0), queued=1_500.0, src="decode")
+    assert idle.gain <= 0 and not idle.worth_it
 
 
 def test_regret_builds_up_under_a_sustained_lean_and_not_under_noise() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
@@ -37,12 +37,15 @@ from prorsa.forecast.persist import export_state, restore_state
 from prorsa.forecast.table import DECODE, PREFILL, READY, TOOL, ApplyResult, TrajectoryTable
 from prorsa.spec import RolloutClusterSpec
 from prorsa.switch_cost import (
+    PRIOR_DECODE_SHARE,
+    Load,
     Move,
     Persistence,
     Regret,
     SwitchCosts,
     price_move,
     slowdown,
+    window_demand,
 )
 
 # C_KV when neither the spec nor any engine says (≈ an 8×H200 Qwen3-235B instance).
@@ -53,6 +56,8 @@ MIN_MISS_RATIO = 0.02  # θ_P is never read as more than 50× the uncached speed
 # The share of a prefill engine's KV its prefix cache can count on: the rest holds prompts
 # being prefilled, and cache-aware routing does not spread contexts perfectly evenly.
 CACHE_FILL = 0.8
+# Horizons of observed prompt arrivals that tell a refilled queue from a one-off backlog.
+MEASURED_RATE_WINDOWS = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,9 +66,19 @@ class Demand:
 
     mode: Literal["predictive", "reactive"]
     a: float  # prefill demand in instances: W_P / (S·θ_P)
-    b: float  # decode demand in instances: (K_D + K̂_D) / C_KV
+    b: float  # decode KV demand in instances: (K_D + K̂_D) / C_KV
     forecast: Forecast
     note: str = ""
+    # Of a·S, prefill instance-seconds that do not recur as arrivals do. ``queued``: prompts
+    # already sent to a prefill engine; the router does not move them, so an instance that
+    # turns to prefill cannot take any (switches are priced without them). ``burst``: work
+    # about to be sent at once (re-prefills after a weight update), drained once, so
+    # switches are priced on it spread over their payoff horizon.
+    queued: float = 0.0
+    burst: float = 0.0
+    # Requests decoding, waiting for decode, or queued for prefill (they decode next): what
+    # the decode side's step speed depends on (see Controller.decode_throughput_demand).
+    decoding: float = 0.0
     # Prefill instances whose caches hold every live context; None: the Controller's own.
     cache: float | None = None
 
@@ -146,6 +161,7 @@ class Controller:
         self.last_demand: tuple[float, float] = (0.0, 0.0)
         self.last_planned: tuple[float, float] = (0.0, 0.0)  # after smoothing
         self.last_cache_demand = 0.0  # prefill instances the live contexts need cached
+        self.last_decode_share = PRIOR_DECODE_SHARE  # of a turn's prefill and decode time
         self.last_kv_now = 0.0
         self.ticks = 0
 
@@ -287,6 +303,9 @@ class Controller:
             now=now, kv_now=k_d, theta=theta, kv_capacity=c_kv, prefill_names=roles["names"]
         )
         demand = self.demand_source(self, inputs)
+        demand = replace(
+            demand, b=max(demand.b, self.decode_throughput_demand(demand.decoding, cur_d))
+        )
         self.last_demand = (demand.a, demand.b)
         cache_now = demand.cache if demand.cache is not None else self._cache_demand()
         if self.table.weight_update.in_progress(now):
@@ -296,11 +315,22 @@ class Controller:
         # priced on this tick's demand for the coming horizon and the smoothed one beyond.
         # The prefix-cache floor is averaged the same way: a burst of new trajectories that
         # is gone a minute later does not flip roles either.
-        a, b, cache = self.smoother.update(now, demand.a, demand.b, cache_now)
+        work = demand.a * self.horizon
+        queued = min(max(demand.queued, 0.0), work)
+        backlog = min(max(demand.burst, 0.0), work - queued)
+        rate_now = (work - queued - backlog) / self.horizon
+        conc = self.spec.capacity.decode_concurrency
+        knees_now = demand.decoding / conc if conc else 0.0
+        a, b, cache, rate, knees, share = self.smoother.update(
+            now, demand.a, demand.b, cache_now, rate_now, knees_now, self._decode_share_now()
+        )
+        self.last_decode_share = share
         self.last_cache_demand = cache
         a = max(a, cache)
         self.last_planned = (a, b)
-        now_demand = (max(demand.a, cache), demand.b)
+        # Switches are priced on arrivals (rates) plus the backlog drained once.
+        now_demand = (max(rate_now, cache), demand.b)
+        ahead = (max(rate, cache), b)
 
         min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
         min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
@@ -335,8 +365,12 @@ class Controller:
             (cur_p, cur_d),
             now=now,
             now_demand=now_demand,
-            ahead=(a, b),
+            ahead=ahead,
+            backlog=backlog,
             forced=cur_p < min_p or cur_d < min_d,
+            queued=queued,
+            knees=knees,
+            decode_share=share,
         )
         notes += planned
         if not self._engines:
@@ -453,6 +487,62 @@ class Controller:
             return float(sum(s.running_requests + s.waiting_requests for s in decode))
         return float(self.table.counts[DECODE])
 
+    def decode_throughput_demand(self, requests: float, n_decode: int) -> float:
+        """Decode instances' worth of step throughput that ``requests`` in decode use.
+
+        A decode rank's step takes about t₀·(1 + n/k) at batch n, with k the half-saturation
+        knee (``capacity.decodeConcurrency``); it emits n/(t₀(1 + n/k)) tokens a second, at
+        most k/t₀. Requests in decode are therefore not demand in units of k: r = n/k
+        requests per knee on n_D instances use the fraction u = r/(n_D + r) of their
+        throughput (Little's law), so the decode side needs u·n_D = n_D·r/(n_D + r)
+        instances of throughput, and a split with fewer runs past capacity. Past the knee
+        decode is slower per token, not overloaded, which r itself would have said.
+        """
+        conc = self.spec.capacity.decode_concurrency
+        if not conc or requests <= 0:
+            return 0.0
+        r = requests / conc
+        n = max(n_decode, 1)
+        return n * r / (n + r)
+
+    def _decode_share_now(self) -> float:
+        """The share of the trajectories between tool calls that are decoding (trainer's view).
+
+        By Little's law the trajectories in a state are proportional to the time a turn
+        spends in it, so this is the share of a turn's prefill and decode time spent
+        decoding: about 1 for long reasoning decodes, lower for agentic turns that
+        re-prefill long contexts. It weighs the decode step speed against the prefill
+        side when switches are priced. Before any events: the prior.
+        """
+        counts = self.table.counts
+        decoding = counts[DECODE]
+        total = decoding + counts[READY] + counts[PREFILL]
+        return decoding / total if total else PRIOR_DECODE_SHARE
+
+    def _pinned_share(self, waiting_tokens: float, *, inflight: float) -> float:
+        """The share of the prompts waiting for prefill that prefill engines already hold.
+
+        The router sends a request to a prefill engine when it arrives and never moves it,
+        so what the engines report queued (plus what they are prefilling) stays there.
+        Prompts the trainer counts as queued that no engine holds yet (a router or
+        trainer-side queue) go wherever capacity is when they are sent. Without engine
+        states, all of it is taken as held.
+        """
+        if waiting_tokens <= 0:
+            return 1.0
+        prefill = [s for s in self._engines.values() if s.role == "prefill" and s.healthy]
+        if not self._engines:
+            return 1.0
+        held = inflight + sum(s.waiting_tokens for s in prefill)
+        return min(held / waiting_tokens, 1.0)
+
+    def _prefilling_now(self) -> float:
+        """Requests waiting for or in prefill now (engines; else the trainer's view)."""
+        prefill = [s for s in self._engines.values() if s.role == "prefill" and s.healthy]
+        if prefill:
+            return float(sum(s.running_requests + s.waiting_requests for s in prefill))
+        return float(self.table.counts[READY] + self.table.counts[PREFILL])
+
     def forecast_demand(self, inputs: DemandInputs) -> Demand:
         """The Controller's own demand source: Appendix B's forecast, or engine queues.
 
@@ -462,7 +552,6 @@ class Controller:
         now, k_d, theta, c_kv = inputs.now, inputs.kv_now, inputs.theta, inputs.kv_capacity
         S = self.horizon
         last = self.table.last_event_ts
-        conc = self.spec.capacity.decode_concurrency
         if last is not None and now - last <= STALE_HORIZONS * S:
             # g of Eq. 13 per request, once the agents count computed tokens: its expected
             # computed tokens at the profiled speed, calibrated against what the engines
@@ -480,8 +569,11 @@ class Controller:
             self.last_forecast = f
             kv = k_d + f.admission_kv
             b = kv / c_kv
-            if conc:
-                b = max(b, (self._decoding_now() + f.admission_requests) / conc)
+            # Requests queued for or in prefill decode next: a prefill burst hands its whole
+            # backlog to decode, not only this horizon's admissions.
+            pending = max(f.admission_requests, self._prefilling_now())
+            decoding = self._decoding_now() + pending
+            pinned = self._pinned_share(f.ready + f.inflight, inflight=f.inflight)
             self.forecaster.accuracy.register(
                 start=now,
                 horizon=S,
@@ -505,7 +597,27 @@ class Controller:
             )
             # W_P / θ_P with θ_P of this horizon's prompts: each is charged its own g
             # (the tokens it computes and what attention makes them cost).
-            return Demand(mode="predictive", a=f.prefill_seconds / S, b=b, forecast=forecast)
+            queued = f.queued_seconds * pinned
+            burst = f.reprefill_seconds + f.queued_seconds * (1.0 - pinned)
+            # Prompts that kept arriving lately as fast as a standing queue suggests are a
+            # rate, not work drained once: what the forecast did not predict comes off
+            # the one-off parts, the unrouted ones first.
+            arrived = self.forecaster.accuracy.arrival_rate(MEASURED_RATE_WINDOWS)
+            if arrived and f.prefill > 0:
+                predicted = f.prefill_seconds - queued - burst
+                excess = arrived * S * f.prefill_seconds / f.prefill - predicted
+                from_burst = min(max(excess, 0.0), burst)
+                burst -= from_burst
+                queued -= min(max(excess - from_burst, 0.0), queued)
+            return Demand(
+                mode="predictive",
+                a=f.prefill_seconds / S,
+                b=b,
+                forecast=forecast,
+                queued=queued,
+                burst=burst,
+                decoding=decoding,
+            )
         why = "no trainer events" if last is None else f"trainer silent for {now - last:.0f}s"
         if not self._engines:
             note = f"{why} and no engine states"
@@ -514,8 +626,6 @@ class Controller:
             sum(s.waiting_tokens for s in self._engines.values() if s.role == "prefill")
         )
         b = k_d / c_kv
-        if conc:
-            b = max(b, self._decoding_now() / conc)
         forecast = Forecast(
             prefill_tokens=round(waiting),
             decode_admission_tokens=0,
@@ -523,7 +633,15 @@ class Controller:
             components=Components(ready=round(waiting)),
         )
         a = waiting / (S * theta)
-        return Demand(mode="reactive", a=a, b=b, forecast=forecast, note=f"reactive: {why}")
+        return Demand(
+            mode="reactive",
+            a=a,
+            b=b,
+            forecast=forecast,
+            note=f"reactive: {why}",
+            # No forecast of arrivals: a standing queue is the evidence of a sustained rate.
+            decoding=self._decoding_now() + self._prefilling_now(),
+        )
 
     def _hysteresis(
         self,
@@ -560,7 +678,11 @@ class Controller:
         now: float,
         now_demand: tuple[float, float],
         ahead: tuple[float, float],
+        backlog: float,
         forced: bool,
+        queued: float,
+        knees: float,
+        decode_share: float,
     ) -> tuple[Target, list[Switch], list[str]]:
         """The switches worth making toward ``target``, and where they lead.
 
@@ -569,23 +691,26 @@ class Controller:
         itself aims the target where the ones made lead.
         """
         cur_p, cur_d = current
-        a, b = ahead
-        step = (target.prefill > cur_p) - (target.prefill < cur_p)
-        toward = {1: "prefill", -1: "decode"}.get(step)
-        rate = 1.0 - slowdown(cur_p + step, cur_d - step, a, b) / slowdown(cur_p, cur_d, a, b)
-        regret = self.regret.update(now, toward=toward, rate=rate if toward else 0.0)
         # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
         lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
         payoff = min(self.persistence.update(now, toward=lean), self.spec.switching.payoff_seconds)
-        switches, moves = self._plan_switches(
-            target,
-            current,
-            now=now,
-            now_demand=now_demand,
+        load = window_demand(
+            backlog=backlog,
+            queued=queued,
+            prefill_instances=cur_p,
+            now=now_demand,
             ahead=ahead,
-            forced=forced,
-            regret=regret,
-            payoff=payoff,
+            horizon=self.horizon,
+            seconds=payoff,
+            knees=knees,
+            decode_share=decode_share,
+        )
+        step = (target.prefill > cur_p) - (target.prefill < cur_p)
+        toward = {1: "prefill", -1: "decode"}.get(step)
+        rate = 1.0 - slowdown(cur_p + step, cur_d - step, load) / slowdown(cur_p, cur_d, load)
+        regret = self.regret.update(now, toward=toward, rate=rate if toward else 0.0)
+        switches, moves = self._plan_switches(
+            target, current, now=now, demand=load, forced=forced, regret=regret, payoff=payoff
         )
         self.last_moves = tuple(moves)
         made = [m for m in moves if m.worth_it or forced]
@@ -606,8 +731,7 @@ class Controller:
         current: tuple[int, int],
         *,
         now: float,
-        now_demand: tuple[float, float],
-        ahead: tuple[float, float],
+        demand: Load,
         forced: bool,
         regret: float = 0.0,
         payoff: float | None = None,
@@ -668,9 +792,7 @@ class Controller:
                 instance=s.instance,
                 src=src,
                 current=split,
-                now_demand=now_demand,
-                ahead_demand=ahead,
-                horizon=self.horizon,
+                demand=demand,
                 payoff_seconds=sw.payoff_seconds if payoff is None else payoff,
                 switch_seconds=self.switch_costs.seconds,
                 lost_tokens=lost[s.instance],

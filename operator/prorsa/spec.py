@@ -95,9 +95,11 @@ class EngineSpec(_Spec):
         """What a prefill instance's prefix cache holds, in multiples of its GPU KV pool.
 
         The engine image turns on SGLang's HiCache host tier, which by default holds twice
-        the GPU pool (``--hicache-ratio`` 2.0) and keeps what the GPU cache evicts: 3x in
-        all. ``--disable-radix-cache`` leaves no cache, ``PRORSA_DISABLE_HICACHE=1`` the
-        GPU pool alone, and an explicit ``--hicache-ratio`` its own multiple.
+        the GPU pool (``--hicache-ratio`` 2.0). Its default write policy is write-through:
+        the host tier keeps a copy of what the GPU caches, so the two hold max(1, ratio)
+        pools of distinct prefixes, not 1 + ratio. ``--disable-radix-cache`` leaves no
+        cache, ``PRORSA_DISABLE_HICACHE=1`` the GPU pool alone, and an explicit
+        ``--hicache-ratio`` its own multiple.
         """
         args = self.extra_args
         if "--disable-radix-cache" in args:
@@ -112,7 +114,7 @@ class EngineSpec(_Spec):
                 ratio = max(float(value), 0.0)
             except ValueError:
                 continue
-        return 1.0 + ratio
+        return max(1.0, ratio)
 
     @property
     def attention_dp_size(self) -> int:

@@ -30,12 +30,13 @@ PRIOR_SWITCH_SECONDS = 15.0
 # hundred tokens rarely outlast a 30 s drain (the simulator measures 2-5%); long reasoning
 # decodes do, and the measurement replaces this after the first switches.
 PRIOR_ABORT_SHARE = 0.1
-EMA_WEIGHT = 0.3
-# The share of an agentic turn spent decoding, which scales with the decode step time.
-DECODE_SHARE = 0.5  # of a new measurement: a handful of switches sets the estimate
+EMA_WEIGHT = 0.3  # of a new measurement: a handful of switches sets the estimate
+# Before the trainer's events say otherwise: the share of a turn's prefill and decode time
+# spent decoding (see Controller.decode_share).
+PRIOR_DECODE_SHARE = 0.5
 
 
-def load(n_prefill: int, n_decode: int, a: float, b: float) -> float:
+def load_of(n_prefill: int, n_decode: int, a: float, b: float) -> float:
     """ρ = max(a/n_P, b/n_D): demand over capacity on the tighter side (∞ if a role is empty)."""
     p = 0.0 if a <= 0 else (math.inf if n_prefill <= 0 else a / n_prefill)
     d = 0.0 if b <= 0 else (math.inf if n_decode <= 0 else b / n_decode)
@@ -171,22 +172,44 @@ class Regret:
         self.seconds = 0.0
 
 
-def slowdown(n_prefill: int, n_decode: int, a: float, b: float) -> float:
-    """How much slower than its demand the rollout runs at this split (∞: a role is empty).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Load:
+    """What a split serves over the payoff horizon, in the units of Eq. 1.
 
-    Past capacity the tighter side sets the pace: max(ρ, 1). Below it, prefill keeps up,
-    but decode does not run at a fixed speed: a rank's step grows with its batch, about
-    t₀·(1 + n/k) with k the half-saturation knee of ``capacity.decodeConcurrency``, so a
-    decode side at load ρ_D = n/k spends (1 + ρ_D) times a lone request's step on every
-    token. About half of an agentic turn is decoding, hence the DECODE_SHARE of that term:
-    spare decode instances still shorten every trajectory, and a split stuck with one
+    ``a`` and ``b`` are the prefill and decode demands in instances (b: the larger of the
+    KV footprint and the decode step throughput in use). ``knees`` is the requests in
+    decode per half-saturation knee, which sets how slow each decode step is, and
+    ``decode_share`` the share of a turn's prefill and decode time spent decoding.
+    """
+
+    a: float
+    b: float
+    knees: float = 0.0
+    decode_share: float = PRIOR_DECODE_SHARE
+    # Prefill load no split lowers: prompts already queued at prefill engines stay there.
+    pinned: float = 0.0
+
+
+def slowdown(n_prefill: int, n_decode: int, load: Load) -> float:
+    """How much longer than its demand the rollout takes at this split (∞: a role is empty).
+
+    Past capacity the tighter side sets the pace for everyone: max(ρ, 1). Within it, a
+    turn is its prefill and its decode, and decode does not run at a fixed speed: a rank's
+    step grows with its batch, about t₀·(1 + n/k) with k the half-saturation knee of
+    ``capacity.decodeConcurrency``, so with r = n/k requests per knee spread over n_D
+    instances every token takes (1 + r/n_D) lone steps. Spare decode instances therefore
+    shorten every trajectory by the decode share of its turns, and a split left with one
     decode instance after a burst is seen as slow even though it "keeps up".
     """
-    rho = load(n_prefill, n_decode, a, b)
-    if math.isinf(rho):
+    rho = max(load_of(n_prefill, n_decode, load.a, load.b), load.pinned)
+    # Without a profiled knee, the KV footprint stands in for the batch: a decode side
+    # whose KV is full runs its largest, slowest steps.
+    knees = load.knees if load.knees > 0 else load.b
+    if math.isinf(rho) or (knees > 0 and n_decode <= 0):
         return math.inf
-    rho_d = 0.0 if b <= 0 else b / n_decode
-    return max(rho, 1.0) + DECODE_SHARE * min(rho_d, 1.0)
+    step = 1.0 + (knees / n_decode if knees > 0 else 0.0)
+    share = min(max(load.decode_share, 0.0), 1.0)
+    return max(rho, 1.0) * ((1.0 - share) + share * step)
 
 
 def time_saved(before: float, after: float, *, seconds: float) -> float:
@@ -199,14 +222,45 @@ def time_saved(before: float, after: float, *, seconds: float) -> float:
     return seconds * (1.0 - after / before)
 
 
+def window_demand(
+    *,
+    backlog: float,
+    queued: float = 0.0,
+    prefill_instances: int = 1,
+    now: tuple[float, float],
+    ahead: tuple[float, float],
+    horizon: float,
+    seconds: float,
+    knees: float = 0.0,
+    decode_share: float = PRIOR_DECODE_SHARE,
+) -> Load:
+    """The demand a split serves on average over the next ``seconds``.
+
+    Prefill work that does not recur is drained once, so it is spread over the window
+    rather than counted as a rate: a burst of ten horizons' work keeps a split that drains
+    it within the window busy, not overloaded tenfold. Of it, ``backlog`` (instance-
+    seconds: re-prefills about to be sent) goes wherever the router sends it, while
+    ``queued`` (prompts already sent) stays with the ``prefill_instances`` holding it: an
+    instance turning to prefill only takes new arrivals off their hands. Arrivals recur:
+    the first horizon at this tick's forecast (``now``, without either), the rest at the
+    demand expected to persist (``ahead``, smoothed and also without them).
+    """
+    span = max(seconds, horizon)
+    first = min(horizon, span)
+    rest = span - first
+    queued = max(queued, 0.0)
+    a = (queued + max(backlog, 0.0) + now[0] * first + ahead[0] * rest) / span
+    b = (now[1] * first + ahead[1] * rest) / span
+    pinned = queued / (span * max(prefill_instances, 1))
+    return Load(a=a, b=b, knees=knees, decode_share=decode_share, pinned=pinned)
+
+
 def price_move(
     *,
     instance: str,
     src: str,
     current: tuple[int, int],
-    now_demand: tuple[float, float],
-    ahead_demand: tuple[float, float],
-    horizon: float,
+    demand: Load,
     payoff_seconds: float,
     switch_seconds: float,
     lost_tokens: float,
@@ -216,11 +270,10 @@ def price_move(
 ) -> Move:
     """Gain and cost of moving ``instance`` out of ``src`` (one instance, Eq. 1 units).
 
-    Gain: wall seconds saved over the payoff horizon, its first horizon at this tick's
-    forecast (``now_demand``), the rest at the demand expected to persist (``ahead_demand``,
-    smoothed). Demand of Eq. 1 counts queued work as well as arrivals, so an overloaded
-    split has a large load ρ; the rollout then runs at 1/ρ of its demand, and the move saves
-    the fraction 1 − ρ'/ρ of the wall time, not ρ − ρ' times it.
+    ``demand`` is what the split serves on average over the payoff horizon
+    (:func:`window_demand`). Gain: wall seconds saved over that horizon once the switch is
+    done. An overloaded split runs at 1/ρ of its demand, so the move saves the fraction
+    1 − ρ'/ρ of the wall time, not ρ − ρ' times it.
 
     Cost: the switch's duration at the slowdown of the split without the instance, and the
     tokens to recompute as prefill instance-seconds shared by the prefill side after the
@@ -234,28 +287,17 @@ def price_move(
     dst = "prefill" if src == "decode" else "decode"
     new = (p + 1, d - 1) if src == "decode" else (p - 1, d + 1)
     during = (p, d - 1) if src == "decode" else (p - 1, d)
-    a0, b0 = now_demand
-    a1, b1 = ahead_demand
-    # The instance serves its new role only once the switch is done: what the move saves
-    # accrues from then on, first at this tick's forecast, then at the persisting demand.
-    start = min(switch_seconds, payoff_seconds)
-    first = max(min(horizon, payoff_seconds) - start, 0.0)
-    rest = max(payoff_seconds - max(horizon, start), 0.0)
-    gain = time_saved(
-        slowdown(*current, a0, b0), slowdown(*new, a0, b0), seconds=first
-    ) + time_saved(slowdown(*current, a1, b1), slowdown(*new, a1, b1), seconds=rest)
+    # The instance serves its new role only once the switch is done.
+    accrues = max(payoff_seconds - switch_seconds, 0.0)
+    now = slowdown(*current, demand)
+    gain = time_saved(now, slowdown(*new, demand), seconds=accrues)
     if math.isnan(gain):
         gain = -math.inf
     gain += regret
-    a_worst, b_worst = max(a0, a1), max(b0, b1)
-    cost = -time_saved(
-        slowdown(*current, a_worst, b_worst),
-        slowdown(*during, a_worst, b_worst),
-        seconds=switch_seconds,
-    )
+    cost = -time_saved(now, slowdown(*during, demand), seconds=switch_seconds)
     n_p = new[0]
     lost = lost_tokens + return_tokens
     if lost > 0 and n_p > 0:
-        busy = min(a_worst / n_p, 1.0)
+        busy = min(demand.a / n_p, 1.0)
         cost += lost * prefill_seconds_per_token / n_p * busy
     return Move(instance=instance, src=src, dst=dst, gain=gain, cost=cost, lost_tokens=lost)

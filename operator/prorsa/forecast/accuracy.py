@@ -47,6 +47,7 @@ class AccuracyTracker:
     _admission: deque[tuple[float, float]] = field(default_factory=deque)
     _arrival_ratio: deque[tuple[float, float]] = field(default_factory=deque)  # (obs, pred)
     _admission_ratio: deque[tuple[float, float]] = field(default_factory=deque)
+    _observed: deque[tuple[float, float]] = field(default_factory=deque)  # (tokens, seconds)
     scored: int = 0
 
     @property
@@ -99,6 +100,7 @@ class AccuracyTracker:
             self._push(self._prefill, (abs(w.predicted_prefill - actual_prefill), actual_prefill))
             self._push(self._admission, (abs(w.predicted_admission - w.admissions), w.admissions))
             self._push(self._arrival_ratio, (w.arrivals, w.predicted_arrivals), self.bias_windows)
+            self._push(self._observed, (w.arrivals, w.end - w.start), self.bias_windows)
             self._push(
                 self._admission_ratio,
                 (w.admissions, w.predicted_admission_raw),
@@ -137,6 +139,19 @@ class AccuracyTracker:
             return 1.0
         lo, hi = self.clip
         return min(max(observed / predicted, lo), hi)
+
+    def arrival_rate(self, windows: int) -> float | None:
+        """Prompt tokens that arrived per second over the last ``windows`` scored windows.
+
+        What the trainer actually sent, whatever the forecast made of it: a queue that
+        stays full because it is refilled as fast as it is served shows here as a rate,
+        where the ready queue alone looks like work drained once. None before any window.
+        """
+        recent = list(self._observed)[-windows:]
+        seconds = sum(s for _, s in recent)
+        if not recent or seconds <= 0:
+            return None
+        return sum(t for t, _ in recent) / seconds
 
     @property
     def arrival_factor(self) -> float:

@@ -139,6 +139,11 @@ class ForecastResult:
     reprefill: float
     prefill: float  # Eq. 15 (bias-corrected)
     prefill_seconds: float  # instance-seconds to prefill W_P at g (W_P / θ_P of Eq. 1)
+    # Parts of prefill_seconds that do not recur every horizon as arrivals do: prompts
+    # already sent to a prefill engine (queued or in flight), which only that engine will
+    # serve, and the re-prefills a pending weight update will send at once.
+    queued_seconds: float
+    reprefill_seconds: float
     admission: float  # Â_D, Eq. 14 (bias-corrected)
     admission_kv: float  # K̂_D
     admission_requests: float  # how many requests Â_D is
@@ -540,8 +545,10 @@ class Forecaster:
                 + re_c.sum()
                 + a_factor * np.dot(arrival_w, arrival_work)
             )
+            queued, burst = c_ready.sum() + c_inflight.sum(), re_c.sum()
         else:
             work = prefill
+            queued, burst = w_ready + w_inflight, w_reprefill
         prefill_seconds = float(work) * site.seconds_per_token
         return ForecastResult(
             sampler=a_factor * w_samp,
@@ -552,6 +559,8 @@ class Forecaster:
             reprefill=w_reprefill,
             prefill=prefill,
             prefill_seconds=prefill_seconds,
+            queued_seconds=float(queued) * site.seconds_per_token,
+            reprefill_seconds=float(burst) * site.seconds_per_token,
             admission=d_factor * adm.tokens,
             admission_kv=d_factor * adm.kv_tokens,
             admission_requests=d_factor * adm.requests,

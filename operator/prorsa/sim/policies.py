@@ -269,19 +269,28 @@ class Oracle(Prorsa):
     def attach(self, sim: Simulation) -> None:
         super().attach(sim)
         self.kv_capacity = sim.spec.capacity.decode_kv_tokens or sim.profile.kv_capacity
-        cap = sim.spec.capacity.decode_concurrency
-        self.concurrency = float(cap) if cap else math.inf
         self.controller.demand_source = self.true_demand
 
     def true_demand(self, controller: Controller, inputs: DemandInputs) -> Demand:
-        a, b, w_p, adm = self.demand(inputs.now)
+        a, b, w_p, adm, (queued, burst), decoding = self.demand(inputs.now)
         forecast = Forecast(
             prefill_tokens=round(w_p), decode_admission_tokens=round(adm), decode_kv_tokens=0
         )
-        return Demand(mode="predictive", a=a, b=b, forecast=forecast, cache=self.cache_demand())
+        return Demand(
+            mode="predictive",
+            a=a,
+            b=b,
+            forecast=forecast,
+            cache=self.cache_demand(),
+            queued=queued,
+            burst=burst,
+            decoding=decoding,
+        )
 
-    def demand(self, now: float) -> tuple[float, float, float, float]:
-        """True (prefill instances, decode instances, prefill tokens, admission tokens)."""
+    def demand(self, now: float) -> tuple[float, float, float, float, tuple[float, float], int]:
+        """True (prefill instances, decode KV instances, prefill tokens, admission tokens,
+        prefill instance-seconds (queued at engines, waiting to be routed), requests in or
+        headed for decode)."""
         sim = self.sim
         p = sim.profile
         S = sim.scenario.horizon
@@ -299,6 +308,7 @@ class Oracle(Prorsa):
 
         # (arrival time, prompt tokens, rank-seconds of prefill work)
         work: list[tuple[float, int, float]] = []
+        queued = 0.0  # rank-seconds already routed to a prefill instance
         for inst in cl.instances:
             if inst.role == DECODE:
                 continue
@@ -308,6 +318,7 @@ class Oracle(Prorsa):
                         continue
                     left = req.prompt - req.done
                     work.append((now, req.prompt, left * per_token(req.done)))
+                    queued += work[-1][2]
         for req in cl.pending_prefill:
             work.append((now, req.prompt, req.prompt * per_token(0)))
         cached: dict[str, int] = {}
@@ -356,16 +367,21 @@ class Oracle(Prorsa):
         k_d += sum(req.prompt for req in cl.transferring)
         free = [now] * max(1, sum(1 for i in cl.instances if i.role == PREFILL))
         admitted = 0.0
+        admissions = 0
         for at, x, w in sorted(work, key=lambda e: e[0]):
             m = min(range(len(free)), key=free.__getitem__)
             finish = max(free[m], at) + w / p.ranks
             free[m] = finish
             if finish < end:
                 admitted += x
-                decoding += 1
-        # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger.
-        b = max((k_d + admitted) / self.kv_capacity, decoding / self.concurrency)
-        return a, b, prefill_tokens, admitted
+                admissions += 1
+        # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger; requests
+        # queued for prefill now decode next, as the Controller counts them.
+        queued = sum(1 for at, _x, _w in work if at <= now)
+        decoding += max(admissions, queued)
+        b = (k_d + admitted) / self.kv_capacity
+        waiting = sum(w for at, _x, w in work if at <= now) - queued
+        return a, b, prefill_tokens, admitted, (queued / p.ranks, waiting / p.ranks), decoding
 
     def cache_demand(self) -> float:
         """The Controller's prefix-cache floor on the true contexts of live trajectories."""

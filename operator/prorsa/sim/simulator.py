@@ -104,8 +104,9 @@ class Scenario:
                     "prefillCostDoublingTokens": p.prefill_cost_doubling_tokens(),
                     "decodeKvTokens": p.usable_kv_tokens(),
                     "decodeConcurrency": p.decode_concurrency(),
-                    # What one prefill instance's prefix cache holds: GPU and host tiers.
-                    "prefillCacheTokens": int(p.kv_capacity * (1.0 + self.hicache_ratio)),
+                    # What one prefill instance's prefix cache holds: the host tier keeps a
+                    # copy of the GPU cache (write-through), so the larger of the two.
+                    "prefillCacheTokens": int(p.kv_capacity * max(1.0, self.hicache_ratio)),
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
