@@ -100,6 +100,7 @@ class ClusterRuntime:
     async def setup(self) -> None:
         """Secret, services, router; the executor; switches a previous process left."""
         ns, name = self.namespace, self.name
+        self.metrics.start_cluster(ns, name)
         secret_name = obj.agent_secret_name(name)
         token = await self.kube.read_secret_key(ns, secret_name, "token")
         if token is None:
