@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import kopf
+import kubernetes_validate
 import pytest
 from conftest import make_spec
 from operator_harness import cluster_manifest
@@ -51,6 +55,40 @@ def test_engine_pod_manifest_follows_the_contract() -> None:
     assert env["PRORSA_TRANSFER_BACKEND"] == "mooncake"
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
+    spec = parse_cluster(cluster_manifest()).spec
+    pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=spec)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert "privileged" not in container["securityContext"]
+    # The engine image runs as a numeric non-root user, which runAsNonRoot needs to verify.
+    dockerfile = (Path(__file__).parent.parent / "engine_image" / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
+    assert users and users[-1].isdigit() and int(users[-1]) != 0
+
+    root = {"runAsUser": 0, "runAsNonRoot": False}
+    privileged = {"privileged": True, "capabilities": {"add": ["IPC_LOCK", "SYS_RESOURCE"]}}
+    opted = parse_cluster(
+        cluster_manifest(engine={"podSecurityContext": root, "securityContext": privileged})
+    ).spec
+    pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=opted)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert pod["spec"]["securityContext"] == root
+    assert pod["spec"]["containers"][0]["securityContext"] == privileged
+    # A manifest never shares its dicts with the defaults.
+    again = obj.engine_pod(cluster="demo", namespace="rl", index=1, role="decode", spec=spec)
+    again["spec"]["containers"][0]["securityContext"]["capabilities"]["add"].append("NET_ADMIN")
+    assert obj.ENGINE_CONTAINER_SECURITY["capabilities"]["add"] == ["IPC_LOCK"]
 
 
 def test_router_selects_roles_so_draining_matches_neither() -> None:

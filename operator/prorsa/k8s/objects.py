@@ -30,6 +30,18 @@ ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 
+ENGINE_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""The engine pods' default securityContext: the engine image runs as UID 10001."""
+ENGINE_CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    # RDMA registers (pins) GPU and host buffers; IPC_LOCK lifts the locked-memory limit.
+    "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+}
+"""The engine container's default securityContext; spec.engine.securityContext replaces it."""
+
 
 def engine_name(cluster: str, index: int) -> str:
     return f"{cluster}-engine-{index}"
@@ -65,7 +77,7 @@ def engine_pod(
     e = spec.engine
     name = engine_name(cluster, index)
     gpus = e.m_prefill if role == "prefill" else e.m_decode
-    resources: dict[str, Any] = json.loads(json.dumps(e.resources)) if e.resources else {}
+    resources: dict[str, Any] = _copy(e.resources)
     if e.gpu_resource_name:
         resources.setdefault("limits", {})[e.gpu_resource_name] = str(gpus)
         resources.setdefault("requests", {})[e.gpu_resource_name] = str(gpus)
@@ -108,6 +120,9 @@ def engine_pod(
         "spec": {
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 60,
+            "securityContext": _copy(
+                ENGINE_POD_SECURITY if e.pod_security_context is None else e.pod_security_context
+            ),
             "nodeSelector": dict(e.node_selector),
             "tolerations": list(e.tolerations),
             "containers": [
@@ -124,6 +139,11 @@ def engine_pod(
                     ],
                     "resources": resources,
                     "volumeMounts": mounts,
+                    "securityContext": _copy(
+                        ENGINE_CONTAINER_SECURITY
+                        if e.security_context is None
+                        else e.security_context
+                    ),
                     # Loading a large model takes minutes: the startup probe covers it. An
                     # engine that crashed is restarted by the agent, so liveness asks only
                     # whether the agent itself runs.
@@ -135,6 +155,11 @@ def engine_pod(
             "volumes": volumes,
         },
     }
+
+
+def _copy(value: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy, so a manifest never shares a dict with the spec or a default."""
+    return json.loads(json.dumps(value))
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
