@@ -227,7 +227,7 @@ def test_dashboard_shows_what_operators_need(exported):
     assert stacked, "forecast components are not stacked"
 
 
-# -- counters across restarts ---------------------------------------------------------------------
+# -- counters across restarts -----------------------------------------------------------------
 
 # Functions that read a counter's increase and treat a drop to a lower value as a reset.
 RESET_SAFE = frozenset({"rate", "irate", "increase", "resets"})
@@ -322,7 +322,7 @@ def reset_at(values: str) -> int | None:
 
 def test_every_counter_alert_has_a_unit_test_that_fires_after_a_counter_reset():
     counters = monotonic_samples()
-    rules = {alert: expr for alert, expr in ((w.removeprefix("alert "), e) for w, e in rule_queries())}
+    rules = {where.removeprefix("alert "): expr for where, expr in rule_queries()}
     counting = {
         alert: {name for name, _ in selectors(expr) if name in counters}
         for alert, expr in rules.items()
