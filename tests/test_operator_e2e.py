@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
 
 from prorsa.k8s import objects as obj
@@ -52,6 +54,19 @@ async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
             limits = pod["spec"]["containers"][0]["resources"]["limits"]
             assert limits["nvidia.com/gpu"] == "8"
         assert await env.kube.read_secret_key(NAMESPACE, "demo-agent-token", "token")
+        # Every engine runs with the cluster's admin key (the agent gave it SGLang's
+        # --admin-api-key): the admin endpoints refuse anyone without it, so every switch
+        # below also proves that the agents send it.
+        admin_key = await env.kube.read_secret_key(NAMESPACE, "demo-engine-admin-key", "key")
+        assert admin_key and len(admin_key) >= 32
+        await env.kubelet.wait_running(4)
+        async with httpx.AsyncClient(timeout=5) as client:
+            for name, running in env.kubelet.pods.items():
+                assert running.engine.config.admin_api_key == admin_key, name
+                flip = await client.post(
+                    f"{running.pod.engine_url}/pd_role_switch", json={"new_role": "prefill"}
+                )
+                assert flip.status_code == 401
         # Every engine starts as decode; the operator brings roles.prefill.initial = 1.
         await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
 
@@ -83,6 +98,15 @@ async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
         assert {"SwitchStarted", "SwitchSucceeded"} <= reasons
         text = await env.metrics()
         assert "prorsa_switches_total{" in text and 'result="succeeded"' in text
+        # Failure counters exist at 0 from the start: the alerts' increase() sees a first one.
+        failures = {
+            (s.labels["from_role"], s.labels["to_role"], s.labels["result"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "prorsa_switches_total" and s.labels["cluster"] == "demo"
+        }
+        assert failures[("prefill", "decode", "lost")] == 0
+        assert failures[("decode", "prefill", "replaced")] == 0
         assert "prorsa_webhook_events_total" in text
 
 

@@ -54,6 +54,20 @@ def test_engine_pod_manifest_follows_the_contract() -> None:
     assert env["PRORSA_MODEL_PATH"] == "/models/double"
     assert env["PRORSA_TRANSFER_BACKEND"] == "mooncake"
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    # The agent's token and the engine admin key: files on the cluster's two Secrets.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for variable, secret, key in (
+        ("PRORSA_AGENT_TOKEN_FILE", "demo-agent-token", "token"),
+        ("PRORSA_ENGINE_API_KEY_FILE", "demo-engine-admin-key", "key"),
+    ):
+        assert env[variable].rpartition("/")[2] == key
+        directory = env[variable].rpartition("/")[0]
+        assert mounts[directory]["readOnly"] is True
+        assert volumes[mounts[directory]["name"]]["secret"] == {"secretName": secret}
+    manifest = obj.engine_key_secret(cluster="demo", namespace="rl", key="k")
+    assert manifest["metadata"]["name"] == "demo-engine-admin-key"
+    assert manifest["stringData"] == {"key": "k"}
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 

@@ -29,6 +29,7 @@ AGENT_PORT = 8080
 ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 TOKEN_PATH = "/var/run/prorsa/agent-token"
+ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
 
 ENGINE_POD_SECURITY: dict[str, Any] = {
     "runAsNonRoot": True,
@@ -53,6 +54,10 @@ def router_name(cluster: str) -> str:
 
 def agent_secret_name(cluster: str) -> str:
     return f"{cluster}-agent-token"
+
+
+def engine_key_secret_name(cluster: str) -> str:
+    return f"{cluster}-engine-admin-key"
 
 
 def labels(cluster: str, component: str) -> dict[str, str]:
@@ -92,6 +97,8 @@ def engine_pod(
         {"name": "PRORSA_ENGINE_PORT", "value": str(ENGINE_PORT)},
         {"name": "PRORSA_AGENT_LISTEN", "value": f"0.0.0.0:{AGENT_PORT}"},
         {"name": "PRORSA_AGENT_TOKEN_FILE", "value": TOKEN_PATH + "/token"},
+        # The agent passes the key to SGLang (--admin-api-key) and sends it on its calls.
+        {"name": "PRORSA_ENGINE_API_KEY_FILE", "value": ENGINE_KEY_PATH + "/key"},
         {"name": "PRORSA_EXTRA_ARGS", "value": json.dumps(list(e.extra_args))},
     ]
     if spec.model.served_name:
@@ -99,12 +106,14 @@ def engine_pod(
     env.extend(e.env)
     volumes = [
         {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},
+        {"name": "engine-admin-key", "secret": {"secretName": engine_key_secret_name(cluster)}},
         # NCCL and SGLang's shared-memory transport need more than the 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *e.volumes,
     ]
     mounts = [
         {"name": "agent-token", "mountPath": TOKEN_PATH, "readOnly": True},
+        {"name": "engine-admin-key", "mountPath": ENGINE_KEY_PATH, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         *e.volume_mounts,
     ]
@@ -182,6 +191,25 @@ def agent_secret(*, cluster: str, namespace: str, token: str) -> dict[str, Any]:
         },
         "type": "Opaque",
         "stringData": {"token": token},
+    }
+
+
+def engine_key_secret(*, cluster: str, namespace: str, key: str) -> dict[str, Any]:
+    """The engines' SGLang admin key (``/pd_role_switch``, ``/abort_request``, ...).
+
+    Only the engine pods mount it: the operator creates it and never reads it back, and the
+    router needs no key (SGLang leaves ``/generate`` open when only an admin key is set).
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": engine_key_secret_name(cluster),
+            "namespace": namespace,
+            "labels": labels(cluster, "engine-admin-key"),
+        },
+        "type": "Opaque",
+        "stringData": {"key": key},
     }
 
 
