@@ -8,8 +8,8 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
+from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.k8s import objects as obj
 from prorsa.testing.engine import EngineConfig, TimingModel
