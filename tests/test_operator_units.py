@@ -143,3 +143,28 @@ def test_switch_intent_round_trip() -> None:
 def test_attention_dp_size_is_read_from_the_engine_args(args: list[str], ranks: int) -> None:
     spec = make_spec(engine={"extraArgs": args})
     assert spec.engine.attention_dp_size == ranks
+
+
+@pytest.mark.parametrize(
+    ("argv", "namespaced"),
+    [(["-n", "rl", "-n", "eval"], True), (["-A"], False), ([], False)],
+)
+def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], namespaced: bool
+) -> None:
+    """With --namespace the chart binds Roles only: kopf must not list namespaces or
+    watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
+    from prorsa.cli import build_parser
+    from prorsa.commands import operator as command
+    from prorsa.k8s import handlers
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(
+        handlers, "build_registry", lambda config: seen.setdefault("config", config)
+    )
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
+    assert command.run(build_parser().parse_args(["operator", *argv])) == 0
+    config = seen["config"]
+    assert isinstance(config, OperatorConfig) and config.namespaced is namespaced
+    assert seen["clusterwide"] is not namespaced
