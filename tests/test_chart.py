@@ -41,7 +41,7 @@ from prorsa.cli import build_parser
 from prorsa.ingest import ClusterRegistry, WebhookServer
 from prorsa.k8s import objects
 from prorsa.k8s.kube import Kube
-from prorsa.spec import GROUP, PLURAL, load_cluster
+from prorsa.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
 from prorsa.testing.kube_audit import ApiCall
 from prorsa.testing.stack import OPERATOR_USER, cluster_manifest, stack
@@ -555,7 +555,7 @@ def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
 
 async def operator_api_calls(watch: tuple[str, ...]) -> set[ApiCall]:
     """The operator's API calls over the main end-to-end scenario (a router this time),
-    a scale-down and a restart, from the emulator's audit log."""
+    a scale-down, a restart and the cluster's deletion, from the emulator's audit log."""
     async with stack(
         tick_seconds=0.3, watch_timeout=2.0, watch_namespaces=watch,
         operator_namespace=NAMESPACE, router_settle_timeout=0.2,
@@ -570,6 +570,19 @@ async def operator_api_calls(watch: tuple[str, ...]) -> set[ApiCall]:
         await env.stop_operator()
         await env.start_operator()
         await env.wait_for(lambda: ready(env), what="the cluster back after a restart")
+        # Deleting the cluster: kopf runs the delete handler and removes its finalizer.
+        await env.kube._call(
+            env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL,
+            "demo",
+        )  # fmt: skip
+
+        async def gone() -> bool:
+            listed = await env.kube._call(
+                env.kube.custom.list_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL
+            )
+            return not listed["items"]
+
+        await env.wait_for(gone, what="the RolloutCluster deleted")
         return set(env.server.emulator.api_calls(OPERATOR_USER))
 
 
