@@ -12,8 +12,9 @@ the demo shows is what the tests check::
 
 The emulator serves from its own thread (so the synchronous ``kubernetes`` client, kopf and
 ``kubectl`` can all use it); kopf runs in the caller's event loop with a registry of its
-own, logging in from the emulator's kubeconfig. The namespace and the trainer's token
-Secret exist before the operator starts.
+own, logging in as a user of its own (:data:`OPERATOR_USER`, whose calls the emulator's
+audit log keeps apart). The namespace and the trainer's token Secret exist before the
+operator starts.
 """
 
 from __future__ import annotations
