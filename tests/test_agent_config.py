@@ -21,6 +21,7 @@ from prorsa_agent.config import (
     parse_listen,
 )
 from prorsa_agent.engine_client import EngineProtocolError, Loads
+from prorsa_agent.redact import Redactor, redact_argv
 
 SGLANG = ("python", "-m", "sglang.launch_server")
 
@@ -312,3 +313,77 @@ def test_the_agent_command_needs_no_optional_extras(entry: str):
     )
     assert result.returncode == 0, result.stderr
     assert "--engine-url" in result.stdout and "--launch" in result.stdout
+
+
+# -- the engine admin key --------------------------------------------------------------------------
+
+ADMIN_KEY = "k3y-Of_the-engine-admin_9f2c"
+
+
+def test_the_admin_key_file_becomes_the_engines_admin_api_key(tmp_path: Path):
+    key_file = tmp_path / "key"
+    key_file.write_text(ADMIN_KEY + "\n")
+    args = _args(
+        [
+            "--engine-url", "http://127.0.0.1:30001", "--token-file", str(tmp_path / "t"),
+            "--instance", "rc-engine-0", "--engine-api-key-file", str(key_file), "--launch",
+        ]
+    )  # fmt: skip
+    config = build_config(args, env={})
+    assert config.launch is not None and config.engine_api_key_file == key_file
+    argv = list(config.launch.argv)
+    assert argv[argv.index("--admin-api-key") + 1] == ADMIN_KEY
+    assert "--api-key" not in argv
+    assert config.launch.secrets == (ADMIN_KEY,)
+    assert ADMIN_KEY not in repr(config.launch)
+    # Without a key file the engine gets no key (an agent attached to an engine run elsewhere).
+    assert "--admin-api-key" not in _launch_argv(tmp_path, {})
+
+
+@pytest.mark.parametrize(
+    "flags", [["--admin-api-key", "mine"], ["--admin-api-key=mine"], ["--api-key", "data"]]
+)
+def test_engine_key_flags_next_to_the_managed_key_are_refused(tmp_path: Path, flags):
+    key_file = tmp_path / "key"
+    key_file.write_text(ADMIN_KEY)
+    env = {"PRORSA_EXTRA_ARGS": json.dumps(flags)}
+    args = _args(
+        ["--token-file", "t", "--instance", "e-0", "--engine-api-key-file", str(key_file),
+         "--launch"]
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="engine admin key Secret"):
+        build_config(args, env=env)
+
+
+def test_an_unreadable_or_empty_admin_key_file_is_refused(tmp_path: Path):
+    base = ["--token-file", "t", "--instance", "e-0", "--launch", "--engine-api-key-file"]
+    with pytest.raises(ConfigError, match="cannot read the engine admin key file"):
+        build_config(_args([*base, str(tmp_path / "missing")]), env={})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        build_config(_args([*base, str(empty)]), env={})
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 64, 10_000])
+def test_redactor_replaces_a_key_split_across_any_reads(size: int):
+    text = (
+        f"server_args={{'admin_api_key': '{ADMIN_KEY}', 'port': 30000}}\n"
+        f"launch_command=sglang --admin-api-key {ADMIN_KEY}\nno newline at the end {ADMIN_KEY}"
+    ).encode()
+    redactor = Redactor([ADMIN_KEY])
+    out = b"".join(redactor.feed(text[i : i + size]) for i in range(0, len(text), size))
+    out += redactor.flush()
+    assert ADMIN_KEY.encode() not in out
+    assert out == text.replace(ADMIN_KEY.encode(), b"<redacted>")
+
+
+def test_redactor_never_holds_back_a_finished_line():
+    redactor = Redactor([ADMIN_KEY])
+    assert redactor.feed(b"INFO engine ready\n") == b"INFO engine ready\n"
+    # A line without its newline yet: only what could start a key is held back.
+    assert redactor.feed(b"x" * 100) == b"x" * (100 - (len(ADMIN_KEY) - 1))
+    assert redactor.flush() == b"x" * (len(ADMIN_KEY) - 1)
+    assert redact_argv(["sglang", "--admin-api-key", ADMIN_KEY], [ADMIN_KEY]) == [
+        "sglang", "--admin-api-key", "<redacted>",
+    ]  # fmt: skip

@@ -249,6 +249,65 @@ def test_prorsa_agent_command_launches_the_engine_from_the_environment(tmp_path)
         _reap(proc)
 
 
+def test_prorsa_agent_gives_the_engine_its_admin_key_and_keeps_it_out_of_the_log(tmp_path):
+    """The key file becomes SGLang's --admin-api-key; the engine then refuses admin calls
+    without it, the agent's own calls carry it, and what both print never shows it."""
+    token, key_file = tmp_path / "token", tmp_path / "admin-key"
+    token.write_text(TOKEN)
+    key = "engine-admin-key-7Qp_Zr2"
+    key_file.write_text(key + "\n")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PRORSA_ENGINE_API_KEY_FILE": str(key_file),
+        "PRORSA_ENGINE_HOST": "127.0.0.1",
+        "PRORSA_INSTANCE": "key-engine-0",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "prorsa.cli", "agent",
+            "--listen", "127.0.0.1:0",
+            "--token-file", str(token),
+            "--engine-url", f"http://127.0.0.1:{port}",
+            "--engine-command", f"{sys.executable} -m prorsa.testing.engine",
+            "--health-interval", "0.1", "--poll-interval", "0.02",
+            "--launch", "--", "--double-switch-seconds", "0.01",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        url = _read_url(proc, r"prorsa agent listening on (http://\S+)")
+        engine = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=10.0) as c:
+            deadline = time.monotonic() + 30
+            while c.get(f"{url}/healthz").status_code != 200:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            flip = {"new_role": "prefill"}
+            assert c.post(f"{engine}/pd_role_switch", json=flip).status_code == 401
+            wrong = {"Authorization": "Bearer not-the-key"}
+            assert c.post(f"{engine}/pd_role_switch", json=flip, headers=wrong).status_code == 401
+            assert c.post(f"{engine}/abort_request", json={"abort_all": True}).status_code == 401
+            # What the router needs stays open: SGLang's admin key guards admin calls only.
+            assert c.get(f"{engine}/v1/loads").status_code == 200
+            assert c.get(f"{engine}/health").status_code == 200
+            result = c.post(f"{url}/v1/role", json={"role": "prefill"}, headers=AUTH).json()
+            assert result["ok"] is True and result["newRole"] == "prefill"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert proc.stdout is not None and proc.stderr is not None
+        printed = proc.stdout.read() + proc.stderr.read()
+    finally:
+        _reap(proc)
+    # The engine printed its server arguments (SGLang logs the key there) and the agent its
+    # command line: both went through the agent, with the key replaced.
+    assert "server_args=" in printed and "--admin-api-key <redacted>" in printed
+    assert key not in printed
+
+
 def test_prorsa_agent_command_refuses_a_bad_configuration(tmp_path):
     base = [sys.executable, "-m", "prorsa.cli", "agent", "--listen", "127.0.0.1:0"]
     missing = subprocess.run(base, capture_output=True, text=True, env={**os.environ})

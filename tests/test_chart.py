@@ -17,11 +17,13 @@ import ast
 import asyncio
 import functools
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,13 +35,16 @@ import pytest
 import yaml
 from aiohttp import web
 from kubernetes import client, config
+from test_operator_e2e import comes_up_and_follows_demand_both_ways
 
 from prorsa.cli import build_parser
 from prorsa.ingest import ClusterRegistry, WebhookServer
 from prorsa.k8s import objects
 from prorsa.k8s.kube import Kube
-from prorsa.spec import GROUP, PLURAL, load_cluster
+from prorsa.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
+from prorsa.testing.kube_audit import ApiCall
+from prorsa.testing.stack import OPERATOR_USER, cluster_manifest, stack
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "prorsa"
@@ -164,8 +169,11 @@ def test_helm_lint_strict(helm, flags):
     "flags",
     [(), EVERYTHING, ("--set=operator.watchNamespaces={rl,eval}", "--set=rbac.create=false",
                       "--set=serviceAccount.create=false", "--set=serviceAccount.name=ops",
-                      "--set=dashboard.enabled=false")],
-    ids=["defaults", "everything-on", "minimal"],
+                      "--set=dashboard.enabled=false"),
+     ("--set=operator.watchNamespaces={rl,eval}", "--set=operator.admission=true",
+      '--set-json=networkPolicy.engineHttpFrom=[{"podSelector": {"matchLabels": {"app": "t"}}}]',
+      '--set-json=networkPolicy.agentMetricsFrom=[{"namespaceSelector": {}}]')],
+    ids=["defaults", "everything-on", "minimal", "namespaced"],
 )  # fmt: skip
 def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
     docs = render(helm, "--include-crds", *flags)
@@ -176,6 +184,8 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         checked.append(doc["kind"])
     assert "CustomResourceDefinition" in checked and "Deployment" in checked
+    if any("networkPolicy.engineHttpFrom" in f for f in flags):  # namespaced
+        assert {"Role", "RoleBinding", "NetworkPolicy", "ClusterRole"} <= set(checked)
 
 
 def test_defaults_render_the_operator_without_optional_parts(helm):
@@ -421,14 +431,15 @@ def test_dashboard_config_map_carries_the_dashboard_and_the_sidecar_label(helm):
 _API_GROUPS = {"core": "", "apps": "apps", "rbac": "rbac.authorization.k8s.io"}
 _VERBS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
           "delete": "delete", "replace": "update"}  # fmt: skip
+WATCH_RL = ("--set=operator.watchNamespaces={rl}",)
 
 
 def api_calls_in_operator_code() -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) of every kubernetes-client call in prorsa's source.
 
     Finds ``<x>.core/apps/rbac/custom.<verb>_namespaced_<kind>`` attribute uses (the way
-    ``prorsa.k8s.kube.Kube`` calls the API), so a new call shows up here without a list to
-    keep in sync.
+    ``prorsa.k8s.kube.Kube`` calls the API), so a call no end-to-end run reaches still shows
+    up here.
     """
     needs: set[tuple[str, str, str]] = set()
     pattern = re.compile(r"(read|list|create|patch|delete|replace)_namespaced_(\w+)")
@@ -452,6 +463,67 @@ def api_calls_in_operator_code() -> set[tuple[str, str, str]]:
     return needs
 
 
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    """One (group, resource, verb) of one rule, where the binding lets it act."""
+
+    role: str  # "ClusterRole/name" or "Role/namespace/name"
+    namespace: str | None  # None: every namespace and the cluster scope (ClusterRoleBinding)
+    group: str
+    resource: str
+    verb: str
+    names: tuple[str, ...] = ()  # resourceNames: only objects of these names
+
+    def allows(self, call: ApiCall) -> bool:
+        if (self.group, self.resource, self.verb) != (call.group, call.resource, call.verb):
+            return False
+        if self.names:
+            return False  # the audit log has no names: a name-restricted rule never counts
+        return self.namespace is None or self.namespace == call.namespace
+
+
+def service_account_user(namespace: str, name: str) -> str:
+    return f"system:serviceaccount:{namespace}:{name}"
+
+
+def grants_of(docs: list[dict[str, Any]], user: str) -> list[Grant]:
+    """What the chart's roles grant ``user`` through the chart's bindings (no wildcards)."""
+    roles = {
+        (d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole")
+    }
+    out = []
+    for binding in docs:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        subjects = [
+            service_account_user(s["namespace"], s["name"])
+            for s in binding["subjects"]
+            if s["kind"] == "ServiceAccount"
+        ]
+        if user not in subjects:
+            continue
+        ref = binding["roleRef"]
+        scope = binding["metadata"]["namespace"] if binding["kind"] == "RoleBinding" else None
+        role = roles[(ref["kind"], scope if ref["kind"] == "Role" else None, ref["name"])]
+        where = "/".join(
+            filter(None, (ref["kind"], role["metadata"].get("namespace"), ref["name"]))
+        )
+        for rule in role["rules"]:
+            for group, resource, verb in itertools.product(
+                rule["apiGroups"], rule["resources"], rule["verbs"]
+            ):
+                assert "*" not in (group, resource, verb), rule
+                out.append(
+                    Grant(
+                        role=where, namespace=scope, group=group, resource=resource, verb=verb,
+                        names=tuple(rule.get("resourceNames", ())),
+                    )
+                )  # fmt: skip
+    return out
+
+
 def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
@@ -462,25 +534,105 @@ def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     }
 
 
-# What kopf itself does (docs: "Deployment > RBAC"): watch the resource and the pods it
-# handles, patch the resource (finalizers, handler progress), post Events, discover the CRD,
-# scan namespaces cluster-wide.
+# What kopf itself does, as the end-to-end run below records it: watch the resource and the
+# pods it handles, patch the resource (finalizer, handler progress), post core Events, and
+# list/watch CRDs when it runs cluster-wide.
 KOPF_NEEDS = {
     (GROUP, PLURAL, "list"), (GROUP, PLURAL, "watch"), (GROUP, PLURAL, "patch"),
-    ("", "pods", "list"), ("", "pods", "watch"),
-    ("", "events", "create"), ("events.k8s.io", "events", "create"),
+    ("", "pods", "list"), ("", "pods", "watch"), ("", "events", "create"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-    ("", "namespaces", "list"), ("", "namespaces", "watch"),
 }  # fmt: skip
 
 
-def test_cluster_role_covers_every_api_call_of_the_operator(helm):
+def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
     held = grants(one(render(helm), "ClusterRole"))
     calls = api_calls_in_operator_code()
     assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
     assert calls - held == set()
     assert KOPF_NEEDS - held == set()
+
+
+async def operator_api_calls(watch: tuple[str, ...]) -> set[ApiCall]:
+    """The operator's API calls over the main end-to-end scenario (a router this time),
+    a scale-down, a restart and the cluster's deletion, from the emulator's audit log."""
+    async with stack(
+        tick_seconds=0.3, watch_timeout=2.0, watch_namespaces=watch,
+        operator_namespace=NAMESPACE, router_settle_timeout=0.2,
+    ) as env:  # fmt: skip
+        await comes_up_and_follows_demand_both_ways(env, cluster_manifest(router={"enabled": True}))
+        await env.patch_cluster("demo", {"spec": {"gpuBudget": 24}})
+
+        async def scaled_down() -> bool:
+            return len(await env.pods()) == 3
+
+        await env.wait_for(scaled_down, what="3 engine pods")
+        await env.stop_operator()
+        await env.start_operator()
+        await env.wait_for(lambda: ready(env), what="the cluster back after a restart")
+        # Deleting the cluster: kopf runs the delete handler and removes its finalizer.
+        await env.kube._call(
+            env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL,
+            "demo",
+        )  # fmt: skip
+
+        async def gone() -> bool:
+            listed = await env.kube._call(
+                env.kube.custom.list_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL
+            )
+            return not listed["items"]
+
+        await env.wait_for(gone, what="the RolloutCluster deleted")
+        return set(env.server.emulator.api_calls(OPERATOR_USER))
+
+
+async def ready(env: Any) -> bool:
+    status = (await env.get_cluster()).get("status") or {}
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+
+
+@pytest.mark.parametrize("watch", [(), ("rl",)], ids=["all-namespaces", "watch-namespaces"])
+async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not(
+    helm, watch
+):
+    docs = render(helm, *(WATCH_RL if watch else ()))
+    account = one(docs, "ServiceAccount")["metadata"]
+    assert service_account_user(account["namespace"], account["name"]) == OPERATOR_USER
+    held = grants_of(docs, OPERATOR_USER)
+    calls = await operator_api_calls(watch)
+    assert len(calls) >= 20, calls
+    denied = sorted(str(c) for c in calls if not any(g.allows(c) for g in held))
+    assert denied == []
+    unused = sorted(str(g) for g in held if not any(g.allows(c) for c in calls))
+    assert unused == []
+    # Secrets only by name: the API server would refuse a list or a watch.
+    assert {c.verb for c in calls if c.resource == "secrets"} <= {"get", "create"}
+    if watch:
+        assert {c.namespace for c in calls} == {"rl", NAMESPACE}
+        assert not [g for g in held if g.namespace is None]  # nothing cluster-wide
+
+
+def test_watch_namespaces_get_roles_and_nothing_cluster_wide(helm):
+    docs = render(helm, "--set=operator.watchNamespaces={rl,eval}")
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
+    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"rl", "eval", NAMESPACE}
+    assert grants(roles["rl"]) == grants(roles["eval"])
+    # The release namespace (not watched): the shared webhook Service only.
+    assert grants(roles[NAMESPACE]) == {("", "services", "get"), ("", "services", "create")}
+    for ns, binding in bindings.items():
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+            "name": roles[ns]["metadata"]["name"],
+        }  # fmt: skip
+    # A watched release namespace gets the full Role, once.
+    both = render(helm, f"--set=operator.watchNamespaces={{rl,{NAMESPACE}}}")
+    assert sorted(d["metadata"]["namespace"] for d in both if d["kind"] == "Role") == sorted(
+        ["rl", NAMESPACE]
+    )
+    args = parse_operator_args(container(docs))
+    assert args.namespace == ["rl", "eval"] and not args.all_namespaces
 
 
 @pytest.fixture(scope="module")
@@ -490,12 +642,18 @@ def router_role() -> dict[str, Any]:
     return next(m for m in manifests if m["kind"] == "Role")
 
 
-def test_operator_holds_everything_it_grants_routers(helm, router_role):
-    """RBAC refuses to let the operator create a Role granting more than it holds."""
-    assert grants(router_role) - grants(one(render(helm), "ClusterRole")) == set()
+@pytest.mark.parametrize("flags", [(), WATCH_RL], ids=["cluster-role", "namespace-role"])
+def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
+    """RBAC refuses to let the operator create a Role granting more than it holds there."""
+    held = {
+        (g.group, g.resource, g.verb)
+        for g in grants_of(render(helm, *flags), OPERATOR_USER)
+        if g.namespace in (None, "rl")
+    }
+    assert grants(router_role) - held == set()
 
 
-def test_cluster_role_is_least_privilege(helm):
+def test_rbac_is_least_privilege(helm):
     role = one(render(helm), "ClusterRole")
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
@@ -504,15 +662,176 @@ def test_cluster_role_is_least_privilege(helm):
     # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
     assert {r for g, r, v in held if v == "delete"} == {"pods"}
     assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
-    admission = ("admissionregistration.k8s.io", "validatingwebhookconfigurations", "create")
-    assert admission not in held
-    assert admission in grants(one(render(helm, "--set=operator.admission=true"), "ClusterRole"))
-    binding = one(render(helm), "ClusterRoleBinding")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": one(render(helm), "ServiceAccount")["metadata"]["name"],
-         "namespace": NAMESPACE}
+    assert not {v for g, r, v in held if r == "secrets"} - {"get", "create"}
+    assert not {r for g, r, v in held if v == "update"}
+    assert not [d for d in render(helm) if d["metadata"]["name"].endswith("-admission")]
+    # Admission: kopf creates its ValidatingWebhookConfiguration, then patches only that one.
+    docs = render(helm, "--set=operator.admission=true", *WATCH_RL)
+    admission = [d for d in docs if d["metadata"]["name"] == "prorsa-operator-admission"]
+    assert sorted(d["kind"] for d in admission) == ["ClusterRole", "ClusterRoleBinding"]
+    rules = next(d for d in admission if d["kind"] == "ClusterRole")["rules"]
+    assert rules == [
+        {"apiGroups": ["admissionregistration.k8s.io"],
+         "resources": ["validatingwebhookconfigurations"], "verbs": ["create"]},
+        {"apiGroups": ["admissionregistration.k8s.io"],
+         "resources": ["validatingwebhookconfigurations"], "resourceNames": ["prorsa.io"],
+         "verbs": ["patch"]},
     ]  # fmt: skip
+    account = one(render(helm), "ServiceAccount")["metadata"]["name"]
+    subjects = [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
+    for flags in ((), WATCH_RL, ("--set=operator.admission=true",)):
+        for binding in render(helm, *flags):
+            if binding["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                assert binding["subjects"] == subjects
+
+
+# -- NetworkPolicy -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pod:
+    namespace: str
+    labels: dict[str, str]
+
+    @property
+    def namespace_labels(self) -> dict[str, str]:
+        return {"kubernetes.io/metadata.name": self.namespace}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not (selector.get("matchLabels") or {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_matches(peer: dict[str, Any], policy_namespace: str, source: Pod) -> bool:
+    if "ipBlock" in peer:
+        return False  # pods here are told apart by labels, not addresses
+    namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+    if namespaces is None:
+        in_scope = source.namespace == policy_namespace
+    else:
+        in_scope = selects(namespaces, source.namespace_labels)
+    return in_scope and (pods is None or selects(pods, source.labels))
+
+
+def _port_matches(spec: dict[str, Any], port: int, protocol: str) -> bool:
+    number = spec.get("port")
+    assert number is None or isinstance(number, int), "named ports are not evaluated here"
+    last = spec.get("endPort", number)
+    return spec.get("protocol", "TCP") == protocol and (number is None or number <= port <= last)
+
+
+def reachable(
+    policies: list[dict[str, Any]], source: Pod, target: Pod, port: int, protocol: str = "TCP"
+) -> bool:
+    """Kubernetes NetworkPolicy ingress semantics: a pod no policy selects takes everything;
+    a selected pod only what some rule of a selecting policy allows."""
+    selecting = [
+        p for p in policies
+        if p["metadata"]["namespace"] == target.namespace
+        and "Ingress" in p["spec"]["policyTypes"]
+        and selects(p["spec"]["podSelector"], target.labels)
+    ]  # fmt: skip
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            peers, ports = rule.get("from"), rule.get("ports")
+            namespace = policy["metadata"]["namespace"]
+            if peers and not any(_peer_matches(p, namespace, source) for p in peers):
+                continue
+            if ports and not any(_port_matches(p, port, protocol) for p in ports):
+                continue
+            return True
+    return False
+
+
+def policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == "NetworkPolicy"]
+
+
+def engine_pod_labels(role: str) -> dict[str, str]:
+    spec = load_cluster(ROOT / "examples" / "rolloutcluster.yaml").spec
+    pod = objects.engine_pod(cluster="qwen3-coder", namespace="rl", index=0, role=role, spec=spec)
+    return pod["metadata"]["labels"]
+
+
+def router_pod_labels() -> dict[str, str]:
+    spec = load_cluster(ROOT / "examples" / "rolloutcluster.yaml").spec
+    manifests = objects.router_objects(cluster="qwen3-coder", namespace="rl", spec=spec)
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_ports(helm):
+    trainer_peer = '[{"podSelector": {"matchLabels": {"app": "trainer"}}}]'
+    prometheus_peer = (
+        '[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]'
+    )
+    docs = render(
+        helm, *WATCH_RL,
+        f"--set-json=networkPolicy.engineHttpFrom={trainer_peer}",
+        f"--set-json=networkPolicy.agentMetricsFrom={prometheus_peer}",
+    )  # fmt: skip
+    fences = policies(docs)
+    assert [p["metadata"]["namespace"] for p in fences] == ["rl"]
+    kubernetes_validate.validate(fences[0], K8S_VERSION, strict=True)
+    operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    operator = Pod(namespace=NAMESPACE, labels=operator_labels)
+    router = Pod(namespace="rl", labels=router_pod_labels())
+    peer_engine = Pod(namespace="rl", labels=engine_pod_labels("prefill"))
+    trainer = Pod(namespace="rl", labels={"app": "trainer"})
+    prometheus = Pod(namespace="monitoring", labels={"app": "prometheus"})
+    stranger = Pod(namespace="rl", labels={"app": "notebook"})
+    elsewhere = Pod(namespace="other", labels=operator_labels)  # the labels, not the operator
+    agent, http, bootstrap = objects.AGENT_PORT, objects.ENGINE_PORT, objects.BOOTSTRAP_PORT
+    expected = {
+        # source: (agent 8080, SGLang HTTP 30000, PD bootstrap 8998)
+        "operator": (operator, True, False, True),
+        "router": (router, False, True, True),
+        "engine": (peer_engine, True, True, True),
+        "trainer": (trainer, False, True, True),
+        "prometheus": (prometheus, True, False, True),
+        "stranger": (stranger, False, False, True),
+        "elsewhere": (elsewhere, False, False, True),
+    }
+    for role in ("prefill", "decode", objects.DRAINING):
+        target = Pod(namespace="rl", labels=engine_pod_labels(role))
+        for name, (source, to_agent, to_http, to_bootstrap) in expected.items():
+            got = tuple(reachable(fences, source, target, p) for p in (agent, http, bootstrap))
+            assert got == (to_agent, to_http, to_bootstrap), (role, name)
+        # Every other port as before, UDP too (transfer engines, NCCL).
+        assert reachable(fences, stranger, target, 12345)
+        assert reachable(fences, stranger, target, 4791, "UDP")
+    # The policy fences engines only: the router and the operator stay reachable.
+    assert reachable(fences, stranger, router, objects.ROUTER_PORT)
+    assert reachable(fences, stranger, operator, objects.WEBHOOK_PORT)
+
+
+@pytest.mark.parametrize(
+    ("flags", "namespaces"),
+    [
+        ((), []),  # every namespace watched: which ones run engines is not known
+        (WATCH_RL, ["rl"]),
+        (("--set=operator.watchNamespaces={rl,eval}",), ["rl", "eval"]),
+        (("--set=networkPolicy.namespaces={gpu}",), ["gpu"]),
+        ((*WATCH_RL, "--set=networkPolicy.enabled=false"), []),
+    ],
+    ids=["all-namespaces", "watched", "two-watched", "listed", "disabled"],
+)
+def test_network_policies_go_where_the_engines_run(helm, flags, namespaces):
+    assert [p["metadata"]["namespace"] for p in policies(render(helm, *flags))] == namespaces
 
 
 # -- values.schema.json ---------------------------------------------------------------------------
@@ -529,6 +848,8 @@ def test_cluster_role_is_least_privilege(helm):
         ("--set=operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
         ("--set=image.digest=abc", "image.digest"),
         ("--set=image.tag=latest", "not latest"),
+        ("--set=networkPolicy.namespaces={Not_A_Namespace}", "networkPolicy.namespaces"),
+        ("--set=networkPolicy.enabled=yes", "networkPolicy.enabled"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_named(helm, flag, message):
@@ -609,6 +930,8 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         kubeconfig = kube.kubeconfig_path
         notes = helm_on(kubeconfig, "install", "prorsa", str(CHART), "--disable-openapi-validation")
         assert f"prorsa-webhook.{NAMESPACE}.svc:8787/v1/namespaces/" in notes
+        # Watching every namespace, the chart cannot know where engines run: it says so.
+        assert "WARNING: no NetworkPolicy rendered" in notes
         api = config.new_client_from_config(config_file=str(kubeconfig))
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         ext = client.ApiextensionsV1Api(api)

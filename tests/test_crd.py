@@ -108,7 +108,34 @@ def test_subresource_printer_columns_and_short_names() -> None:
     assert version["subresources"] == {"status": {}}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert {"Prefill", "Decode", "Target", "Margin", "Age"} <= set(names)
-    assert "rc" in crd()["spec"]["names"]["shortNames"]
+    assert crd()["spec"]["names"]["shortNames"]
+
+
+# What `kubectl api-resources` lists as SHORTNAMES on a Kubernetes 1.32 API server (every
+# built-in group, beta APIs included), and the short names of common add-ons a GPU cluster
+# may run (Argo Rollouts, Tekton, cert-manager, KEDA, Argo Workflows).
+BUILTIN_SHORT_NAMES = {
+    "cs", "cm", "ep", "ev", "limits", "ns", "no", "pvc", "pv", "po", "rc", "quota", "sa",
+    "svc", "crd", "crds", "ds", "deploy", "rs", "sts", "hpa", "cj", "csr", "ing", "netpol",
+    "pdb", "pc", "sc", "vac",
+}  # fmt: skip
+ADDON_SHORT_NAMES = {"ro", "rollout", "rollouts", "pr", "prs", "tr", "trs", "cr", "crs",
+                     "cert", "certs", "so", "wf", "cwf"}  # fmt: skip
+
+
+def test_short_names_collide_with_no_builtin_or_common_resource() -> None:
+    """`kubectl get rc` lists ReplicationControllers on every real cluster: a RolloutCluster
+    short name must not be one a built-in (or a common add-on) already answers to."""
+    from prorsa.testing.kube_resources import BUILTIN_RESOURCES
+
+    names = crd()["spec"]["names"]
+    ours = set(names["shortNames"])
+    assert len(ours) >= 1
+    assert not ours & BUILTIN_SHORT_NAMES, ours & BUILTIN_SHORT_NAMES
+    assert not ours & ADDON_SHORT_NAMES, ours & ADDON_SHORT_NAMES
+    emulated = {n for r in BUILTIN_RESOURCES for n in (*r.short_names, r.plural, r.singular)}
+    assert not (ours | {names["singular"], names["plural"]}) & emulated
+    assert {n for r in BUILTIN_RESOURCES for n in r.short_names} <= BUILTIN_SHORT_NAMES
 
 
 def test_openapi_schema_accepts_good_and_rejects_bad_types() -> None:

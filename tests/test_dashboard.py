@@ -38,6 +38,7 @@ from prorsa.metrics import OperatorMetrics
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "charts" / "prorsa" / "dashboards" / "prorsa.json"
 RULES = ROOT / "charts" / "prorsa" / "files" / "prorsa-rules.yaml"
+RULE_TESTS = ROOT / "charts" / "prorsa" / "ci" / "prorsa-rules.test.yaml"
 GENERATOR = ROOT / "scripts" / "gen_dashboard.py"
 # Labels Prometheus attaches to every scraped series (the ServiceMonitor's target labels).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "endpoint", "container"}
@@ -224,6 +225,125 @@ def test_dashboard_shows_what_operators_need(exported):
         and any("prorsa_forecast_prefill_tokens" in t["expr"] for t in p.get("targets", []))
     ]
     assert stacked, "forecast components are not stacked"
+
+
+# -- counters across restarts -----------------------------------------------------------------
+
+# Functions that read a counter's increase and treat a drop to a lower value as a reset.
+RESET_SAFE = frozenset({"rate", "irate", "increase", "resets"})
+
+
+def monotonic_samples() -> frozenset[str]:
+    """Sample names of the operator's counters and histograms: they restart at 0 with it."""
+    names = set()
+    for owner in (OperatorMetrics(), WebhookMetrics()):
+        for metric in _wrappers(owner):
+            labels = metric._labelnames  # type: ignore[attr-defined]
+            if labels:
+                metric.labels(*["x"] * len(labels))
+        for family in owner.registry.collect():
+            if family.type in ("counter", "histogram", "summary"):
+                names |= {s.name for s in family.samples if not s.name.endswith("_created")}
+    return frozenset(names)
+
+
+def raw_counter_reads(expr: str, counters: frozenset[str]) -> list[str]:
+    """Counters ``expr`` reads by value (not through rate/increase), which a reset breaks."""
+    found: list[str] = []
+
+    def visit(node: Any, safe: bool) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            if node.name in counters and not safe:
+                found.append(node.name)
+            return
+        if isinstance(node, promql_parser.Call):
+            for arg in node.args:
+                visit(arg, safe or node.func.name in RESET_SAFE)
+            return
+        for attr in ("lhs", "rhs", "expr", "param", "vector_selector"):
+            child = getattr(node, attr, None)
+            if child is not None and not isinstance(child, str | int | float):
+                visit(child, safe)
+
+    visit(promql_parser.parse(expr), False)
+    return found
+
+
+def test_counters_are_read_only_through_reset_safe_functions():
+    """An operator restart drops every counter to 0; `x - x offset 15m` then goes negative and
+    hides what happened after the restart. rate() and increase() count across resets."""
+    counters = monotonic_samples()
+    assert {"prorsa_switches_total", "prorsa_webhook_batch_seconds_count"} <= counters
+    queries = [*dashboard_queries(dashboard()), *rule_queries()]
+    raw = {where: names for where, expr in queries if (names := raw_counter_reads(expr, counters))}
+    assert raw == {}
+    # The check itself sees the pattern the old ProrsaSwitchFailures rule used.
+    old = "x_total - (x_total offset 15m or x_total * 0)"
+    assert raw_counter_reads(old, frozenset({"x_total"})) == ["x_total"] * 3
+    assert raw_counter_reads("sum(increase(x_total[15m])) > 0", frozenset({"x_total"})) == []
+
+
+def expand_series(values: str) -> list[float | None]:
+    """promtool's expanding notation (``a+bxn``, ``axn``, ``_xn``, ``stale``) as samples."""
+    out: list[float | None] = []
+    for token in values.split():
+        if token in ("_", "stale"):
+            out.append(None)
+            continue
+        head, x, count = token.partition("x")
+        if head == "_":
+            out.extend([None] * int(count))
+            continue
+        match = re.fullmatch(r"(-?[0-9.e]+)(?:([+-])([0-9.e]+))?", head)
+        assert match, token
+        start = float(match[1])
+        step = float(match[3] or 0) * (-1 if match[2] == "-" else 1)
+        out.extend(start + i * step for i in range(int(count) + 1 if x else 1))
+    return out
+
+
+def _minutes(duration: str) -> float:
+    match = re.fullmatch(r"([0-9]+)(s|m|h)", duration)
+    assert match, duration
+    return int(match[1]) * {"s": 1 / 60, "m": 1, "h": 60}[match[2]]
+
+
+def reset_at(values: str) -> int | None:
+    """The sample index where a counter series first drops (a reset), if it does."""
+    last = None
+    for i, value in enumerate(expand_series(values)):
+        if value is None:
+            continue
+        if last is not None and value < last:
+            return i
+        last = value
+    return None
+
+
+def test_every_counter_alert_has_a_unit_test_that_fires_after_a_counter_reset():
+    counters = monotonic_samples()
+    rules = {where.removeprefix("alert "): expr for where, expr in rule_queries()}
+    counting = {
+        alert: {name for name, _ in selectors(expr) if name in counters}
+        for alert, expr in rules.items()
+    }
+    counting = {alert: names for alert, names in counting.items() if names}
+    assert "ProrsaSwitchFailures" in counting and "ProrsaWebhookRejectsRising" in counting
+    covered = set()
+    for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        interval = _minutes(case.get("interval", "1m"))
+        for test in case["alert_rule_test"]:
+            names = counting.get(test["alertname"], set())
+            resets = [
+                reset_at(s["values"]) * interval
+                for s in case["input_series"]
+                if s["series"].partition("{")[0] in names and reset_at(s["values"]) is not None
+            ]
+            if resets and test["exp_alerts"] and _minutes(test["eval_time"]) > min(resets):
+                covered.add(test["alertname"])
+    assert set(counting) - covered == set()
+    assert expand_series("5x2 0 _x2 1+1x2 stale") == [5, 5, 5, 0, None, None, 1, 2, 3, None]
+    assert reset_at("5x19 0 0 1x10") == 20 and reset_at("0+1x60") is None
 
 
 def test_dashboard_layout_is_well_formed():

@@ -1014,3 +1014,34 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
         assert proc.wait(timeout=10) == 0
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_audit_log_records_each_users_calls_as_rbac_sees_them(kube, core, tmp_path):
+    from prorsa.testing.kube_audit import ApiCall
+
+    operator = client.CoreV1Api(
+        KubeEmulatorServer.client_for(kube.kubeconfig_for("op", tmp_path / "op"))
+    )
+    operator.create_namespaced_pod("rl", pod("p1"))
+    operator.read_namespaced_pod("p1", "rl")
+    operator.patch_namespaced_pod("p1", "rl", {"metadata": {"labels": {"x": "1"}}})
+    operator.patch_namespaced_pod_status("p1", "rl", {"status": {"phase": "Running"}})
+    operator.list_pod_for_all_namespaces()
+    operator.list_namespaced_pod("rl", watch=True, timeout_seconds=1, _preload_content=False).read()
+    operator.delete_namespaced_pod("p1", "rl")
+    operator.delete_collection_namespaced_config_map("rl")
+    core.list_namespaced_secret("rl")  # another user: not the operator's
+    client.ApiextensionsV1Api(operator.api_client).list_custom_resource_definition()
+
+    def call(verb: str, resource: str, namespace: str | None, group: str = "") -> ApiCall:
+        return ApiCall(user="op", verb=verb, group=group, resource=resource, namespace=namespace)
+
+    assert set(kube.emulator.api_calls("op")) == {
+        call("create", "pods", "rl"), call("get", "pods", "rl"), call("patch", "pods", "rl"),
+        call("patch", "pods/status", "rl"), call("list", "pods", None),
+        call("watch", "pods", "rl"), call("delete", "pods", "rl"),
+        call("deletecollection", "configmaps", "rl"),
+        call("list", "customresourcedefinitions", None, "apiextensions.k8s.io"),
+    }  # fmt: skip
+    admin = {c for c in kube.emulator.api_calls() if c.user == "admin"}
+    assert ApiCall(user="admin", verb="list", group="", resource="secrets", namespace="rl") in admin

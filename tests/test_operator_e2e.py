@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
+from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.k8s import objects as obj
 from prorsa.testing.engine import EngineConfig, TimingModel
@@ -39,51 +41,83 @@ async def ready_split(env: Deployment, prefill: int, decode: int) -> bool:
 
 async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
     async with deployment() as env:
-        await env.create_cluster(cluster_manifest())
-        # Four engine pods (32 GPUs / 8), the agents' Secret and the engines' Service.
-        await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
-        pods = await env.pods()
-        for pod in pods:
-            meta = pod["metadata"]
-            assert meta["labels"][obj.MANAGED_BY] == "prorsa"
-            assert meta["labels"][obj.CLUSTER_LABEL] == "demo"
-            assert meta["annotations"][obj.BOOTSTRAP_ANNOTATION] == "8998"
-            assert meta["ownerReferences"][0]["kind"] == "RolloutCluster"
-            limits = pod["spec"]["containers"][0]["resources"]["limits"]
-            assert limits["nvidia.com/gpu"] == "8"
-        assert await env.kube.read_secret_key(NAMESPACE, "demo-agent-token", "token")
-        # Every engine starts as decode; the operator brings roles.prefill.initial = 1.
-        await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
+        await comes_up_and_follows_demand_both_ways(env, cluster_manifest())
 
-        # Prefill-heavy demand: 300k tokens queued -> a = 3, b = 5 at 1P -> best 2P:2D.
-        phase_a = prefill_heavy(env)
-        reply = await env.post(phase_a)
-        assert reply.status_code == 200, reply.text
-        await env.wait_for(lambda: ready_split(env, 2, 2), what="a flip to 2P:2D")
-        flipped = [n for n, h in env.label_history.items() if "draining" in h]
-        assert flipped, env.label_history
 
-        # Decode-heavy: the queue is gone; 60k tokens in prefill finish within the horizon:
-        # a = 0.6, b = 3 -> best 1P:3D.
-        roles = await env.roles()
-        prefill_pod = next(n for n, r in roles.items() if r == "prefill")
-        gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
-        assert (await env.post(gone)).status_code == 200
-        assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
-        await env.wait_for(lambda: ready_split(env, 1, 3), what="a flip back to 1P:3D")
+async def comes_up_and_follows_demand_both_ways(env: Deployment, manifest: dict) -> None:
+    """The main scenario (also run by tests/test_chart.py to record the operator's API
+    calls): four engines come up, the split follows prefill- then decode-heavy demand."""
+    await env.create_cluster(manifest)
+    # Four engine pods (32 GPUs / 8), the agents' Secret and the engines' Service.
+    await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
+    pods = await env.pods()
+    for pod in pods:
+        meta = pod["metadata"]
+        assert meta["labels"][obj.MANAGED_BY] == "prorsa"
+        assert meta["labels"][obj.CLUSTER_LABEL] == "demo"
+        assert meta["annotations"][obj.BOOTSTRAP_ANNOTATION] == "8998"
+        assert meta["ownerReferences"][0]["kind"] == "RolloutCluster"
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "8"
+    assert await env.kube.read_secret_key(NAMESPACE, "demo-agent-token", "token")
+    # Every engine runs with the cluster's admin key (the agent gave it SGLang's
+    # --admin-api-key): the admin endpoints refuse anyone without it, so every switch
+    # below also proves that the agents send it.
+    admin_key = await env.kube.read_secret_key(NAMESPACE, "demo-engine-admin-key", "key")
+    assert admin_key and len(admin_key) >= 32
+    await env.kubelet.wait_running(4)
+    async with httpx.AsyncClient(timeout=5) as client:
+        for name, running in env.kubelet.pods.items():
+            assert running.engine.config.admin_api_key == admin_key, name
+            flip = await client.post(
+                f"{running.pod.engine_url}/pd_role_switch", json={"new_role": "prefill"}
+            )
+            assert flip.status_code == 401
+    # Every engine starts as decode; the operator brings roles.prefill.initial = 1.
+    await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
 
-        cluster = await env.get_cluster()
-        status = cluster["status"]
-        assert status["instances"]["prefill"] + status["instances"]["decode"] == 4
-        assert status["target"]["split"] in ("1P:3D", "2P:2D")
-        assert any(h["result"] == "succeeded" for h in status["switchHistory"])
-        kinds = {c["type"]: c["status"] for c in status["conditions"]}
-        assert kinds["Ready"] == "True" and kinds["ForecastFresh"] == "True"
-        reasons = {e.get("reason") for e in await env.events()}
-        assert {"SwitchStarted", "SwitchSucceeded"} <= reasons
-        text = await env.metrics()
-        assert "prorsa_switches_total{" in text and 'result="succeeded"' in text
-        assert "prorsa_webhook_events_total" in text
+    # Prefill-heavy demand: 300k tokens queued -> a = 3, b = 5 at 1P -> best 2P:2D.
+    phase_a = prefill_heavy(env)
+    reply = await env.post(phase_a)
+    assert reply.status_code == 200, reply.text
+    await env.wait_for(lambda: ready_split(env, 2, 2), what="a flip to 2P:2D")
+    flipped = [n for n, h in env.label_history.items() if "draining" in h]
+    assert flipped, env.label_history
+
+    # Decode-heavy: the queue is gone; 60k tokens in prefill finish within the horizon:
+    # a = 0.6, b = 3 -> best 1P:3D.
+    roles = await env.roles()
+    prefill_pod = next(n for n, r in roles.items() if r == "prefill")
+    gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
+    assert (await env.post(gone)).status_code == 200
+    assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+    await env.wait_for(lambda: ready_split(env, 1, 3), what="a flip back to 1P:3D")
+
+    async def settled() -> dict | None:
+        # The status of a tick after the last relabel (one before it counts a switching pod).
+        status = (await env.get_cluster()).get("status") or {}
+        serving = status.get("instances", {})
+        return status if serving.get("prefill", 0) + serving.get("decode", 0) == 4 else None
+
+    status = await env.wait_for(settled, what="a status with all 4 instances serving")
+    assert status["target"]["split"] in ("1P:3D", "2P:2D")
+    assert any(h["result"] == "succeeded" for h in status["switchHistory"])
+    kinds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert kinds["Ready"] == "True" and kinds["ForecastFresh"] == "True"
+    reasons = {e.get("reason") for e in await env.events()}
+    assert {"SwitchStarted", "SwitchSucceeded"} <= reasons
+    text = await env.metrics()
+    assert "prorsa_switches_total{" in text and 'result="succeeded"' in text
+    # Failure counters exist at 0 from the start: the alerts' increase() sees a first one.
+    failures = {
+        (s.labels["from_role"], s.labels["to_role"], s.labels["result"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "prorsa_switches_total" and s.labels["cluster"] == "demo"
+    }
+    assert failures[("prefill", "decode", "lost")] == 0
+    assert failures[("decode", "prefill", "replaced")] == 0
+    assert "prorsa_webhook_events_total" in text
 
 
 async def _count(pods_coro, n: int) -> bool:

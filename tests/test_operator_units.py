@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import kopf
+import kubernetes_validate
 import pytest
 from conftest import make_spec
 from operator_harness import cluster_manifest
@@ -50,7 +54,55 @@ def test_engine_pod_manifest_follows_the_contract() -> None:
     assert env["PRORSA_MODEL_PATH"] == "/models/double"
     assert env["PRORSA_TRANSFER_BACKEND"] == "mooncake"
     assert container["livenessProbe"]["httpGet"]["path"] == "/livez"
+    # The agent's token and the engine admin key: files on the cluster's two Secrets.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for variable, secret, key in (
+        ("PRORSA_AGENT_TOKEN_FILE", "demo-agent-token", "token"),
+        ("PRORSA_ENGINE_API_KEY_FILE", "demo-engine-admin-key", "key"),
+    ):
+        assert env[variable].rpartition("/")[2] == key
+        directory = env[variable].rpartition("/")[0]
+        assert mounts[directory]["readOnly"] is True
+        assert volumes[mounts[directory]["name"]]["secret"] == {"secretName": secret}
+    manifest = obj.engine_key_secret(cluster="demo", namespace="rl", key="k")
+    assert manifest["metadata"]["name"] == "demo-engine-admin-key"
+    assert manifest["stringData"] == {"key": "k"}
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
+    spec = parse_cluster(cluster_manifest()).spec
+    pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=spec)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (container,) = pod["spec"]["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert "privileged" not in container["securityContext"]
+    # The engine image runs as a numeric non-root user, which runAsNonRoot needs to verify.
+    dockerfile = (Path(__file__).parent.parent / "engine_image" / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
+    assert users and users[-1].isdigit() and int(users[-1]) != 0
+
+    root = {"runAsUser": 0, "runAsNonRoot": False}
+    privileged = {"privileged": True, "capabilities": {"add": ["IPC_LOCK", "SYS_RESOURCE"]}}
+    opted = parse_cluster(
+        cluster_manifest(engine={"podSecurityContext": root, "securityContext": privileged})
+    ).spec
+    pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=opted)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert pod["spec"]["securityContext"] == root
+    assert pod["spec"]["containers"][0]["securityContext"] == privileged
+    # A manifest never shares its dicts with the defaults.
+    again = obj.engine_pod(cluster="demo", namespace="rl", index=1, role="decode", spec=spec)
+    again["spec"]["containers"][0]["securityContext"]["capabilities"]["add"].append("NET_ADMIN")
+    assert obj.ENGINE_CONTAINER_SECURITY["capabilities"]["add"] == ["IPC_LOCK"]
 
 
 def test_router_selects_roles_so_draining_matches_neither() -> None:
@@ -91,3 +143,28 @@ def test_switch_intent_round_trip() -> None:
 def test_attention_dp_size_is_read_from_the_engine_args(args: list[str], ranks: int) -> None:
     spec = make_spec(engine={"extraArgs": args})
     assert spec.engine.attention_dp_size == ranks
+
+
+@pytest.mark.parametrize(
+    ("argv", "namespaced"),
+    [(["-n", "rl", "-n", "eval"], True), (["-A"], False), ([], False)],
+)
+def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], namespaced: bool
+) -> None:
+    """With --namespace the chart binds Roles only: kopf must not list namespaces or
+    watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
+    from prorsa.cli import build_parser
+    from prorsa.commands import operator as command
+    from prorsa.k8s import handlers
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(
+        handlers, "build_registry", lambda config: seen.setdefault("config", config)
+    )
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
+    assert command.run(build_parser().parse_args(["operator", *argv])) == 0
+    config = seen["config"]
+    assert isinstance(config, OperatorConfig) and config.namespaced is namespaced
+    assert seen["clusterwide"] is not namespaced

@@ -32,6 +32,7 @@ from prorsa_agent.config import (
     engine_argv,
     parse_listen,
 )
+from prorsa_agent.redact import redact_argv
 
 HELP = "run the in-pod agent: supervise SGLang, report its state, flip its PD role"
 
@@ -68,7 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-api-key-file",
         default=env.get("PRORSA_ENGINE_API_KEY_FILE"),
-        help="bearer key for the engine's admin endpoints, if it runs with one",
+        help="file holding the engine's admin key: sent on every engine call, and passed "
+        "to the engine as --admin-api-key with --launch (env PRORSA_ENGINE_API_KEY_FILE)",
     )
     parser.add_argument(
         "--decode-cuda-graph-memory-gb",
@@ -126,6 +128,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         command: Sequence[str] = (
             shlex.split(args.engine_command) if args.engine_command else SGLANG_COMMAND
         )
+        admin_key = _read_key(args.engine_api_key_file) if args.engine_api_key_file else None
         launch = LaunchSpec(
             argv=tuple(
                 engine_argv(
@@ -135,8 +138,10 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
                     explicit=explicit,
                     hicache=env.get(DISABLE_HICACHE_ENV, "") not in ("1", "true"),
                     allow_hicache_storage=env.get(ALLOW_HICACHE_STORAGE_ENV, "") in ("1", "true"),
+                    admin_api_key=admin_key,
                 )
             ),
+            secrets=(admin_key.strip(),) if admin_key else (),
             backoff=Backoff(
                 initial=args.restart_backoff,
                 maximum=max(args.restart_backoff, args.restart_backoff_max),
@@ -166,6 +171,13 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     )
 
 
+def _read_key(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the engine admin key file {path}: {exc}") from exc
+
+
 async def serve(config: AgentConfig) -> None:
     """Run until SIGINT/SIGTERM; the engine (if launched) is stopped on the way out."""
     from prorsa_agent.server import Agent
@@ -178,7 +190,8 @@ async def serve(config: AgentConfig) -> None:
     agent = Agent(config)
     url = await agent.start()
     if config.launch is not None:
-        print(f"prorsa agent: engine command: {shlex.join(config.launch.argv)}", flush=True)
+        shown = redact_argv(config.launch.argv, config.launch.secrets)
+        print(f"prorsa agent: engine command: {shlex.join(shown)}", flush=True)
     print(f"prorsa agent listening on {url} (engine {config.engine_url})", flush=True)
     try:
         await stop.wait()

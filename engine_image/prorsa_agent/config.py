@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from prorsa_agent.redact import redact_argv
+
 SGLANG_COMMAND: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
 """The default engine command: SGLang from the agent's own interpreter."""
 
@@ -121,9 +123,17 @@ class LaunchSpec:
     """How the agent runs the engine when it supervises it (``--launch``)."""
 
     argv: tuple[str, ...]
+    secrets: tuple[str, ...] = field(default=(), repr=False)
+    """Values in ``argv`` never to print (the engine admin key): see prorsa_agent.redact."""
     backoff: Backoff = field(default_factory=Backoff)
     stop_grace: float = 30.0
     """SIGTERM, then this long, then SIGKILL (to the engine's whole process group)."""
+
+    def __repr__(self) -> str:
+        argv = tuple(redact_argv(self.argv, self.secrets))
+        return (
+            f"LaunchSpec(argv={argv!r}, backoff={self.backoff!r}, stop_grace={self.stop_grace!r})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +319,32 @@ def prefix_cache_flags(args: Sequence[str], *, hicache: bool = True) -> list[str
     return added
 
 
+ADMIN_KEY_FLAG = "--admin-api-key"
+API_KEY_FLAG = "--api-key"
+
+
+def admin_key_args(args: Sequence[str], key: str) -> list[str]:
+    """``--admin-api-key KEY``: SGLang then refuses its admin endpoints without that key.
+
+    SGLang 0.5.23 (``srt/utils/auth.py`` ``decide_request_auth``) marks ``/pd_role_switch``,
+    ``/abort_request``, ``/flush_cache``, the weight-update and pause endpoints
+    ``ADMIN_OPTIONAL``: with an admin key set only that key opens them (401 otherwise),
+    while ``/generate``, ``/v1/loads``, ``/server_info`` and the probes stay open to the
+    router, which holds no key. A second ``--api-key`` would close those too, and the agent,
+    which holds only the admin key, could no longer read the engine's state: both are
+    refused next to an operator-managed key.
+    """
+    for flag in (ADMIN_KEY_FLAG, API_KEY_FLAG):
+        if has_flag(args, flag):
+            raise ConfigError(
+                f"{flag} is set by the operator from the cluster's engine admin key Secret "
+                "(PRORSA_ENGINE_API_KEY_FILE); remove it from the engine flags"
+            )
+    if not key.strip():
+        raise ConfigError("the engine admin key file is empty")
+    return [ADMIN_KEY_FLAG, key.strip()]
+
+
 def engine_argv(
     *,
     command: Sequence[str],
@@ -317,14 +353,19 @@ def engine_argv(
     explicit: Sequence[str] = (),
     hicache: bool = True,
     allow_hicache_storage: bool = False,
+    admin_api_key: str | None = None,
 ) -> list[str]:
     """The full engine command line: command, env flags, explicit flags, required flags.
 
     ``hicache=False`` (``PRORSA_DISABLE_HICACHE=1``) leaves out the host-memory tier;
     ``allow_hicache_storage`` (``PRORSA_ALLOW_HICACHE_STORAGE=1``) accepts an L3 storage
-    backend, see ``check_hicache_storage``.
+    backend, see ``check_hicache_storage``; ``admin_api_key`` (read from
+    ``PRORSA_ENGINE_API_KEY_FILE``) protects the engine's admin endpoints, see
+    ``admin_key_args``.
     """
     args = [*env_args, *explicit]
+    if admin_api_key is not None:
+        args += admin_key_args(args, admin_api_key)
     port = urlsplit(engine_url).port or (443 if engine_url.startswith("https") else 80)
     given = flag_value(args, "--port")
     if given is not None and given != str(port):

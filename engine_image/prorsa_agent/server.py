@@ -155,6 +155,7 @@ class Agent:
                 argv=config.launch.argv,
                 backoff=config.launch.backoff,
                 stop_grace=config.launch.stop_grace,
+                redact=config.launch.secrets,
                 on_exit=self._engine_exited,
                 on_spawn=self._engine_spawned,
             )

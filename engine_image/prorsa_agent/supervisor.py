@@ -14,10 +14,13 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TextIO
 
 from prorsa_agent.config import Backoff
+from prorsa_agent.redact import Redactor, pump
 
 log = logging.getLogger("prorsa_agent.supervisor")
 
@@ -35,6 +38,7 @@ class EngineSupervisor:
         env: Mapping[str, str] | None = None,
         on_exit: Callable[[int | None, float], None] | None = None,
         on_spawn: Callable[[int], None] | None = None,
+        redact: Sequence[str] = (),
     ) -> None:
         if not argv:
             raise ValueError("empty engine command")
@@ -44,6 +48,10 @@ class EngineSupervisor:
         self.env = dict(env) if env is not None else None
         self._on_exit = on_exit
         self._on_spawn = on_spawn
+        # Secrets the engine may print (its admin key): its output then passes through the
+        # agent, which writes it on with them replaced (prorsa_agent.redact).
+        self._redact = tuple(r for r in redact if r)
+        self._pumps: list[asyncio.Task[None]] = []
         self.state = "starting"
         self.generation = 0
         self.restarts = 0
@@ -74,13 +82,20 @@ class EngineSupervisor:
             await asyncio.sleep(0.01)
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
+        piped = asyncio.subprocess.PIPE if self._redact else None
         try:
             process = await asyncio.create_subprocess_exec(
-                *self.argv, env=self.env, start_new_session=True
+                *self.argv, env=self.env, start_new_session=True, stdout=piped, stderr=piped
             )
         except OSError as exc:
             log.error("cannot start the engine (%s): %s", self.argv[0], exc)
             return None
+        if self._redact:
+            self._pumps = [
+                asyncio.create_task(pump(stream, _writer(out), Redactor(self._redact)))
+                for stream, out in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))
+                if stream is not None
+            ]
         self.process = process
         self.generation += 1
         self.state = "running"
@@ -99,6 +114,7 @@ class EngineSupervisor:
                 # SGLang forks scheduler and detokenizer processes; a crashed engine can leave
                 # them holding GPU memory, which would make the next start fail.
                 _signal_group(process.pid, signal.SIGKILL)
+                await self._drain_output()
             if self._stopping.is_set():
                 break
             ran = time.monotonic() - started
@@ -131,6 +147,26 @@ class EngineSupervisor:
         if self._task is not None:
             await self._task
         self.state = "stopped"
+
+    async def _drain_output(self) -> None:
+        """Write what the engine printed last; its killed children close the pipes."""
+        pumps, self._pumps = self._pumps, []
+        if pumps:
+            _, pending = await asyncio.wait(pumps, timeout=5.0)
+            for task in pending:
+                task.cancel()
+
+
+def _writer(stream: TextIO) -> Callable[[bytes], None]:
+    def write(data: bytes) -> None:
+        buffer = getattr(stream, "buffer", None)
+        if buffer is not None:
+            buffer.write(data)
+        else:
+            stream.write(data.decode(errors="replace"))
+        stream.flush()
+
+    return write
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

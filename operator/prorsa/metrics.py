@@ -13,6 +13,8 @@ from prorsa.decision import Decision
 _CLUSTER = ("namespace", "cluster")
 SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TICK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+SWITCH_DIRECTIONS = (("decode", "prefill"), ("prefill", "decode"))
+SWITCH_RESULTS = ("succeeded", "restored", "replaced", "lost")
 
 
 class OperatorMetrics:
@@ -187,6 +189,19 @@ class OperatorMetrics:
         self.margin.labels(*key).set(decision.safety_margin)
         for mode in ("predictive", "reactive"):
             self.mode.labels(*key, mode).set(1.0 if decision.mode == mode else 0.0)
+
+    def start_cluster(self, namespace: str, cluster: str) -> None:
+        """Create a cluster's counter children at 0 before anything happens.
+
+        A counter child that first appears at 1 has no earlier sample, so ``increase()``
+        (the alerts', which survives counter resets) cannot see that first switch failure;
+        one exported at 0 from the start makes it a step it counts. The operator calls this
+        for every cluster it runs, again after each restart.
+        """
+        for origin, to in SWITCH_DIRECTIONS:
+            for result in SWITCH_RESULTS:
+                self.switches.labels(namespace, cluster, origin, to, result)
+        self.agent_errors.labels(namespace, cluster)
 
     def forget(self, namespace: str, cluster: str) -> None:
         """Drop a deleted cluster's series so dashboards do not show it forever."""

@@ -81,6 +81,21 @@ class EngineSpec(_Spec):
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     volumes: list[dict[str, Any]] = Field(default_factory=list)
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
+    pod_security_context: dict[str, Any] | None = Field(
+        None,
+        alias="podSecurityContext",
+        description="The engine pods' securityContext (PodSecurityContext). Unset: "
+        "runAsNonRoot and seccompProfile RuntimeDefault (the engine image runs as UID "
+        "10001). Given: used as it is, e.g. {runAsUser: 0} for an RDMA setup that needs "
+        "root (docs/security.md).",
+    )
+    security_context: dict[str, Any] | None = Field(
+        None,
+        alias="securityContext",
+        description="The engine container's securityContext. Unset: no privilege "
+        "escalation, every capability dropped but IPC_LOCK (RDMA memory registration). "
+        "Given: used as it is (docs/security.md).",
+    )
 
     @property
     def m_prefill(self) -> int:

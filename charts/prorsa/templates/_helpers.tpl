@@ -72,3 +72,43 @@ true
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The operator's rules in a namespace that runs RolloutClusters (a Role there, or the
+ClusterRole in all-namespaces mode). Each names the code path that needs it.
+*/}}
+{{- define "prorsa.namespacedRules" -}}
+# The custom resource: kopf lists and watches it and patches its finalizer and progress;
+# the control loop writes status.
+- apiGroups: ["prorsa.io"]
+  resources: ["rolloutclusters"]
+  verbs: ["list", "watch", "patch"]
+- apiGroups: ["prorsa.io"]
+  resources: ["rolloutclusters/status"]
+  verbs: ["patch"]
+# Engine pods: kopf watches them; the loop lists, creates and reads them, relabels them
+# during switches (role label, intent annotation) and deletes failed or surplus ones.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Created when missing, read by name: the engines' and router's Services, the Secrets (agent
+# token, engine admin key, trainer token; never listed or watched), the router's
+# ServiceAccount, Role, RoleBinding and Deployment.
+- apiGroups: [""]
+  resources: ["services", "secrets", "serviceaccounts"]
+  verbs: ["get", "create"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create"]
+# The learned-statistics ConfigMap: read at start, written (patch, else create) as it runs.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch"]
+# Kubernetes Events about switches and handlers (kopf posts core/v1 Events).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

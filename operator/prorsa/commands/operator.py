@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    clusterwide = args.all_namespaces or not args.namespace
     config = OperatorConfig(
+        namespaced=not clusterwide,
         listen_host=host,
         listen_port=int(port),
         operator_namespace=args.operator_namespace,
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.run(
         registry=build_registry(config),
         standalone=True,
-        clusterwide=args.all_namespaces or not args.namespace,
+        clusterwide=clusterwide,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
     )

@@ -22,7 +22,10 @@ from prorsa.spec import (
     RolloutClusterStatus,
 )
 
-SHORT_NAMES = ["rc", "rollout"]
+# `kubectl get rollc` / `prc`. Never a name a built-in resource answers to (`rc` is
+# ReplicationController's on every cluster) nor one of common add-ons (Argo Rollouts' `rollout`,
+# `ro`; Tekton's PipelineRun `pr`).
+SHORT_NAMES = ["rollc", "prc"]
 
 # Cross-field rules (CEL). Each mirrors a model validator in prorsa.spec.
 SPEC_RULES: list[dict[str, str]] = [

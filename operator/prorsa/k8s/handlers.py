@@ -42,6 +42,9 @@ class OperatorConfig:
     operator_namespace: str | None = None  # where the shared webhook Service goes
     admission: bool = False
     admission_tls_dir: str | None = None  # tls.crt + tls.key (e.g. from cert-manager)
+    # Watching named namespaces (kopf --namespace) rather than all: kopf then neither lists
+    # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
+    namespaced: bool = False
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
 
@@ -82,6 +85,11 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.posting.level = logging.INFO
         settings.persistence.finalizer = "prorsa.io/finalizer"
+        if config.namespaced:
+            # The namespaces are named exactly (no globs) and the chart installs the CRD
+            # before the operator starts: nothing to discover at run time, and the operator's
+            # Roles grant nothing cluster-wide (charts/prorsa/templates/rbac.yaml).
+            settings.scanning.disabled = True
         if config.watch_timeout:
             settings.watching.server_timeout = config.watch_timeout
             settings.watching.client_timeout = config.watch_timeout + 5

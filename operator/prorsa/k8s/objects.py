@@ -29,6 +29,19 @@ AGENT_PORT = 8080
 ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 TOKEN_PATH = "/var/run/prorsa/agent-token"
+ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
+
+ENGINE_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""The engine pods' default securityContext: the engine image runs as UID 10001."""
+ENGINE_CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    # RDMA registers (pins) GPU and host buffers; IPC_LOCK lifts the locked-memory limit.
+    "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+}
+"""The engine container's default securityContext; spec.engine.securityContext replaces it."""
 
 
 def engine_name(cluster: str, index: int) -> str:
@@ -41,6 +54,10 @@ def router_name(cluster: str) -> str:
 
 def agent_secret_name(cluster: str) -> str:
     return f"{cluster}-agent-token"
+
+
+def engine_key_secret_name(cluster: str) -> str:
+    return f"{cluster}-engine-admin-key"
 
 
 def labels(cluster: str, component: str) -> dict[str, str]:
@@ -65,7 +82,7 @@ def engine_pod(
     e = spec.engine
     name = engine_name(cluster, index)
     gpus = e.m_prefill if role == "prefill" else e.m_decode
-    resources: dict[str, Any] = json.loads(json.dumps(e.resources)) if e.resources else {}
+    resources: dict[str, Any] = _copy(e.resources)
     if e.gpu_resource_name:
         resources.setdefault("limits", {})[e.gpu_resource_name] = str(gpus)
         resources.setdefault("requests", {})[e.gpu_resource_name] = str(gpus)
@@ -80,6 +97,8 @@ def engine_pod(
         {"name": "PRORSA_ENGINE_PORT", "value": str(ENGINE_PORT)},
         {"name": "PRORSA_AGENT_LISTEN", "value": f"0.0.0.0:{AGENT_PORT}"},
         {"name": "PRORSA_AGENT_TOKEN_FILE", "value": TOKEN_PATH + "/token"},
+        # The agent passes the key to SGLang (--admin-api-key) and sends it on its calls.
+        {"name": "PRORSA_ENGINE_API_KEY_FILE", "value": ENGINE_KEY_PATH + "/key"},
         {"name": "PRORSA_EXTRA_ARGS", "value": json.dumps(list(e.extra_args))},
     ]
     if spec.model.served_name:
@@ -87,12 +106,14 @@ def engine_pod(
     env.extend(e.env)
     volumes = [
         {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},
+        {"name": "engine-admin-key", "secret": {"secretName": engine_key_secret_name(cluster)}},
         # NCCL and SGLang's shared-memory transport need more than the 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *e.volumes,
     ]
     mounts = [
         {"name": "agent-token", "mountPath": TOKEN_PATH, "readOnly": True},
+        {"name": "engine-admin-key", "mountPath": ENGINE_KEY_PATH, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         *e.volume_mounts,
     ]
@@ -108,6 +129,9 @@ def engine_pod(
         "spec": {
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 60,
+            "securityContext": _copy(
+                ENGINE_POD_SECURITY if e.pod_security_context is None else e.pod_security_context
+            ),
             "nodeSelector": dict(e.node_selector),
             "tolerations": list(e.tolerations),
             "containers": [
@@ -124,6 +148,11 @@ def engine_pod(
                     ],
                     "resources": resources,
                     "volumeMounts": mounts,
+                    "securityContext": _copy(
+                        ENGINE_CONTAINER_SECURITY
+                        if e.security_context is None
+                        else e.security_context
+                    ),
                     # Loading a large model takes minutes: the startup probe covers it. An
                     # engine that crashed is restarted by the agent, so liveness asks only
                     # whether the agent itself runs.
@@ -135,6 +164,11 @@ def engine_pod(
             "volumes": volumes,
         },
     }
+
+
+def _copy(value: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy, so a manifest never shares a dict with the spec or a default."""
+    return json.loads(json.dumps(value))
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
@@ -157,6 +191,25 @@ def agent_secret(*, cluster: str, namespace: str, token: str) -> dict[str, Any]:
         },
         "type": "Opaque",
         "stringData": {"token": token},
+    }
+
+
+def engine_key_secret(*, cluster: str, namespace: str, key: str) -> dict[str, Any]:
+    """The engines' SGLang admin key (``/pd_role_switch``, ``/abort_request``, ...).
+
+    Only the engine pods mount it: the operator creates it and never reads it back, and the
+    router needs no key (SGLang leaves ``/generate`` open when only an admin key is set).
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": engine_key_secret_name(cluster),
+            "namespace": namespace,
+            "labels": labels(cluster, "engine-admin-key"),
+        },
+        "type": "Opaque",
+        "stringData": {"key": key},
     }
 
 

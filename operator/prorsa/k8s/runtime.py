@@ -100,6 +100,7 @@ class ClusterRuntime:
     async def setup(self) -> None:
         """Secret, services, router; the executor; switches a previous process left."""
         ns, name = self.namespace, self.name
+        self.metrics.start_cluster(ns, name)
         secret_name = obj.agent_secret_name(name)
         token = await self.kube.read_secret_key(ns, secret_name, "token")
         if token is None:
@@ -109,6 +110,9 @@ class ClusterRuntime:
             )
             token = await self.kube.read_secret_key(ns, secret_name, "token") or token
         self.agent_token = token
+        # Created once (ensure() leaves an existing one alone), before any engine pod mounts it.
+        key = obj.engine_key_secret(cluster=name, namespace=ns, key=secrets.token_urlsafe(32))
+        await self.kube.ensure(self._owned(key))
         await self.kube.ensure(self._owned(obj.engines_service(cluster=name, namespace=ns)))
         if self.spec.router.enabled:
             for manifest in obj.router_objects(cluster=name, namespace=ns, spec=self.spec):

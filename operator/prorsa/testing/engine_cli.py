@@ -163,6 +163,9 @@ async def serve(engine: EngineDouble) -> None:
             loop.add_signal_handler(sig, stop.set)
     url = await engine.start()
     print(f"engine double listening on {url} (role={engine.role})", flush=True)
+    # SGLang 0.5.23 logs its resolved server arguments, API keys included, on start-up
+    # (srt/entrypoints/engine.py): so does the double, for the agent's redaction to be tested.
+    print(f"engine double: server_args={engine.config!r}", flush=True)
     try:
         await stop.wait()
     finally:

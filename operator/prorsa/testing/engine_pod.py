@@ -6,10 +6,14 @@ For the operator's end-to-end tests and the demo::
         pod.agent_url   # the agent CONTRACT (GET /v1/state, POST /v1/role, ...)
         pod.engine_url  # SGLang's endpoints (/generate, /v1/loads, ...)
         pod.double      # the EngineDouble: faults, counters, crash(), restart()
+
+With ``engine_api_key`` the double requires that admin key (as SGLang launched with
+``--admin-api-key``) and the agent reads it from a file, as in an engine pod.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,12 +48,18 @@ class EnginePod:
         decode_cuda_graph_memory_gb: float | None = None,
         agent_host: str = "127.0.0.1",
         agent_port: int = 0,
+        engine_api_key: str | None = None,
     ) -> None:
         if not token:
             raise ValueError("the agent token must not be empty")
         self.instance = instance
         self.token = token
-        self.double = EngineDouble(engine or EngineConfig(), faults=faults)
+        self.engine_api_key = engine_api_key
+        config = engine or EngineConfig()
+        if engine_api_key is not None:
+            # As `prorsa agent --launch` would start SGLang: --admin-api-key from the file.
+            config = dataclasses.replace(config, admin_api_key=engine_api_key)
+        self.double = EngineDouble(config, faults=faults)
         self._timeouts = timeouts
         self._graph_gb = decode_cuda_graph_memory_gb
         self._agent_host = agent_host
@@ -72,10 +82,15 @@ class EnginePod:
         self._dir = Path(tempfile.mkdtemp(prefix="prorsa-pod-"))
         token_file = self._dir / "token"
         token_file.write_text(self.token)
+        key_file = None
+        if self.engine_api_key is not None:
+            key_file = self._dir / "engine-admin-key"
+            key_file.write_text(self.engine_api_key)
         self.agent = Agent(
             AgentConfig(
                 engine_url=self.double.url,
                 token_file=token_file,
+                engine_api_key_file=key_file,
                 instance=self.instance,
                 listen_host=self._agent_host,
                 listen_port=self._agent_port,

@@ -61,6 +61,7 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
+from prorsa.testing.kube_audit import ApiCall, api_call
 from prorsa.testing.kube_patch import PatchError, json_patch, merge_patch, strategic_merge_patch
 from prorsa.testing.kube_proto import PROTOBUF, ProtobufError
 from prorsa.testing.kube_proto import decode as decode_protobuf
@@ -306,6 +307,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     pod_startup_seconds: float | None = None
     structural_schemas: bool = True
     admission: bool = True
+    # Bearer token -> user name, for the audit log (see add_user and api_calls).
+    users: dict[str, str] = attrs.field(factory=lambda: {DEFAULT_TOKEN: "admin"})
 
     _specs: dict[tuple[str, str, str], ResourceSpec] = attrs.field(factory=dict, init=False)
     _state: threading.RLock = attrs.field(factory=threading.RLock, init=False)
@@ -321,6 +324,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _uids: set[str] = attrs.field(factory=set, init=False)
     _hooks: dict[str, list[dict[str, Any]]] | None = attrs.field(default=None, init=False)
     _own_reactions: int = attrs.field(default=0, init=False)
+    _audit: collections.Counter[ApiCall] = attrs.field(factory=collections.Counter, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -1430,6 +1434,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise kmock.KMockError("Too many requests have been served so far.")
             request = await self._parse_request(raw_request, id=len(self._requests))
             self._requests.append(request)
+            self._audit_request(raw_request)
             try:
                 return await self._handle(request)
             except rendering.StreamingError as exc:
@@ -1492,6 +1497,35 @@ class KubeEmulator(kmock.KubernetesEmulator):
             name=parsed.name,
             subresource=parsed.subresource,
         )
+
+    # --- the audit log -------------------------------------------------------------------
+
+    def add_user(self, name: str) -> str:
+        """A new bearer token that the audit log attributes to user ``name``."""
+        token = f"{name}-{uuid.uuid4().hex}"
+        with self._state:
+            self.users[token] = name
+        return token
+
+    def api_calls(self, user: str | None = None) -> collections.Counter[ApiCall]:
+        """How often each (user, verb, group, resource, namespace) was requested so far;
+        unlike kmock's request log it is never trimmed."""
+        with self._state:
+            return collections.Counter(
+                {c: n for c, n in self._audit.items() if user is None or c.user == user}
+            )
+
+    def _audit_request(self, raw: aiohttp.web.BaseRequest) -> None:
+        call = api_call(
+            method=raw.method,
+            path=raw.path,
+            query=dict(raw.query),
+            authorization=raw.headers.get("Authorization"),
+            users=self.users,
+        )
+        if call is not None:
+            with self._state:
+                self._audit[call] += 1
 
     def _trim_request_log(self) -> None:
         limit = self.request_log_limit
@@ -2234,6 +2268,7 @@ class KubeEmulatorServer:
         self.emulator = emulator if emulator is not None else KubeEmulator()
         self.host, self.port = host, port
         self.token, self.namespace = token, namespace
+        self.emulator.users.setdefault(token, "admin")
         self._kubeconfig_arg = pathlib.Path(kubeconfig_path) if kubeconfig_path else None
         self._tmpdir: pathlib.Path | None = None
         self._runner: aiohttp.web.ServerRunner | None = None
@@ -2270,6 +2305,12 @@ class KubeEmulatorServer:
             path, server=self.url, token=self.token, namespace=self.namespace
         )
         return self
+
+    def kubeconfig_for(self, user: str, path: str | pathlib.Path) -> pathlib.Path:
+        """A kubeconfig at ``path`` whose token the audit log attributes to ``user``."""
+        return write_kubeconfig(
+            path, server=self.url, token=self.emulator.add_user(user), namespace=self.namespace
+        )
 
     async def stop(self) -> None:
         """End the watches, stop serving, and remove a kubeconfig this server created."""

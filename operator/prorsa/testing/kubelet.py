@@ -128,12 +128,10 @@ class FakeKubelet:
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
-        cluster = (meta.get("labels") or {}).get(obj.CLUSTER_LABEL, "")
-        token = await self.kube.read_secret_key(
-            self.namespace, obj.agent_secret_name(cluster), "token"
-        )
-        if token is None:
-            return  # the operator creates the Secret before the pods; try again next loop
+        token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
+        key = await self._mounted(pod, "PRORSA_ENGINE_API_KEY_FILE")
+        if token is None or key is None:
+            return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
         # Only the agent talks to its engine, so any free port will do for the engine.
         config = dataclasses.replace(self.engine_config(name), host=ip, port=0)
@@ -144,6 +142,7 @@ class FakeKubelet:
             timeouts=self.timeouts,
             agent_host=ip,
             agent_port=self.agent_port,
+            engine_api_key=key or None,
         )
         await pod.start()
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
@@ -163,6 +162,25 @@ class FakeKubelet:
             },
         )
         log.info("pod %s running at %s", name, ip)
+
+    async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
+        """What the file that env ``variable`` names holds in the pod, as a kubelet would
+        project it from the Secret volume mounted there: "" when the pod sets no such
+        variable, None when the Secret (or its key) does not exist yet."""
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env") or []}
+        path = env.get(variable)
+        if not path:
+            return ""
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        for mount in container.get("volumeMounts") or []:
+            prefix = mount["mountPath"].rstrip("/") + "/"
+            secret = (volumes.get(mount["name"]) or {}).get("secret")
+            if secret and path.startswith(prefix):
+                return await self.kube.read_secret_key(
+                    self.namespace, secret["secretName"], path.removeprefix(prefix)
+                )
+        raise ValueError(f"{variable}={path} is on no Secret volume the pod mounts")
 
     async def _stop(self, name: str) -> None:
         pod = self.pods.pop(name, None)

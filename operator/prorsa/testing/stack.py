@@ -12,8 +12,9 @@ the demo shows is what the tests check::
 
 The emulator serves from its own thread (so the synchronous ``kubernetes`` client, kopf and
 ``kubectl`` can all use it); kopf runs in the caller's event loop with a registry of its
-own, logging in from the emulator's kubeconfig. The namespace and the trainer's token
-Secret exist before the operator starts.
+own, logging in as a user of its own (:data:`OPERATOR_USER`, whose calls the emulator's
+audit log keeps apart). The namespace and the trainer's token Secret exist before the
+operator starts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -46,6 +48,8 @@ from prorsa_agent.config import Timeouts
 NAMESPACE = "rl"
 TOKEN = "trainer-secret-token"
 TOKEN_SECRET = "trainer-token"
+OPERATOR_USER = "system:serviceaccount:prorsa-system:prorsa"
+"""Who the operator is to the API emulator (its audit log: ``server.emulator.api_calls``)."""
 
 
 def cluster_manifest(
@@ -104,10 +108,14 @@ class Stack:
     kubelet: FakeKubelet
     webhook_port: int
     kubeconfig: str
+    operator_kubeconfig: str
     namespace: str = NAMESPACE
     token: str = TOKEN
     tick_seconds: float | None = 0.3
     watch_timeout: float = 2.0
+    watch_namespaces: tuple[str, ...] = ()  # empty: every namespace
+    operator_namespace: str | None = None
+    router_settle_timeout: float = 30.0
     operator_task: asyncio.Task[None] | None = None
     stop_flag: asyncio.Event | None = None
     _ids: int = 0
@@ -119,10 +127,14 @@ class Stack:
         config = OperatorConfig(
             listen_host="127.0.0.1",
             listen_port=self.webhook_port,
-            login_kubeconfig=self.kubeconfig,
+            login_kubeconfig=self.operator_kubeconfig,
             watch_timeout=self.watch_timeout,
+            namespaced=bool(self.watch_namespaces),
+            operator_namespace=self.operator_namespace,
             options=OperatorOptions(
-                agent_port=self.kubelet.agent_port, tick_seconds=self.tick_seconds
+                agent_port=self.kubelet.agent_port,
+                tick_seconds=self.tick_seconds,
+                router_settle_timeout=self.router_settle_timeout,
             ),
         )
         self.stop_flag = asyncio.Event()
@@ -130,7 +142,8 @@ class Stack:
         self.operator_task = asyncio.create_task(
             kopf.operator(
                 registry=build_registry(config),
-                clusterwide=True,
+                clusterwide=not self.watch_namespaces,
+                namespaces=list(self.watch_namespaces),
                 standalone=True,
                 stop_flag=self.stop_flag,
                 ready_flag=ready,
@@ -270,25 +283,36 @@ async def stack(
     kubeconfig_path: str | Path | None = None,
     webhook_port: int | None = None,
     agent_timeouts: Timeouts | None = None,
+    watch_namespaces: tuple[str, ...] = (),
+    operator_namespace: str | None = None,
+    router_settle_timeout: float = 30.0,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
 
     ``tick_seconds`` is the operator's control period (None: each cluster's horizon);
     ``kubeconfig_path`` puts the emulator's kubeconfig where a user can find it;
-    ``agent_timeouts`` replaces the agents' test timeouts (a whole switch in tens of ms).
+    ``agent_timeouts`` replaces the agents' test timeouts (a whole switch in tens of ms);
+    ``watch_namespaces`` runs the operator for those namespaces only (as ``--namespace``),
+    ``operator_namespace`` is where it puts the webhook Service (which must exist).
+    The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
+    the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
     server = KubeEmulatorServer(kubeconfig_path=kubeconfig_path)
     server.emulator.add_crd(crd.crd())
-    with server:
+    with server, tempfile.TemporaryDirectory(prefix="prorsa-operator-") as private:
         assert server.kubeconfig_path is not None
         kubeconfig = str(server.kubeconfig_path)
+        operator_kubeconfig = str(server.kubeconfig_for(OPERATOR_USER, Path(private) / "config"))
         api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
         kube = Kube(api)
-        await kube._call(
-            kube.core.create_namespace,
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
-        )
+        for name in dict.fromkeys((namespace, *watch_namespaces, operator_namespace)):
+            if name is None or name == "default":
+                continue
+            await kube._call(
+                kube.core.create_namespace,
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            )
         await kube._call(
             kube.core.create_namespaced_secret,
             namespace,
@@ -313,10 +337,14 @@ async def stack(
                     kubelet=kubelet,
                     webhook_port=webhook_port or free_port(),
                     kubeconfig=kubeconfig,
+                    operator_kubeconfig=operator_kubeconfig,
                     namespace=namespace,
                     token=token,
                     tick_seconds=tick_seconds,
                     watch_timeout=watch_timeout,
+                    watch_namespaces=tuple(watch_namespaces),
+                    operator_namespace=operator_namespace,
+                    router_settle_timeout=router_settle_timeout,
                 )
                 await env.start_operator()
                 try:
