@@ -33,6 +33,9 @@ from prorsa.ingest.clock import ClockOffset
 
 T = TypeVar("T")
 
+EVICTION_CLOCK_RATE = 2.0
+"""The eviction clock runs at most this many times as fast as real time (see tick)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IngestLimits:
@@ -118,6 +121,7 @@ class ClusterHandle:
         self._token = normalize_token(token)
         self._resync = resync
         self._snapshot_ts: float | None = None
+        self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
         controller.table.set_dedupe_window(0)
@@ -248,9 +252,30 @@ class ClusterHandle:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
 
         def run() -> Decision:
-            return self.controller.tick(self.trainer_now() if now is None else now)
+            at = self.trainer_now() if now is None else now
+            return self.controller.tick(at, evict_now=self._eviction_now(at))
 
         return await self._exclusive_call(run, offload=self.limits.offload_ticks, pending=0)
+
+    def _eviction_now(self, now: float) -> float:
+        """The present for eviction: ``now``, but advancing at most twice as fast as the
+        server's monotonic clock since the previous tick (from the server's wall clock at
+        the first one).
+
+        A batch stamped an hour ahead can move the clock estimate by an hour (while fewer
+        than three batches have arrived); without this, the next tick would find every
+        live trajectory silent for longer than the TTL and evict it. A trainer clock that
+        really is ahead of the server's is caught up with at one extra second per second.
+        """
+        mono = self.clock.monotonic()
+        if self._evicted_at is None:
+            limit = self.clock.wall()
+        else:
+            last_mono, last = self._evicted_at
+            limit = last + EVICTION_CLOCK_RATE * max(0.0, mono - last_mono)
+        at = min(now, limit)
+        self._evicted_at = (mono, at)
+        return at
 
     # -- the queue -----------------------------------------------------------------------
 
