@@ -58,6 +58,17 @@ class IngestLimits:
     loop in proportion, so they move to a thread (at some cost in throughput)."""
     offload_ticks: bool = True
     """Run ``Controller.tick`` in a worker thread (its cost grows with live trajectories)."""
+    header_timeout_seconds: float = 30.0
+    """A connection must send a request's line and headers within this long of connecting
+    (or of its previous reply, kept alive); then it is closed without a reply."""
+    body_timeout_seconds: float = 60.0
+    """A request must send its whole body within this long of its headers; then 408."""
+    max_clock_ahead_seconds: float = 3600.0
+    """Trainer timestamps (event ``ts``, snapshot times, ``X-Prorsa-Sent-At``) more than
+    this far ahead of the server's wall clock are refused (422)."""
+    max_clock_behind_seconds: float = 7 * 86400.0
+    """... and more than this far behind it: milliseconds, seconds since the trainer
+    started, or a clock years off are trainer bugs, not times."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +82,15 @@ class IngestLimits:
                 raise ValueError(f"{name} must be >= 1")
         if self.offload_events < 0:
             raise ValueError("offload_events must be >= 0")
+        for name in (
+            "header_timeout_seconds",
+            "body_timeout_seconds",
+            "max_clock_ahead_seconds",
+            "max_clock_behind_seconds",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +439,11 @@ class ClusterRegistry:
 
     def get(self, namespace: str, name: str) -> ClusterHandle | None:
         return self._clusters.get((namespace, name))
+
+    def knows_token(self, presented: str | None) -> bool:
+        """Whether ``presented`` is the token of some served cluster (each one compared)."""
+        matches = [h.authorized(presented) for h in self._clusters.values()]
+        return any(matches)
 
     def __len__(self) -> int:
         return len(self._clusters)
