@@ -215,12 +215,13 @@ def test_command_line_to_config(tmp_path: Path):
         [
             "--engine-url", "http://127.0.0.1:30001", "--listen", "127.0.0.1:0",
             "--token-file", str(tmp_path / "t"), "--instance", "rc-engine-2",
-            "--switch-timeout", "90", "--launch", "--", "--model-path", "/m",
+            "--switch-timeout", "90", "--header-timeout", "12", "--launch", "--",
+            "--model-path", "/m",
         ]
     )  # fmt: skip
     config = build_config(args, env={"PRORSA_TP_SIZE": "4"})
     assert config.instance == "rc-engine-2" and config.listen_port == 0
-    assert config.timeouts.switch == 90
+    assert config.timeouts.switch == 90 and config.timeouts.client_headers == 12
     assert config.launch is not None
     argv = list(config.launch.argv)
     assert argv[1:3] == ["-m", "sglang.launch_server"]

@@ -163,7 +163,7 @@ def test_weight_update_fields_are_strict_and_named() -> None:
     errs = errors_of(
         body(
             STARTED | {"version": -1},
-            STARTED | {"version": 1.0},
+            STARTED | {"version": 1.5},  # a fraction; a whole 1.0 is the integer 1
             STARTED | {"expected_seconds": 0},
             FINISHED | {"reprefill_trajectories": "4"},
             {k: v for k, v in FINISHED.items() if k != "reprefill_trajectories"},

@@ -206,23 +206,26 @@ async def test_bytes_in_flight_are_bounded_server_wide() -> None:
     limits = IngestLimits(max_batch_bytes=4_000, max_inflight_bytes=6_000)
     async with serve(limits) as srv:
         release = asyncio.Event()
-        body = json.dumps({"events": [queued("slow", "t")]}).encode()
+        body = json.dumps({"events": [queued(f"s{i}", f"s{i}") for i in range(30)]}).encode()
+        assert 3_000 < len(body) < 4_000
 
         async def slow_body() -> AsyncIterator[bytes]:
-            yield body[:10]
+            yield body[:-10]
             await release.wait()
-            yield body[10:]
+            yield body[-10:]
 
-        # Without Content-Length the server must reserve the whole limit (4000 bytes).
+        # Bytes count as they arrive: the slow body holds all but its last 10 bytes.
         slow = asyncio.create_task(
             srv.http.post(f"{BASE}/events", content=slow_body(), headers=AUTH)
         )
-        await asyncio.sleep(0.1)
-        r = await srv.post([queued(f"e{i}", f"t{i}") for i in range(30)])  # ~2.6 kB more
+        while srv.server.inflight_bytes < len(body) - 10:
+            await asyncio.sleep(0.01)
+        r = await srv.post([queued(f"e{i}", f"t{i}") for i in range(30)])  # 3 kB more
         assert r.status_code == 429
         assert srv.metric("prorsa_webhook_rejects_total", reason="busy") == 1
         release.set()
         assert (await slow).status_code == 200
+        assert srv.server.inflight_bytes == 0
 
 
 async def test_bad_sent_at_header_is_400(srv: Served) -> None:
@@ -396,7 +399,7 @@ async def test_health_metrics_and_openapi(srv: Served) -> None:
         for p in ("events", "snapshot", "forecast", "status")
     } | {"/healthz", "/metrics", "/openapi.json"}
     responses = doc["paths"]["/v1/namespaces/{namespace}/rolloutclusters/{name}/events"]["post"]
-    assert set(responses["responses"]) == {"200", "400", "401", "404", "413", "422", "429"}
+    assert set(responses["responses"]) == {"200", "400", "401", "404", "408", "413", "422", "429"}
 
 
 # -- many clusters, one listener --------------------------------------------------------
@@ -416,7 +419,8 @@ async def test_clusters_are_added_and_removed_at_runtime_with_their_own_tokens()
             )
             return r.status_code
 
-        assert await post("b", "token-b") == 404
+        assert await post("b", "token-b") == 401  # no served cluster holds that token
+        assert await post("b", "token-a") == 404  # a valid token learns b is not served
         b = registry.add(
             namespace="rl", name="b", token="token-b", controller=Controller(make_spec())
         )
@@ -425,7 +429,8 @@ async def test_clusters_are_added_and_removed_at_runtime_with_their_own_tokens()
         assert await post("a", "token-a") == 200
         assert a.epoch != b.epoch
         registry.remove(namespace="rl", name="a")
-        assert await post("a", "token-a") == 404
+        assert await post("a", "token-a") == 401  # its token went with it
+        assert await post("a", "token-b") == 404
         b.set_token("rotated")
         assert await post("b", "token-b") == 401
         assert await post("b", "rotated") == 200

@@ -190,3 +190,42 @@ async def test_decision_line_shows_target_demand_and_live_trajectories() -> None
     assert "live 3: ready 3" in line
     assert "awaiting snapshot" in line
     assert decision.reason in line
+
+
+def test_clock_ignores_a_minority_of_future_samples_as_it_does_late_ones() -> None:
+    """Batches stamped an hour ahead (a broken clock) or an hour late (a stuck buffer),
+    a few of each among honest ones: neither moves the estimate."""
+    clock, now = _clock()
+    truth = 7e8  # the trainer's clock reads mono + 7e8
+    rng = random.Random(2)
+    for i in range(40):
+        now[0] = 1000.0 + i
+        sent = now[0] - rng.uniform(0.0, 0.2) + truth
+        if i % 8 == 3:
+            sent += 3600.0
+        elif i % 8 == 5:
+            sent -= 3600.0
+        clock.observe(received=now[0], trainer_sent=sent)
+        if i >= 2:
+            assert clock.trainer_now() == pytest.approx(now[0] + truth, abs=0.25), i
+    assert clock.trainer_now() == pytest.approx(now[0] + truth, abs=0.25)
+
+
+def test_clock_follows_a_forward_step_once_most_samples_agree() -> None:
+    clock, now = _clock()
+    for i in range(20):
+        now[0] = 1000.0 + i
+        clock.observe(received=now[0], trainer_sent=now[0])
+    for i in range(25):  # the trainer's clock is stepped forward by 30 s
+        now[0] = 1020.0 + i
+        clock.observe(received=now[0], trainer_sent=now[0] + 30.0)
+    assert clock.trainer_now() == pytest.approx(now[0] + 30.0, abs=1e-6)
+
+
+async def test_decision_line_survives_a_time_no_clock_can_show() -> None:
+    registry = ClusterRegistry()
+    handle = registry.add(namespace="rl", name="c", token="t", controller=Controller(make_spec()))
+    for at in (1e300, 1e18):  # OverflowError, OSError from time.localtime
+        decision = await handle.tick(now=at)
+        line = format_decision(decision, handle)
+        assert line.startswith(f"at {at:g} "), line

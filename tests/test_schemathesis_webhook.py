@@ -26,6 +26,7 @@ from schemathesis import GenerationMode
 
 from prorsa.controller import Controller
 from prorsa.ingest import ClusterHandle, ClusterRegistry, WebhookServer
+from prorsa.ingest.openapi import SENT_AT_HEADER
 
 TOKEN = "fuzz-token"
 MAX_EXAMPLES = 25  # per operation and mode: ~500 requests in all
@@ -65,19 +66,27 @@ def live() -> Iterator[Live]:
     loop.close()
 
 
-def _integral_floats_as_ints(value: Any) -> Any:
-    """JSON Schema counts 6150.0 as an integer; the event CONTRACT refuses it on purpose.
+_TIMES = frozenset({"ts", "since", "started_at"})
 
-    Token counts are strict integers (``Field(strict=True)`` in prorsa.events): a trainer
-    sending floats has a bug worth a 422. No JSON Schema keyword can say "no fractional
-    part in the text", so schema-valid data is made integral before it is sent as such.
+
+def _into_the_window(value: Any, now: float) -> Any:
+    """Schema-valid times made plausible: within the hour before ``now``.
+
+    The webhook refuses times outside a window around its own clock (422), which no JSON
+    Schema keyword can state; a generated ``ts`` of 0 or 1e300 is valid to the document
+    and refused by the server, so positive cases are moved into the window first. Every
+    other value is sent as generated: whole-number floats for integer fields included,
+    which the server must accept as JSON Schema does.
     """
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
     if isinstance(value, list):
-        return [_integral_floats_as_ints(v) for v in value]
+        return [_into_the_window(v, now) for v in value]
     if isinstance(value, dict):
-        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+        return {
+            k: now - float(v) % 3600.0
+            if k in _TIMES and type(v) in (int, float)
+            else _into_the_window(v, now)
+            for k, v in value.items()
+        }
     return value
 
 
@@ -127,7 +136,10 @@ def test_webhook_never_answers_5xx_and_matches_its_document(
         )
         def fuzz(case: Any) -> None:
             if mode is GenerationMode.POSITIVE:
-                case.body = _integral_floats_as_ints(case.body)
+                now = time.time()
+                case.body = _into_the_window(case.body, now)
+                if case.headers and SENT_AT_HEADER in case.headers:
+                    case.headers[SENT_AT_HEADER] = repr(now)
             # Explicit credentials: schemathesis also probes without and with a wrong token
             # and expects 401 (its ignored_auth check), besides all its default checks.
             response = case.call_and_validate(base_url=live.url, headers=auth, timeout=10)

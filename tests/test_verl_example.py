@@ -12,6 +12,7 @@ import enum
 import functools
 import importlib.util
 import sys
+import time
 import types
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -103,7 +104,7 @@ async def test_verl_weight_sync_is_announced_around_itself(
         }.items():
             monkeypatch.setenv(key, value)
         # Live: one decoding, one in a tool (both re-prefill), one computing its reward.
-        t = 1.0e9
+        t = time.time() - 5.0  # before the syncs below, within the webhook's window
         r = await srv.post(
             [
                 queued("d1", "dec", t),

@@ -100,6 +100,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--poll-interval", type=float, default=defaults.poll)
     t.add_argument("--health-interval", type=float, default=defaults.health_interval)
     t.add_argument("--health-timeout", type=float, default=defaults.health_probe)
+    t.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.client_headers,
+        help="seconds a client may take to send a request's headers (from its connect, or "
+        "from the previous reply on a kept-alive connection) before it is disconnected",
+    )
     backoff = Backoff()
     t.add_argument("--restart-backoff", type=float, default=backoff.initial)
     t.add_argument("--restart-backoff-max", type=float, default=backoff.maximum)
@@ -156,6 +163,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         poll=args.poll_interval,
         health_interval=args.health_interval,
         health_probe=args.health_timeout,
+        client_headers=args.header_timeout,
     )
     return AgentConfig(
         engine_url=args.engine_url,

@@ -92,6 +92,9 @@ class Timeouts:
     health_interval: float = 5.0
     health_probe: float = 30.0
     """One ``/health`` probe (it runs a one-token generation)."""
+    client_headers: float = 30.0
+    """A client's request line and headers, from its connect (or its previous reply on a
+    kept-alive connection); then the agent closes the connection."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

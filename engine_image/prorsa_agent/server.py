@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,27 +48,30 @@ class TokenFile:
     """The bearer token for ``/v1/role``, re-read when the file changes (Secret rotation).
 
     An empty or missing file accepts no token at all: a misconfigured pod refuses switches
-    rather than accepting anyone.
+    rather than accepting anyone. Tokens are compared as bytes, in constant time: the file's
+    bytes against the header's bytes as they came (aiohttp keeps bytes that are not UTF-8
+    as surrogate escapes), so no header, however encoded, can make the check fail with an
+    error instead of a refusal.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._stamp: tuple[int, int, int] | None = None
-        self._token = ""
+        self._token = b""
         self._warned = False
 
-    def token(self) -> str:
+    def token(self) -> bytes:
         try:
             st = os.stat(self.path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if stamp != self._stamp:
-                self._token = self.path.read_text().strip()
+                self._token = self.path.read_bytes().strip()
                 self._stamp = stamp
         except OSError as exc:
             if not self._warned:
                 log.error("cannot read the token file %s: %s", self.path, exc)
                 self._warned = True
-            self._stamp, self._token = None, ""
+            self._stamp, self._token = None, b""
         return self._token
 
     def check(self, header: str | None) -> bool:
@@ -77,9 +79,13 @@ class TokenFile:
         if not expected or not header:
             return False
         scheme, _, given = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(
-            given.strip().encode(), expected.encode()
-        )
+        if scheme.lower() != "bearer":
+            return False
+        try:
+            presented = given.strip().encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no bytes decoded to: never the token
+            return False
+        return hmac.compare_digest(presented, expected)
 
 
 @dataclass
@@ -138,7 +144,14 @@ class Agent:
         )
         app = web.Application()
         self._routes(app)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # keepalive_timeout runs from the connection's start too: it closes a connection
+        # that has not finished its request headers in time, as well as an idle one.
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=config.timeouts.client_headers,
+        )
         await runner.setup()
         site = web.TCPSite(runner, config.listen_host, config.listen_port, reuse_address=True)
         try:
@@ -293,15 +306,16 @@ class Agent:
                 headers={"WWW-Authenticate": 'Bearer realm="prorsa-agent"'},
             )
         try:
-            payload = json.loads(await request.read())
-        except ValueError:
-            return web.json_response({"error": "the body is not JSON"}, status=400)
-        try:
-            wanted = RoleRequest.model_validate(payload)
+            # pydantic-core parses with a nesting limit: a deeply nested body is "not JSON"
+            # (400), where json.loads would raise RecursionError (a 500).
+            wanted = RoleRequest.model_validate_json(await request.read())
         except ValidationError as exc:
-            details = [
-                {"field": ".".join(map(str, e["loc"])), "message": e["msg"]} for e in exc.errors()
-            ]
+            errors = exc.errors(include_url=False)
+            unreadable = [e for e in errors if e["type"] == "json_invalid"]
+            if unreadable:
+                message = f"the body is not JSON: {unreadable[0]['msg']}"[:300]
+                return web.json_response({"error": message}, status=400)
+            details = [{"field": ".".join(map(str, e["loc"])), "message": e["msg"]} for e in errors]
             return web.json_response(
                 {"error": "invalid role request", "details": details}, status=422
             )

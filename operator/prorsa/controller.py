@@ -278,12 +278,18 @@ class Controller:
     def live_trajectories(self) -> dict[str, int]:
         return self.table.state_counts()
 
-    def tick(self, now: float) -> Decision:
-        """Decide the prefill:decode split for [now, now + S) and the switches toward it."""
+    def tick(self, now: float, *, evict_now: float | None = None) -> Decision:
+        """Decide the prefill:decode split for [now, now + S) and the switches toward it.
+
+        Trajectories silent for longer than the TTL at ``evict_now`` (default ``now``) are
+        evicted. The webhook passes a present that runs no faster than real time, so that
+        an estimate of the trainer's clock that jumps ahead evicts nothing by itself.
+        """
         if not math.isfinite(now):
             raise ValueError(f"tick time must be finite, got {now}")
         self.ticks += 1
-        self.table.evict_older_than(now - self.ttl)
+        evict = now if evict_now is None else min(now, evict_now)
+        self.table.evict_older_than(evict - self.ttl)
         acc = self.forecaster.accuracy
         acc.close_until(now)
         intervals, self.forecaster.intervals = self.forecaster.intervals, []

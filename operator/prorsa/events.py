@@ -1,8 +1,11 @@
 """CONTRACT: the trainer webhook's events and resync snapshot (docs/webhook-events.md).
 
-The models are strict on purpose: a trainer integration bug (a float token count, a NaN
-timestamp, a misspelt field) should fail loudly at the webhook, naming the event and field,
-instead of silently skewing the forecast. Field names are the wire names (snake_case).
+The models are strict on purpose: a trainer integration bug (a fractional token count, a
+boolean or a string for a number, a NaN timestamp, a misspelt field) should fail loudly at
+the webhook, naming the event and field, instead of silently skewing the forecast. The one
+allowance is JSON Schema's own: an integer field takes a number with no fractional part
+(``3.0``, ``1e3``) as that integer, since many JSON encoders write every number as a float.
+Field names are the wire names (snake_case).
 
 Two kinds of event share one discriminated union: trajectory events (the lifecycle of
 Figure 4, each naming its ``trajectory``) and cluster events (weight updates), which concern
@@ -12,11 +15,13 @@ every live trajectory at once and so name none; a cluster event that carries a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
 
 MAX_ID = 256
 MAX_NAME = 128
@@ -249,18 +254,79 @@ class BatchError(ValueError):
 
 
 _EVENT_LIST = TypeAdapter(list[Event])
+_EVENT = TypeAdapter(Event)
 _BATCH = TypeAdapter(EventBatch)
 _SNAPSHOT = TypeAdapter(Snapshot)
 
+T = TypeVar("T")
 
-def _field_errors(exc: ValidationError, *, prefix: int) -> list[FieldError]:
+
+class _Invalid(Exception):
+    """pydantic's error details of a body that does not validate."""
+
+    def __init__(self, errors: list[ErrorDetails]) -> None:
+        super().__init__(f"{len(errors)} validation error(s)")
+        self.errors = errors
+
+
+def _whole_number(err: ErrorDetails) -> bool:
+    """A float with no fractional part where an integer belongs: JSON Schema's integer."""
+    value = err["input"]
+    return err["type"] == "int_type" and type(value) is float and value.is_integer()
+
+
+def _set_integer(data: Any, loc: Sequence[int | str], value: int) -> bool:
+    """Put ``value`` at pydantic's ``loc`` in decoded JSON; False if the path is not there.
+
+    A union member's tag in the location (``('events', 3, 'request_queued', 'turn')``)
+    names no key of the data and is skipped.
+    """
+    *path, last = loc
+    node = data
+    for part in path:
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_list or (isinstance(node, dict) and part in node):
+            node = node[part]
+        elif not (isinstance(node, dict) and part in EVENT_TYPES):
+            return False
+    if not (isinstance(node, dict) and type(node.get(last)) is float):
+        return False
+    node[last] = value
+    return True
+
+
+def _validate_json(adapter: TypeAdapter[T], body: bytes | str) -> T:
+    """Strict validation, except that whole-number floats count as integers.
+
+    The fast path is one strict pass in pydantic-core. Only a body refused for nothing but
+    whole-number floats in integer fields is decoded again, the floats made integers, and
+    validated once more (as strictly); a body with any other problem is refused with those
+    problems alone, so ``3.0`` is never reported as an error. Raises :class:`_Invalid`.
+    """
+    try:
+        return adapter.validate_json(body, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    problems = [e for e in errors if not _whole_number(e)]
+    if problems:
+        raise _Invalid(problems)
+    data = json.loads(body)
+    if not all(_set_integer(data, e["loc"], int(e["input"])) for e in errors):
+        raise _Invalid(errors)
+    try:
+        return adapter.validate_python(data, strict=True)
+    except ValidationError as exc:
+        raise _Invalid(exc.errors(include_url=False)) from None
+
+
+def _field_errors(errors: Iterable[ErrorDetails], *, prefix: int) -> list[FieldError]:
     """Turn pydantic's locations into (event index, dotted field) pairs.
 
     pydantic locates a union member by its tag (``('events', 3, 'tool_started', 'tool')``);
     the tag is noise to a trainer developer, so it is dropped.
     """
     out: list[FieldError] = []
-    for err in exc.errors(include_url=False):
+    for err in errors:
         loc = list(err["loc"])
         if loc[prefix:] == [] and prefix:
             out.append(FieldError(None, ".".join(map(str, loc)) or "body", err["msg"]))
@@ -287,9 +353,9 @@ def parse_batch(body: bytes | str) -> list[Event]:
     try:
         # Strict: nothing is coerced (the field types are strict already); it skips the
         # lax-mode fallbacks and validates ~15% faster.
-        return _BATCH.validate_json(body, strict=True).events
-    except ValidationError as exc:
-        raise BatchError(_field_errors(exc, prefix=1)) from None
+        return _validate_json(_BATCH, body).events
+    except _Invalid as exc:
+        raise BatchError(_field_errors(exc.errors, prefix=1)) from None
 
 
 def parse_ndjson(body: bytes | str) -> list[Event]:
@@ -302,9 +368,9 @@ def parse_ndjson(body: bytes | str) -> list[Event]:
 def parse_lines(lines: Iterable[str]) -> list[Event]:
     payload = "[" + ",".join(lines) + "]"
     try:
-        return _EVENT_LIST.validate_json(payload, strict=True)
-    except ValidationError as exc:
-        errors = _field_errors(exc, prefix=0)
+        return _validate_json(_EVENT_LIST, payload)
+    except _Invalid as exc:
+        errors = _field_errors(exc.errors, prefix=0)
         if any(e.index is None for e in errors):
             # A syntax error in one line breaks the joined array: find the line.
             return _parse_lines_one_by_one(list(lines))
@@ -314,12 +380,11 @@ def parse_lines(lines: Iterable[str]) -> list[Event]:
 def _parse_lines_one_by_one(lines: list[str]) -> list[Event]:
     events: list[Event] = []
     errors: list[FieldError] = []
-    one = TypeAdapter(Event)
     for i, line in enumerate(lines):
         try:
-            events.append(one.validate_json(line))
-        except ValidationError as exc:
-            for err in exc.errors(include_url=False):
+            events.append(_validate_json(_EVENT, line))
+        except _Invalid as exc:
+            for err in exc.errors:
                 loc = [p for p in err["loc"] if p not in EVENT_TYPES]
                 msg = err["msg"]
                 if err["type"] == "union_tag_invalid":
@@ -340,16 +405,16 @@ def parse_events(items: list[Any]) -> list[Event]:
     try:
         return _EVENT_LIST.validate_python(items)
     except ValidationError as exc:
-        raise BatchError(_field_errors(exc, prefix=0)) from None
+        raise BatchError(_field_errors(exc.errors(include_url=False), prefix=0)) from None
 
 
 def parse_snapshot(body: bytes | str) -> Snapshot:
+    """Validate a snapshot body as strictly as events (``since: false`` is no time)."""
     try:
-        return _SNAPSHOT.validate_json(body)
-    except ValidationError as exc:
+        return _validate_json(_SNAPSHOT, body)
+    except _Invalid as exc:
         errors = [
-            FieldError(None, ".".join(map(str, e["loc"])) or "body", e["msg"])
-            for e in exc.errors(include_url=False)
+            FieldError(None, ".".join(map(str, e["loc"])) or "body", e["msg"]) for e in exc.errors
         ]
         raise BatchError(errors) from None
 

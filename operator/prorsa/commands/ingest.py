@@ -213,5 +213,8 @@ def format_decision(decision: Decision, handle: ClusterHandle, *, since: int = 0
         parts.append(
             "switch " + ", ".join(f"{s.instance} {s.from_}->{s.to}" for s in decision.switches)
         )
-    clock = time.strftime("%H:%M:%S", time.localtime(decision.at))
+    try:
+        clock = time.strftime("%H:%M:%S", time.localtime(decision.at))
+    except (OverflowError, OSError, ValueError):  # beyond what the platform's time_t holds
+        clock = f"at {decision.at:g}"
     return f"{clock} " + " | ".join(parts) + f" | {decision.reason}"

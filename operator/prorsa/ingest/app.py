@@ -4,12 +4,20 @@
 ``prorsa ingest`` serves it); ``WebhookServer.add_routes(app)`` mounts the same handlers on
 an application the operator already runs in its own asyncio loop.
 
-Order of checks on a request, cheapest and least revealing first: cluster known (404),
-token (401), header sanity (400), declared size (413), server-wide bytes in flight (429),
-body read within the limit (413), the cluster's queue (429), parse and validate (400/422),
-then dedupe and apply. Nothing is read into memory before the token is checked, and the
-bytes held at once across all requests are bounded, so memory stays bounded under any
-input; parsing a large body happens in a worker thread so the loop never stalls on it.
+Order of checks on a request, cheapest and least revealing first: token (401: a token
+of no served cluster, whether or not the cluster exists, so names cannot be probed), then
+cluster known (404), header sanity (400), ``X-Prorsa-Sent-At`` within the window of
+plausible times (422), declared size (413), the cluster's queue (429), body read within
+its deadline (408), the size limit (413) and the server-wide bytes in flight (429), parse
+and validate (400/422), event times within the window (422), then dedupe and apply.
+
+Nothing is read into memory before the token is checked, and the bytes held at once
+across all requests are bounded, so memory stays bounded under any input. Bytes count
+against that budget as they arrive, not as a request declares them, so clients that stall
+mid-body hold only what they sent, and only until the body deadline; a connection that
+never finishes its headers is closed after the header deadline (aiohttp's keep-alive
+timer, which also runs from the connection's start). Parsing a large body happens in a
+worker thread so the loop never stalls on it.
 """
 
 from __future__ import annotations
@@ -27,11 +35,20 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prorsa.events import BatchError, Event, FieldError, parse_batch, parse_ndjson, parse_snapshot
+from prorsa.events import (
+    BatchError,
+    Event,
+    FieldError,
+    Snapshot,
+    parse_batch,
+    parse_ndjson,
+    parse_snapshot,
+)
 from prorsa.ingest.auth import bearer_token
 from prorsa.ingest.metrics import WebhookMetrics
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside
 from prorsa.ingest.wire import (
     BatchReply,
     ClusterStatus,
@@ -77,6 +94,7 @@ class Refusal(Exception):
         self.retry_after = retry_after
 
     def response(self) -> web.Response:
+        """The JSON reply; a 408 also closes the connection (its body never came)."""
         h = self.handle
         details = None
         if self.errors is not None:
@@ -95,7 +113,19 @@ class Refusal(Exception):
             headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="prorsa"'
-        return web.json_response(body.wire(), status=self.status, headers=headers)
+        response = web.json_response(body.wire(), status=self.status, headers=headers)
+        if self.status == 408:
+            response.force_close()
+        return response
+
+
+class _Held:
+    """Body bytes one request holds against the server-wide in-flight budget."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +160,11 @@ class WebhookServer:
         self.metrics.pending.set_function(self.registry.pending_events)
         self._inflight_bytes = 0
 
+    @property
+    def inflight_bytes(self) -> int:
+        """Request body bytes held right now, server-wide (read, being parsed)."""
+        return self._inflight_bytes
+
     # -- assembly ------------------------------------------------------------------------
 
     def add_routes(
@@ -152,9 +187,24 @@ class WebhookServer:
         self.add_routes(app)
         return app
 
+    def runner(self, app: web.Application | None = None) -> web.AppRunner:
+        """A runner for ``app`` (default :meth:`make_app`) that drops stalled connections.
+
+        aiohttp closes a connection waiting for a request's headers once its keep-alive
+        timer runs out, and that timer starts when the connection is made: so
+        ``header_timeout_seconds`` bounds both an idle kept-alive connection and one that
+        never finishes its first request line and headers (aiohttp's default is an hour).
+        """
+        return web.AppRunner(
+            app if app is not None else self.make_app(),
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self.limits.header_timeout_seconds,
+        )
+
     async def start(self, *, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
         """Listen on ``host:port`` (port 0: any free port) in the running loop."""
-        runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        runner = self.runner()
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         try:
@@ -190,15 +240,32 @@ class WebhookServer:
     # -- shared steps --------------------------------------------------------------------
 
     def _cluster(self, request: web.Request) -> ClusterHandle:
-        ns, name = request.match_info["namespace"], request.match_info["name"]
-        handle = self.registry.get(ns, name)
-        if handle is None:
-            raise Refusal(404, "unknown_cluster", f"no RolloutCluster {ns}/{name} is served here")
-        if not handle.authorized(bearer_token(request.headers.get("Authorization"))):
-            raise Refusal(401, "unauthorized", "missing or wrong bearer token", handle=handle)
-        return handle
+        """The cluster of the path, once the token is one this server knows.
 
-    def _sent_at(self, request: web.Request, handle: ClusterHandle) -> float | None:
+        A token no served cluster holds is 401 whether or not the cluster exists, with the
+        same body either way; only a caller holding some cluster's token learns that a name
+        is not served (404).
+        """
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        presented = bearer_token(request.headers.get("Authorization"))
+        handle = self.registry.get(ns, name)
+        if handle is not None and handle.authorized(presented):
+            return handle
+        if handle is None and self.registry.knows_token(presented):
+            raise Refusal(404, "unknown_cluster", f"no RolloutCluster {ns}/{name} is served here")
+        raise Refusal(401, "unauthorized", "missing or wrong bearer token")
+
+    def _window(self, handle: ClusterHandle) -> TimeWindow:
+        limits = self.limits
+        return TimeWindow(
+            now=handle.clock.wall(),
+            ahead=limits.max_clock_ahead_seconds,
+            behind=limits.max_clock_behind_seconds,
+        )
+
+    def _sent_at(
+        self, request: web.Request, handle: ClusterHandle, window: TimeWindow
+    ) -> float | None:
         raw = request.headers.get(SENT_AT_HEADER)
         if raw is None:
             return None
@@ -213,45 +280,78 @@ class WebhookServer:
                 f"{SENT_AT_HEADER} must be unix seconds, got {raw[:40]!r}",
                 handle=handle,
             )
+        if value not in window:
+            raise Refusal(
+                422,
+                "invalid",
+                f"{SENT_AT_HEADER} is outside the window of plausible times; the batch was "
+                "not applied",
+                handle=handle,
+                errors=[FieldError(None, SENT_AT_HEADER, window.explain(value))],
+            )
         return value
 
-    async def _read(self, request: web.Request, handle: ClusterHandle, *, limit: int) -> bytes:
-        """The body, refusing (413) past ``limit`` bytes without reading further."""
+    @asynccontextmanager
+    async def _holding(self, request: web.Request, handle: ClusterHandle) -> AsyncIterator[_Held]:
+        """Count the body's bytes against the server-wide budget until the block ends.
+
+        Bytes are counted as they arrive (:meth:`_read`), so a stalled client holds only
+        what it sent. A body whose declared size cannot fit now is refused before reading.
+        """
+        declared = request.content_length
+        plain = not request.headers.get("Content-Encoding")
+        inflight = self._inflight_bytes
+        if declared and plain and inflight and inflight + declared > self.limits.max_inflight_bytes:
+            raise _busy(handle)
+        held = _Held()
+        try:
+            yield held
+        finally:
+            self._inflight_bytes -= held.bytes
+
+    async def _read(
+        self, request: web.Request, handle: ClusterHandle, *, limit: int, held: _Held
+    ) -> bytes:
+        """The body, within ``body_timeout_seconds`` (408), ``limit`` bytes (413) and the
+        server-wide budget (429), refusing as soon as one is exceeded."""
         declared = request.content_length
         if declared is not None and declared > limit:
             raise Refusal(
                 413, "too_large", f"body of {declared} bytes exceeds {limit}", handle=handle
             )
+        budget = self.limits.max_inflight_bytes
+        deadline = self.limits.body_timeout_seconds
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_chunked(_READ_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise Refusal(413, "too_large", f"body exceeds {limit} bytes", handle=handle)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    @asynccontextmanager
-    async def _reserve(
-        self, request: web.Request, handle: ClusterHandle, *, limit: int
-    ) -> AsyncIterator[None]:
-        """Hold the body's bytes against the server-wide in-flight budget while in use."""
-        declared = request.content_length
-        plain = not request.headers.get("Content-Encoding")
-        need = min(declared, limit) if declared is not None and plain else limit
-        if self._inflight_bytes and self._inflight_bytes + need > self.limits.max_inflight_bytes:
-            raise Refusal(
-                429,
-                "busy",
-                "too many request bodies in flight; retry shortly",
-                handle=handle,
-                retry_after=1,
-            )
-        self._inflight_bytes += need
         try:
-            yield
-        finally:
-            self._inflight_bytes -= need
+            async with asyncio.timeout(deadline):
+                async for chunk in request.content.iter_chunked(_READ_CHUNK):
+                    n = len(chunk)
+                    size += n
+                    if size > limit:
+                        raise Refusal(
+                            413, "too_large", f"body exceeds {limit} bytes", handle=handle
+                        )
+                    # Alone, a request may use the whole budget: a legal body always fits.
+                    if self._inflight_bytes + n > budget and self._inflight_bytes > held.bytes:
+                        raise _busy(handle)
+                    self._inflight_bytes += n
+                    held.bytes += n
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise Refusal(
+                408,
+                "timeout",
+                f"the request body did not arrive within {deadline:g} s ({size} bytes came)",
+                handle=handle,
+            ) from None
+        except web.RequestPayloadError as exc:
+            problem = _payload_problem(request, exc)
+            raise Refusal(400, "unreadable", problem, handle=handle) from None
+        except ConnectionResetError:
+            # The client hung up mid-body: nobody reads the reply; the budget is released.
+            raise Refusal(400, None, "the client closed the connection", handle=handle) from None
+        return b"".join(chunks)
 
     async def _parse(self, body: bytes, fn: Callable[[bytes], T], handle: ClusterHandle) -> T:
         try:
@@ -277,18 +377,25 @@ class WebhookServer:
         start = time.perf_counter()
         handle = self._cluster(request)
         received = handle.clock.monotonic()
-        sent_at = self._sent_at(request, handle)
+        window = self._window(handle)
+        sent_at = self._sent_at(request, handle, window)
         try:
             handle.check_capacity()
         except QueueFull as full:
             raise _queue_full(full, handle) from None
-        ndjson = request.content_type in NDJSON_TYPES
+        parse = parse_ndjson if request.content_type in NDJSON_TYPES else parse_batch
+
+        def parse_in_window(body: bytes) -> list[Event]:
+            events = parse(body)
+            outside = events_outside(events, window)
+            if outside:
+                raise BatchError(outside)
+            return events
+
         limit = self.limits.max_batch_bytes
-        async with self._reserve(request, handle, limit=limit):
-            body = await self._read(request, handle, limit=limit)
-            events: list[Event] = await self._parse(
-                body, parse_ndjson if ndjson else parse_batch, handle
-            )
+        async with self._holding(request, handle) as held:
+            body = await self._read(request, handle, limit=limit, held=held)
+            events: list[Event] = await self._parse(body, parse_in_window, handle)
         try:
             outcome = await handle.apply(events, received=received, sent_at=sent_at)
         except QueueFull as full:
@@ -315,11 +422,20 @@ class WebhookServer:
     async def post_snapshot(self, request: web.Request) -> web.Response:
         handle = self._cluster(request)
         received = handle.clock.monotonic()
-        sent_at = self._sent_at(request, handle)
+        window = self._window(handle)
+        sent_at = self._sent_at(request, handle, window)
+
+        def parse_in_window(body: bytes) -> Snapshot:
+            snapshot = parse_snapshot(body)
+            outside = snapshot_outside(snapshot, window)
+            if outside:
+                raise BatchError(outside)
+            return snapshot
+
         limit = self.limits.max_snapshot_bytes
-        async with self._reserve(request, handle, limit=limit):
-            body = await self._read(request, handle, limit=limit)
-            snapshot = await self._parse(body, parse_snapshot, handle)
+        async with self._holding(request, handle) as held:
+            body = await self._read(request, handle, limit=limit, held=held)
+            snapshot = await self._parse(body, parse_in_window, handle)
         await handle.apply_snapshot(snapshot, received=received, sent_at=sent_at)
         log.info(
             "%s/%s: resync snapshot with %d live trajectories",
@@ -366,6 +482,26 @@ def _unreadable(errors: list[FieldError]) -> bool:
         and errors[0].field == "body"
         and errors[0].message.startswith("Invalid JSON")
     )
+
+
+def _busy(handle: ClusterHandle) -> Refusal:
+    return Refusal(
+        429,
+        "busy",
+        "too many request bodies in flight; retry shortly",
+        handle=handle,
+        retry_after=1,
+    )
+
+
+def _payload_problem(request: web.Request, exc: web.RequestPayloadError) -> str:
+    """What was wrong with a body aiohttp could not decode, in the trainer's terms."""
+    encoding = request.headers.get("Content-Encoding")
+    cause = exc.__cause__ or exc
+    detail = getattr(cause, "message", None) or str(cause)
+    if encoding:
+        return f"the body is not valid {encoding} (its Content-Encoding): {detail}"[:300]
+    return f"the body could not be read: {detail}"[:300]
 
 
 def _queue_full(full: QueueFull, handle: ClusterHandle) -> Refusal:

@@ -14,13 +14,19 @@ server's *monotonic* clock (immune to NTP steps on the server):
   without the header, how long the newest event sat in the client's buffer or in retries.
 
 The offset is therefore a *low* quantile of recent samples: the least-delayed batches
-carry the truth, retried or long-buffered batches only inflate samples. A plain minimum
-would let one bogus future timestamp pin the estimate for the whole window, so the
-estimator takes the 10th percentile over the last 64 samples (and over at most the last
-five minutes, so a trainer whose clock is stepped backwards is followed within that
-time; a step forwards lowers the samples and is followed at once). With the header the
-residual error is the one-way loopback/LAN latency, under a millisecond; without it,
-about the smallest buffering delay the client ever achieves (its flush interval at most).
+carry the truth, retried or long-buffered batches only inflate samples. The other kind of
+outlier is a batch from the future: a broken clock that still reads within the webhook's
+window of plausible times (:mod:`prorsa.ingest.window`). A low quantile alone would let a
+few of those pin the estimate (a plain minimum, just one), and a tick at a present hours
+ahead would find every trajectory silent. So samples whose trainer clock reads more than
+``tolerance`` (30 s) ahead of the median sample are dropped first, and the estimate is the
+10th percentile of the rest, over the last 64 samples (and at most the last five
+minutes). Fewer than half of the samples, in either direction, cannot move it by more
+than the tolerance; from the third sample on, no single batch can. A trainer clock stepped
+backwards or forwards is followed once the stepped samples are the majority of the window
+(or the older ones are five minutes old). With the header the residual error is the
+one-way loopback/LAN latency, under a millisecond; without it, about the smallest
+buffering delay the client ever achieves (its flush interval at most).
 
 ``trainer_now()`` = server monotonic now - offset. Until a batch has arrived the server
 assumes the clocks agree and returns its own wall clock.
@@ -30,18 +36,29 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 
 DEFAULT_WINDOW = 64
 DEFAULT_QUANTILE = 0.1
 DEFAULT_MAX_AGE = 300.0
+DEFAULT_TOLERANCE = 30.0
 
 
 class ClockOffset:
     """Robust running estimate of (server monotonic clock - trainer clock)."""
 
-    __slots__ = ("_max_age", "_mono", "_offset", "_quantile", "_samples", "_wall", "_window")
+    __slots__ = (
+        "_max_age",
+        "_mono",
+        "_offset",
+        "_quantile",
+        "_samples",
+        "_tolerance",
+        "_wall",
+        "_window",
+    )
 
     def __init__(
         self,
@@ -49,14 +66,18 @@ class ClockOffset:
         window: int = DEFAULT_WINDOW,
         quantile: float = DEFAULT_QUANTILE,
         max_age: float = DEFAULT_MAX_AGE,
+        tolerance: float = DEFAULT_TOLERANCE,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        if window < 1 or not 0.0 <= quantile < 1.0 or max_age <= 0:
-            raise ValueError("window >= 1, 0 <= quantile < 1 and max_age > 0 are required")
+        if window < 1 or not 0.0 <= quantile < 1.0 or max_age <= 0 or tolerance <= 0:
+            raise ValueError(
+                "window >= 1, 0 <= quantile < 1, max_age > 0 and tolerance > 0 are required"
+            )
         self._window = window
         self._quantile = quantile
         self._max_age = max_age
+        self._tolerance = tolerance
         self._mono = monotonic
         self._wall = wall
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # (received, d)
@@ -65,6 +86,10 @@ class ClockOffset:
     def monotonic(self) -> float:
         """The server clock the samples are measured on (for ``received``)."""
         return self._mono()
+
+    def wall(self) -> float:
+        """The server's wall clock: the reference of the webhook's timestamp window."""
+        return self._wall()
 
     def observe(self, *, received: float, trainer_sent: float) -> None:
         """Add one batch: ``received`` on :meth:`monotonic`, ``trainer_sent`` on the trainer's."""
@@ -75,7 +100,10 @@ class ClockOffset:
         while samples and samples[0][0] < received - self._max_age:
             samples.popleft()
         ordered = sorted(d for _, d in samples)
-        self._offset = ordered[int(self._quantile * len(ordered))]
+        # Ahead-of-the-rest samples have small d: drop those far below the (lower) median.
+        floor = ordered[(len(ordered) - 1) // 2] - self._tolerance
+        kept = ordered[bisect_left(ordered, floor) :]
+        self._offset = kept[int(self._quantile * len(kept))]
 
     @property
     def offset(self) -> float | None:

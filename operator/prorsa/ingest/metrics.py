@@ -22,6 +22,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "too_large",  # 413
     "queue_full",  # 429: the cluster's Controller is behind
     "busy",  # 429: too many request bodies in flight on this server
+    "timeout",  # 408: the body did not arrive within the body deadline
 )
 
 # Loopback batches of 500 take ~2-10 ms; the tail buckets show a stalled Controller.

@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 from prorsa import __version__
 from prorsa.decision import Decision
 from prorsa.events import EventBatch, Snapshot
+from prorsa.ingest.registry import IngestLimits
 from prorsa.ingest.wire import BatchReply, ClusterStatus, ErrorReply, Health, SnapshotReply
 
 CLUSTER_PATH = "/v1/namespaces/{namespace}/rolloutclusters/{name}"
@@ -61,26 +62,63 @@ _CLUSTER_PARAMS = [
     },
 ]
 
+_DEFAULTS = IngestLimits()
+WINDOW_RULE = (
+    "Times (`ts`, a snapshot's `since` and `started_at`, and the `X-Prorsa-Sent-At` "
+    "header) are unix seconds within the server's window of plausible times, by default "
+    f"from {_DEFAULTS.max_clock_behind_seconds:g} s behind to "
+    f"{_DEFAULTS.max_clock_ahead_seconds:g} s ahead of its own clock (settings "
+    "`max_clock_behind_seconds`, `max_clock_ahead_seconds`); a time outside it (milliseconds, "
+    "seconds since the trainer started, a broken clock) is refused with 422 naming the field."
+)
+INTEGER_RULE = (
+    "Numbers are not coerced: a string or a boolean is never a number. An integer field "
+    "takes a whole number written as a float (`3.0`, `1e3`) as that integer, as JSON "
+    "Schema's `integer` does; a fraction (`3.5`) is refused with 422."
+)
+
 _SENT_AT_PARAM = {
     "name": SENT_AT_HEADER,
     "in": "header",
     "required": False,
     "description": "The client's clock (unix seconds) when it sent the request; sharpens the "
-    "server's estimate of the trainer clock offset. Without it the newest event ts is used.",
+    "server's estimate of the trainer clock offset. Without it the newest event ts is used. "
+    "Outside the window of plausible times (see the operation): 422 naming "
+    f"`{SENT_AT_HEADER}`; not a number: 400.",
     "schema": {"type": "number", "minimum": 0},
 }
 
+_UNAUTHORIZED = _error(
+    "Missing or wrong bearer token. A token that no served cluster holds gets 401 whether "
+    "or not the cluster exists.",
+    **_WWW_AUTH,
+)
+
 _BODY_ERRORS = {
-    "400": _error("Unreadable: not JSON (or NDJSON), not UTF-8, or a malformed header."),
-    "401": _error("Missing or wrong bearer token.", **_WWW_AUTH),
-    "404": _error("No such RolloutCluster is served here."),
+    "400": _error(
+        "Unreadable: not JSON (or NDJSON), not UTF-8, a body its Content-Encoding cannot "
+        "decode, or a malformed header."
+    ),
+    "401": _UNAUTHORIZED,
+    "404": _error("No such RolloutCluster is served here (told only to a valid token)."),
+    "408": _error(
+        "The body did not arrive within the server's body deadline "
+        f"({_DEFAULTS.body_timeout_seconds:g} s by default); the connection is closed."
+    ),
     "413": _error("The body is over the size limit."),
-    "422": _error("Some events do not validate; `errors` names the index and field of each."),
-    "429": _error("The cluster's queue is full; retry after Retry-After seconds.", **_RETRY_AFTER),
+    "422": _error(
+        "Some events do not validate, or a time is outside the window of plausible times; "
+        "`errors` names the index (null: the body or a header) and field of each."
+    ),
+    "429": _error(
+        "The cluster's queue is full, or the server holds too many request bodies; retry "
+        "after Retry-After seconds.",
+        **_RETRY_AFTER,
+    ),
 }
 
 _READ_ERRORS = {
-    "401": _error("Missing or wrong bearer token.", **_WWW_AUTH),
+    "401": _UNAUTHORIZED,
     "404": _error("No such RolloutCluster (or, for forecast, no Decision yet)."),
 }
 
@@ -112,7 +150,7 @@ def openapi_document() -> dict[str, Any]:
         "Trajectory events name their `trajectory`; the cluster events "
         "`weight_update_started` and `weight_update_finished` name none (they concern every "
         "live trajectory: a weight update flushes every prefix cache, and the live contexts "
-        "re-prefill once it ends).",
+        f"re-prefill once it ends). {INTEGER_RULE} {WINDOW_RULE}",
         "security": secured,
         "parameters": [_SENT_AT_PARAM],
         "requestBody": {
@@ -140,7 +178,8 @@ def openapi_document() -> dict[str, Any]:
         "operationId": "postSnapshot",
         "summary": "Replace the server's view with every live trajectory (resync).",
         "description": "Events stamped before the snapshot's `ts` that arrive later are "
-        "counted as `superseded` and not applied: the snapshot already reflects them.",
+        "counted as `superseded` and not applied: the snapshot already reflects them. "
+        f"{INTEGER_RULE} {WINDOW_RULE}",
         "security": secured,
         "parameters": [_SENT_AT_PARAM],
         "requestBody": {

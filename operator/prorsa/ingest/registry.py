@@ -33,6 +33,9 @@ from prorsa.ingest.clock import ClockOffset
 
 T = TypeVar("T")
 
+EVICTION_CLOCK_RATE = 2.0
+"""The eviction clock runs at most this many times as fast as real time (see tick)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IngestLimits:
@@ -55,6 +58,17 @@ class IngestLimits:
     loop in proportion, so they move to a thread (at some cost in throughput)."""
     offload_ticks: bool = True
     """Run ``Controller.tick`` in a worker thread (its cost grows with live trajectories)."""
+    header_timeout_seconds: float = 30.0
+    """A connection must send a request's line and headers within this long of connecting
+    (or of its previous reply, kept alive); then it is closed without a reply."""
+    body_timeout_seconds: float = 60.0
+    """A request must send its whole body within this long of its headers; then 408."""
+    max_clock_ahead_seconds: float = 3600.0
+    """Trainer timestamps (event ``ts``, snapshot times, ``X-Prorsa-Sent-At``) more than
+    this far ahead of the server's wall clock are refused (422)."""
+    max_clock_behind_seconds: float = 7 * 86400.0
+    """... and more than this far behind it: milliseconds, seconds since the trainer
+    started, or a clock years off are trainer bugs, not times."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -68,6 +82,15 @@ class IngestLimits:
                 raise ValueError(f"{name} must be >= 1")
         if self.offload_events < 0:
             raise ValueError("offload_events must be >= 0")
+        for name in (
+            "header_timeout_seconds",
+            "body_timeout_seconds",
+            "max_clock_ahead_seconds",
+            "max_clock_behind_seconds",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +141,7 @@ class ClusterHandle:
         self._token = normalize_token(token)
         self._resync = resync
         self._snapshot_ts: float | None = None
+        self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
         controller.table.set_dedupe_window(0)
@@ -248,9 +272,30 @@ class ClusterHandle:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
 
         def run() -> Decision:
-            return self.controller.tick(self.trainer_now() if now is None else now)
+            at = self.trainer_now() if now is None else now
+            return self.controller.tick(at, evict_now=self._eviction_now(at))
 
         return await self._exclusive_call(run, offload=self.limits.offload_ticks, pending=0)
+
+    def _eviction_now(self, now: float) -> float:
+        """The present for eviction: ``now``, but advancing at most twice as fast as the
+        server's monotonic clock since the previous tick (from the server's wall clock at
+        the first one).
+
+        A batch stamped an hour ahead can move the clock estimate by an hour (while fewer
+        than three batches have arrived); without this, the next tick would find every
+        live trajectory silent for longer than the TTL and evict it. A trainer clock that
+        really is ahead of the server's is caught up with at one extra second per second.
+        """
+        mono = self.clock.monotonic()
+        if self._evicted_at is None:
+            limit = self.clock.wall()
+        else:
+            last_mono, last = self._evicted_at
+            limit = last + EVICTION_CLOCK_RATE * max(0.0, mono - last_mono)
+        at = min(now, limit)
+        self._evicted_at = (mono, at)
+        return at
 
     # -- the queue -----------------------------------------------------------------------
 
@@ -394,6 +439,11 @@ class ClusterRegistry:
 
     def get(self, namespace: str, name: str) -> ClusterHandle | None:
         return self._clusters.get((namespace, name))
+
+    def knows_token(self, presented: str | None) -> bool:
+        """Whether ``presented`` is the token of some served cluster (each one compared)."""
+        matches = [h.authorized(presented) for h in self._clusters.values()]
+        return any(matches)
 
     def __len__(self) -> int:
         return len(self._clusters)

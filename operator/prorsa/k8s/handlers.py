@@ -129,7 +129,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         )
         app = web.Application()
         ctx.server.add_routes(app)
-        ctx.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
         await ctx.runner.setup()
         site = web.TCPSite(ctx.runner, config.listen_host, config.listen_port)
         await site.start()
