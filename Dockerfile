@@ -16,6 +16,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
+COPY sdk/prorsa_contract ./sdk/prorsa_contract
+COPY sdk/prorsa_sdk ./sdk/prorsa_sdk
 # setuptools looks for packages under engine_image/ too (the agent ships in the same
 # distribution); the operator never imports it.
 COPY engine_image/prorsa_agent ./engine_image/prorsa_agent

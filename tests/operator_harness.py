@@ -1,4 +1,4 @@
-"""The operator's end-to-end tests run on :mod:`prorsa.testing.stack`, the same loopback
+"""The operator's end-to-end tests run on :mod:`prorsa_lab.doubles.stack`, the same loopback
 deployment (API emulator, operator, fake kubelet with engine doubles and agents) that
 ``prorsa demo`` runs. This module keeps the names the tests import."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from prorsa.testing.engine import EngineConfig
-from prorsa.testing.stack import NAMESPACE, TOKEN, Stack, cluster_manifest, stack
+from prorsa_lab.doubles.sglang_double import EngineConfig
+from prorsa_lab.doubles.stack import NAMESPACE, TOKEN, Stack, cluster_manifest, stack
 
 Deployment = Stack
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorsa.allocate import (
+from prorsa.core.allocate import (
     MAX_MARGIN,
     DemandSmoother,
     PrefillSpeed,

@@ -35,11 +35,12 @@ from aiohttp import web
 from kubernetes import client, config
 
 from prorsa.cli import build_parser
-from prorsa.ingest import ClusterRegistry, WebhookServer
+from prorsa.clusters import ClusterRegistry
+from prorsa.core.spec import GROUP, PLURAL, load_cluster
+from prorsa.ingest import WebhookServer
 from prorsa.k8s import objects
 from prorsa.k8s.kube import Kube
-from prorsa.spec import GROUP, PLURAL, load_cluster
-from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "prorsa"

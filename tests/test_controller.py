@@ -10,8 +10,8 @@ from conftest import EventLog, make_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorsa.controller import Controller
-from prorsa.engine_state import EngineState
+from prorsa.core.controller import Controller
+from prorsa_contract.agent_api import EngineState
 
 DECISION_KEYS = {
     "at",
@@ -242,7 +242,7 @@ def script(seed: int) -> list[dict]:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), at=st.floats(10, 60))
 def test_replaying_the_same_events_gives_the_same_decision(seed: int, at: float) -> None:
-    from prorsa.events import parse_events
+    from prorsa_contract.events import parse_events
 
     raw = script(seed)
     wires = []

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from prorsa.k8s.crd import SPEC_RULES, crd, render
-from prorsa.spec import SpecError, parse_cluster
+from prorsa.core.spec import SpecError, parse_cluster
+from prorsa.k8s.crd_manifest import SPEC_RULES, crd, render
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from prorsa.demo.monitor import Sample
-from prorsa.demo.phases import (
+from prorsa_lab.demo.monitor import Sample
+from prorsa_lab.demo.phases import (
     Split,
     phase_changes,
     prefill_backlogs,
     split_timeline,
     summary_line,
 )
-from prorsa.demo.router import LabelChange, PrefillJob
-from prorsa.demo.workload import PhaseSchedule, default_phase_seconds
+from prorsa_lab.demo.router import LabelChange, PrefillJob
+from prorsa_lab.demo.workload import PhaseSchedule, default_phase_seconds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 Run = tuple[subprocess.CompletedProcess[str], Path]

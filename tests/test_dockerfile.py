@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from prorsa_agent import cli as agent_cli
+from prorsa_agent import agent_cli
 from prorsa_agent.config import ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent

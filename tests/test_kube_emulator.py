@@ -28,7 +28,7 @@ from kopf.testing import KopfRunner
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "rolloutcluster.yaml"
@@ -992,7 +992,7 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
         [
             sys.executable,
             "-m",
-            "prorsa.testing.kube",
+            "prorsa_lab.doubles.kube_emulator",
             "--kubeconfig",
             str(config),
             "--namespace",

@@ -10,7 +10,7 @@ import pytest
 from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
 
 from prorsa.k8s import objects as obj
-from prorsa.testing.engine import EngineConfig, TimingModel
+from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 
 
 def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[dict]:

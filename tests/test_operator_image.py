@@ -208,8 +208,8 @@ class NotInstalled(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NotInstalled())
-import prorsa.cli, prorsa.commands.operator, prorsa.k8s.handlers, prorsa.k8s.runtime
-import prorsa.ingest, prorsa.metrics
+import prorsa.cli, prorsa.commands.operator, prorsa.kopf_handlers, prorsa.k8s.runtime
+import prorsa.ingest, prorsa.operator_metrics
 prorsa.cli.build_parser().parse_args(["operator", "-A"])
 print("ok")
 """

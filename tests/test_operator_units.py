@@ -7,9 +7,9 @@ import pytest
 from conftest import make_spec
 from operator_harness import cluster_manifest
 
+from prorsa.core.spec import parse_cluster
 from prorsa.k8s import objects as obj
-from prorsa.k8s.handlers import OperatorConfig, build_registry, parse_spec
-from prorsa.spec import parse_cluster
+from prorsa.kopf_handlers import OperatorConfig, build_registry, parse_spec
 
 
 def test_admission_refuses_bad_specs_naming_the_field() -> None:

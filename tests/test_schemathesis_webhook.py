@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterHandle, ClusterRegistry, WebhookServer
+from prorsa.clusters import ClusterHandle, ClusterRegistry
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
 
 TOKEN = "fuzz-token"
 MAX_EXAMPLES = 25  # per operation and mode: ~500 requests in all
@@ -68,7 +69,7 @@ def live() -> Iterator[Live]:
 def _integral_floats_as_ints(value: Any) -> Any:
     """JSON Schema counts 6150.0 as an integer; the event CONTRACT refuses it on purpose.
 
-    Token counts are strict integers (``Field(strict=True)`` in prorsa.events): a trainer
+    Token counts are strict integers (``Field(strict=True)`` in prorsa_contract.events): a trainer
     sending floats has a bug worth a 422. No JSON Schema keyword can say "no fractional
     part in the text", so schema-valid data is made integral before it is sent as such.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from prorsa.switch_cost import Persistence, Regret, SwitchCosts, load, price_move, slowdown
+from prorsa.core.switch_cost import Persistence, Regret, SwitchCosts, load, price_move, slowdown
 
 
 def price(current, now, ahead=None, *, lost=0.0, back=0.0, src="decode", switch=20.0):

@@ -27,11 +27,10 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prorsa.events import BatchError, Event, FieldError, parse_batch, parse_ndjson, parse_snapshot
-from prorsa.ingest.auth import bearer_token
-from prorsa.ingest.metrics import WebhookMetrics
+from prorsa.clusters.auth import bearer_token
+from prorsa.clusters.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
-from prorsa.ingest.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.wire import (
     BatchReply,
     ClusterStatus,
@@ -39,6 +38,14 @@ from prorsa.ingest.wire import (
     ErrorReply,
     Health,
     SnapshotReply,
+)
+from prorsa_contract.events import (
+    BatchError,
+    Event,
+    FieldError,
+    parse_batch,
+    parse_ndjson,
+    parse_snapshot,
 )
 
 log = logging.getLogger("prorsa.ingest")

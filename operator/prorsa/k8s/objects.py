@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prorsa.spec import RolloutClusterSpec
+from prorsa.core.spec import RolloutClusterSpec
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 CLUSTER_LABEL = "prorsa.io/cluster"

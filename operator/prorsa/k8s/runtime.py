@@ -20,15 +20,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.decision import Decision, Switch
-from prorsa.engine_state import EngineState
-from prorsa.ingest import ClusterHandle
+from prorsa.clusters import ClusterHandle
+from prorsa.core.decision import Decision, Switch
+from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
-from prorsa.metrics import OperatorMetrics
-from prorsa.spec import RolloutClusterSpec
+from prorsa.operator_metrics import OperatorMetrics
+from prorsa_contract.agent_api import EngineState
 
 log = logging.getLogger("prorsa.runtime")
 
