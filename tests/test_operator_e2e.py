@@ -9,7 +9,14 @@ import json
 import pytest
 from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
 
-from prorsa.k8s import objects as obj
+from prorsa_contract.labels import (
+    BOOTSTRAP_ANNOTATION,
+    CLUSTER_LABEL,
+    DRAINING,
+    MANAGED_BY,
+    ROLE_LABEL,
+    SWITCH_ANNOTATION,
+)
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 
 
@@ -45,9 +52,9 @@ async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
         pods = await env.pods()
         for pod in pods:
             meta = pod["metadata"]
-            assert meta["labels"][obj.MANAGED_BY] == "prorsa"
-            assert meta["labels"][obj.CLUSTER_LABEL] == "demo"
-            assert meta["annotations"][obj.BOOTSTRAP_ANNOTATION] == "8998"
+            assert meta["labels"][MANAGED_BY] == "prorsa"
+            assert meta["labels"][CLUSTER_LABEL] == "demo"
+            assert meta["annotations"][BOOTSTRAP_ANNOTATION] == "8998"
             assert meta["ownerReferences"][0]["kind"] == "RolloutCluster"
             limits = pod["spec"]["containers"][0]["resources"]["limits"]
             assert limits["nvidia.com/gpu"] == "8"
@@ -128,17 +135,17 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
 
         async def someone_draining() -> str | None:
             for name, role in (await env.roles()).items():
-                if role == obj.DRAINING:
+                if role == DRAINING:
                     return name
             return None
 
         # The bootstrap flip to 1P:3D is slow (3 s): stop the operator while it runs.
         name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
         pod = next(p for p in await env.pods() if p["metadata"]["name"] == name)
-        intent = json.loads(pod["metadata"]["annotations"][obj.SWITCH_ANNOTATION])
+        intent = json.loads(pod["metadata"]["annotations"][SWITCH_ANNOTATION])
         assert intent["to"] == "prefill"
         await env.stop_operator()
-        assert (await env.roles())[name] == obj.DRAINING  # left mid-switch
+        assert (await env.roles())[name] == DRAINING  # left mid-switch
         saved = await env.kube.read_config_map(NAMESPACE, "demo-prorsa-state")
         assert saved is not None and json.loads(saved["learned.json"])["format"] == 1
         await env.start_operator()
@@ -154,8 +161,8 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
         async def converged() -> bool:
             pods = await env.pods()
             return all(
-                p["metadata"]["labels"][obj.ROLE_LABEL] != obj.DRAINING
-                and obj.SWITCH_ANNOTATION not in (p["metadata"].get("annotations") or {})
+                p["metadata"]["labels"][ROLE_LABEL] != DRAINING
+                and SWITCH_ANNOTATION not in (p["metadata"].get("annotations") or {})
                 for p in pods
             ) and await ready_split(env, 1, 3)
 
@@ -169,7 +176,7 @@ async def test_pod_deleted_mid_switch_is_recreated() -> None:
 
         async def someone_draining() -> str | None:
             for name, role in (await env.roles()).items():
-                if role == obj.DRAINING:
+                if role == DRAINING:
                     return name
             return None
 
@@ -178,7 +185,7 @@ async def test_pod_deleted_mid_switch_is_recreated() -> None:
 
         async def replaced() -> bool:
             pods = {p["metadata"]["name"]: p for p in await env.pods()}
-            return name in pods and pods[name]["metadata"]["labels"][obj.ROLE_LABEL] != "draining"
+            return name in pods and pods[name]["metadata"]["labels"][ROLE_LABEL] != "draining"
 
         await env.wait_for(replaced, timeout=60, what="the pod recreated")
         await env.wait_for(lambda: ready_split(env, 1, 3), timeout=60, what="1P:3D again")

@@ -29,6 +29,7 @@ from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
 from prorsa.operator_metrics import OperatorMetrics
+from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
 
 log = logging.getLogger("prorsa.operator")
 
@@ -249,12 +250,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         ctx.registry.remove(namespace=namespace, name=name)
         ctx.metrics.forget(namespace, name)
 
-    @kopf.on.event("", "v1", "pods", registry=registry, labels={obj.MANAGED_BY: "prorsa"})
+    @kopf.on.event("", "v1", "pods", registry=registry, labels={MANAGED_BY: "prorsa"})
     async def pod_event(
         event: dict[str, Any], labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
     ) -> None:
         ctx: OperatorContext | None = getattr(memo, "prorsa", None)
-        cluster = labels.get(obj.CLUSTER_LABEL)
+        cluster = labels.get(CLUSTER_LABEL)
         if ctx is None or cluster is None:
             return
         runtime = ctx.runtimes.get((namespace, cluster))

@@ -29,6 +29,14 @@ from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome,
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.agent_api import EngineState
+from prorsa_contract.labels import (
+    AGENT_PORT,
+    CLUSTER_LABEL,
+    COMPONENT_LABEL,
+    INDEX_LABEL,
+    SWITCH_ANNOTATION,
+    agent_secret_name,
+)
 
 log = logging.getLogger("prorsa.runtime")
 
@@ -40,7 +48,7 @@ EventPoster = Callable[[str, str, str], Awaitable[None]]  # (type, reason, messa
 class OperatorOptions:
     """Process-wide settings of the operator (flags of ``prorsa operator``)."""
 
-    agent_port: int = obj.AGENT_PORT
+    agent_port: int = AGENT_PORT
     router_url_template: str = "http://{name}-router.{namespace}.svc:{port}"
     router_settle_timeout: float = 30.0
     tick_seconds: float | None = None  # None: each cluster's forecast.horizonSeconds
@@ -74,7 +82,7 @@ class ClusterRuntime:
 
     @property
     def selector(self) -> str:
-        return f"{obj.CLUSTER_LABEL}={self.name},{obj.COMPONENT_LABEL}=engine"
+        return f"{CLUSTER_LABEL}={self.name},{COMPONENT_LABEL}=engine"
 
     def owner(self) -> dict[str, Any]:
         return {
@@ -100,7 +108,7 @@ class ClusterRuntime:
     async def setup(self) -> None:
         """Secret, services, router; the executor; switches a previous process left."""
         ns, name = self.namespace, self.name
-        secret_name = obj.agent_secret_name(name)
+        secret_name = agent_secret_name(name)
         token = await self.kube.read_secret_key(ns, secret_name, "token")
         if token is None:
             token = secrets.token_urlsafe(32)
@@ -242,7 +250,7 @@ class ClusterRuntime:
         for pod in pods:
             meta = pod["metadata"]
             try:
-                index = int((meta.get("labels") or {}).get(obj.INDEX_LABEL, "-1"))
+                index = int((meta.get("labels") or {}).get(INDEX_LABEL, "-1"))
             except ValueError:
                 index = -1
             phase = (pod.get("status") or {}).get("phase")
@@ -289,7 +297,7 @@ class ClusterRuntime:
                     self.metrics.agent_errors.labels(self.namespace, self.name).inc()
                 continue
             annotations = pod["metadata"].get("annotations") or {}
-            if name in busy or obj.SWITCH_ANNOTATION in annotations:
+            if name in busy or SWITCH_ANNOTATION in annotations:
                 state = state.model_copy(update={"switching": True})
             out[name] = state
         return out

@@ -41,7 +41,13 @@ from typing import Any, Protocol
 
 import httpx
 
-from prorsa.k8s import objects as obj
+from prorsa_contract.labels import (
+    CLUSTER_LABEL,
+    COMPONENT_LABEL,
+    ROLE_LABEL,
+    SWITCH_ANNOTATION,
+    parse_intent,
+)
 
 log = logging.getLogger("prorsa_lab.demo.router")
 
@@ -101,7 +107,7 @@ class PodDirectory:
         self.pods: dict[str, PodView] = {}
         self.changes: list[LabelChange] = []
         self.refreshed = asyncio.Event()
-        self._selector = f"{obj.CLUSTER_LABEL}={cluster},{obj.COMPONENT_LABEL}=engine"
+        self._selector = f"{CLUSTER_LABEL}={cluster},{COMPONENT_LABEL}=engine"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=api_url, headers=headers, timeout=5.0)
         self._task: asyncio.Task[None] | None = None
@@ -138,14 +144,14 @@ class PodDirectory:
             if meta.get("deletionTimestamp"):
                 continue
             intent = None
-            raw = (meta.get("annotations") or {}).get(obj.SWITCH_ANNOTATION)
-            parsed = obj.parse_intent(raw) if raw else None
+            raw = (meta.get("annotations") or {}).get(SWITCH_ANNOTATION)
+            parsed = parse_intent(raw) if raw else None
             if parsed:
                 intent = parsed.get("to")
             fresh[meta["name"]] = PodView(
                 name=meta["name"],
                 uid=meta.get("uid", ""),
-                role=(meta.get("labels") or {}).get(obj.ROLE_LABEL, ""),
+                role=(meta.get("labels") or {}).get(ROLE_LABEL, ""),
                 ip=(item.get("status") or {}).get("podIP"),
                 intent=intent,
             )

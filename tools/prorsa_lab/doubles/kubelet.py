@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prorsa.k8s import objects as obj
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
+from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, MANAGED_BY, agent_secret_name
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 
@@ -93,7 +93,7 @@ class FakeKubelet:
         )
 
     async def _loop(self) -> None:
-        selector = f"{obj.MANAGED_BY}=prorsa,{obj.COMPONENT_LABEL}=engine"
+        selector = f"{MANAGED_BY}=prorsa,{COMPONENT_LABEL}=engine"
         while True:
             try:
                 listed = await self.kube.list_pods(self.namespace, selector)
@@ -128,10 +128,8 @@ class FakeKubelet:
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
-        cluster = (meta.get("labels") or {}).get(obj.CLUSTER_LABEL, "")
-        token = await self.kube.read_secret_key(
-            self.namespace, obj.agent_secret_name(cluster), "token"
-        )
+        cluster = (meta.get("labels") or {}).get(CLUSTER_LABEL, "")
+        token = await self.kube.read_secret_key(self.namespace, agent_secret_name(cluster), "token")
         if token is None:
             return  # the operator creates the Secret before the pods; try again next loop
         ip = self._ip()

@@ -33,11 +33,11 @@ import kubernetes
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s import crd_manifest as crd
-from prorsa.k8s import objects as obj
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.runtime import OperatorOptions
 from prorsa.kopf_handlers import OperatorConfig, build_registry
 from prorsa_agent.config import Timeouts
+from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
 from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
 from prorsa_lab.doubles.kube_resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
@@ -184,13 +184,13 @@ class Stack:
         )  # fmt: skip
 
     async def pods(self, cluster: str = "demo") -> list[dict[str, Any]]:
-        selector = f"{obj.CLUSTER_LABEL}={cluster},{obj.COMPONENT_LABEL}=engine"
+        selector = f"{CLUSTER_LABEL}={cluster},{COMPONENT_LABEL}=engine"
         return await self.kube.list_pods(self.namespace, selector)
 
     async def roles(self, cluster: str = "demo") -> dict[str, str]:
         """Each engine pod's role label now."""
         return {
-            pod["metadata"]["name"]: pod["metadata"]["labels"].get(obj.ROLE_LABEL, "")
+            pod["metadata"]["name"]: pod["metadata"]["labels"].get(ROLE_LABEL, "")
             for pod in await self.pods(cluster)
         }
 
@@ -202,10 +202,10 @@ class Stack:
         for e in self.server.emulator.writes(PODS_KEY):
             meta = e.obj["metadata"]
             labels = meta.get("labels") or {}
-            if labels.get(obj.COMPONENT_LABEL) != "engine" or e.type == "DELETED":
+            if labels.get(COMPONENT_LABEL) != "engine" or e.type == "DELETED":
                 continue
             history = out.setdefault(meta["name"], [])
-            role = labels.get(obj.ROLE_LABEL, "")
+            role = labels.get(ROLE_LABEL, "")
             if not history or history[-1] != role:
                 history.append(role)
         return out
