@@ -20,16 +20,9 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from prorsa.core.allocate import (
-    Allocation,
-    DemandSmoother,
-    PrefillSpeed,
-    PrefixCacheHits,
-    keep_split,
-    margin_of,
-    solve,
-)
+from prorsa.core.allocate import Allocation, keep_split, margin_of, solve
 from prorsa.core.decision import Capacity, Components, Decision, Forecast, Switch, Target
+from prorsa.core.estimators import DemandSmoother, PrefillSpeed, PrefixCacheHits
 from prorsa.core.forecast.model import ForecastConfig, Forecaster, ForecastResult, PrefillSite
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import DECODE, PREFILL, READY, TOOL, ApplyResult, TrajectoryTable

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prorsa.core.allocate import PrefillSpeed
+from prorsa.core.estimators import PrefillSpeed
 from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.table import Interner, TrajectoryTable
 
