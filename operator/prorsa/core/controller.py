@@ -204,7 +204,7 @@ class Controller:
         if prev is not None and s.prefill_tokens >= prev:  # a smaller one: agent restarted
             self._computed_new += s.prefill_tokens - prev
 
-    def record_switch(self, instance: str, *, to: Role, at: float, ok: bool) -> None:
+    def record_switch(self, instance: str, *, at: float) -> None:
         """The executor finished (or gave up on) a switch: start the instance's cooldown."""
         self._issued.pop(instance, None)
         self.switch_costs.finished(instance, at=at)

@@ -308,9 +308,7 @@ class ClusterRuntime:
         self.metrics.switch_seconds.labels(ns, name).observe(outcome.seconds)
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
-            controller.record_switch(
-                outcome.pod, to=outcome.to, at=self.handle.trainer_now(), ok=ok
-            )
+            controller.record_switch(outcome.pod, at=self.handle.trainer_now())
         message = (
             f"{outcome.pod}: {outcome.origin} -> {outcome.to} {outcome.result} "
             f"in {outcome.seconds:.1f}s"

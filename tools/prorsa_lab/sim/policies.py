@@ -243,7 +243,7 @@ class Prorsa(_Planned):
             self._execute(sim, sw.instance, sw.to)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
-        self.controller.record_switch(name, to=to, at=at, ok=ok)  # type: ignore[arg-type]
+        self.controller.record_switch(name, at=at)
 
     def finish(self, sim: Simulation, result: SimResult) -> None:
         result.controller_accuracy = self.controller.accuracy()

@@ -26,12 +26,6 @@ class _Window:
     admissions: float = 0.0
 
 
-@dataclass(slots=True)
-class _Score:
-    abs_error: float = 0.0
-    actual: float = 0.0
-
-
 @dataclass
 class AccuracyTracker:
     """WAPE over the last ``windows`` scored windows, and the bias factors they imply."""

@@ -35,7 +35,6 @@ STATE_CODE = {name: code for code, name in enumerate(STATE_NAMES)}
 
 MODE_UNKNOWN, MODE_PREWARM, MODE_COLD = 0, 1, 2
 MODE_CODE = {"prewarm": MODE_PREWARM, "cold": MODE_COLD}
-MODE_NAMES = ("unknown", "prewarm", "cold")
 
 ANOMALY_KINDS = (
     "duplicate",  # an event id seen before (idempotent replay)
