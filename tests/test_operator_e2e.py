@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import pytest
-from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
 
 from prorsa_contract.labels import (
     BOOTSTRAP_ANNOTATION,
@@ -18,9 +17,10 @@ from prorsa_contract.labels import (
     SWITCH_ANNOTATION,
 )
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
+from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
 
 
-def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[dict]:
+def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict]:
     """n requests queued with big prompts: prefill demand n·tokens / (S·θ) instances."""
     return [
         env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
@@ -28,7 +28,7 @@ def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[di
     ]
 
 
-def decode_heavy(env: Deployment, prefill_pod: str, n: int = 6, tokens: int = 10_000) -> list:
+def decode_heavy(env: Stack, prefill_pod: str, n: int = 6, tokens: int = 10_000) -> list:
     """Requests already in prefill: they enter decode within the horizon (K̂_D), so the
     decode side needs n·tokens / C_KV instances while prefill demand stays small."""
     out = []
@@ -39,13 +39,13 @@ def decode_heavy(env: Deployment, prefill_pod: str, n: int = 6, tokens: int = 10
     return out
 
 
-async def ready_split(env: Deployment, prefill: int, decode: int) -> bool:
+async def ready_split(env: Stack, prefill: int, decode: int) -> bool:
     counts = await env.count_roles()
     return counts.get("prefill", 0) == prefill and counts.get("decode", 0) == decode
 
 
 async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await env.create_cluster(cluster_manifest())
         # Four engine pods (32 GPUs / 8), the agents' Secret and the engines' Service.
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
@@ -98,7 +98,7 @@ async def _count(pods_coro, n: int) -> bool:
 
 
 async def test_recommend_mode_changes_only_status() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         manifest = cluster_manifest(
             switching={"mode": "Recommend"},
             roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
@@ -129,7 +129,7 @@ def before_prefill(roles: dict[str, str]) -> int:
 
 async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None:
     slow = TimingModel(switch_seconds=3.0)
-    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
 
@@ -171,7 +171,7 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
 
 async def test_pod_deleted_mid_switch_is_recreated() -> None:
     slow = TimingModel(switch_seconds=2.0)
-    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(cluster_manifest())
 
         async def someone_draining() -> str | None:
@@ -192,7 +192,7 @@ async def test_pod_deleted_mid_switch_is_recreated() -> None:
 
 
 async def test_unsafe_switch_failure_replaces_the_pod() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
         await env.kubelet.wait_running(4)
@@ -219,7 +219,7 @@ async def test_unsafe_switch_failure_replaces_the_pod() -> None:
 async def test_bad_rollout_clusters_are_refused_naming_the_field() -> None:
     import kubernetes
 
-    async with deployment() as env:
+    async with stack() as env:
         bad = cluster_manifest(gpuBudget=30)
         with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
             await env.create_cluster(bad)
@@ -232,7 +232,7 @@ async def test_bad_rollout_clusters_are_refused_naming_the_field() -> None:
 
 
 async def test_gpu_budget_change_scales_the_instances() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
         await env.patch_cluster("demo", {"spec": {"gpuBudget": 48}})

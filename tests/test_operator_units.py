@@ -5,12 +5,12 @@ from __future__ import annotations
 import kopf
 import pytest
 from conftest import make_spec
-from operator_harness import cluster_manifest
 
 from prorsa.core.spec import parse_cluster
 from prorsa.k8s import objects as obj
 from prorsa.kopf_handlers import OperatorConfig, build_registry, parse_spec
 from prorsa_contract.labels import parse_intent, switch_intent
+from prorsa_lab.doubles.stack import cluster_manifest
 
 
 def test_admission_refuses_bad_specs_naming_the_field() -> None:
