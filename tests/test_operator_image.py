@@ -137,6 +137,24 @@ def test_runtime_stage_copies_only_the_built_venv(steps):
     assert [c.value for c in copies] == ["--from=build /opt/prorsa /opt/prorsa"]
 
 
+def test_build_stage_copies_the_operators_source_roots_and_not_the_lab(steps):
+    copied = [
+        a
+        for s in steps
+        if s.keyword == "COPY" and "--from=" not in s.value
+        for a in shlex.split(s.value)[:-1]
+    ]
+    assert set(copied) == {
+        "pyproject.toml",
+        "README.md",
+        "operator",
+        "sdk/prorsa_contract",
+        "engine_image/prorsa_agent",
+    }
+    # The contract is the only part of sdk/ the operator imports; the lab is never copied.
+    assert not any(c.startswith(("tools", "sdk/prorsa_sdk")) or c == "sdk" for c in copied)
+
+
 def test_runs_as_the_non_root_uid_the_chart_expects(steps):
     (user,) = final(steps, "USER")
     uid, _, gid = user.value.partition(":")
@@ -224,8 +242,9 @@ def test_the_operator_runs_on_its_runtime_dependencies_alone():
         for module, dists in md.packages_distributions().items()
         if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
         and module not in sys.stdlib_module_names
-        and module not in ("prorsa", "prorsa_agent")
+        and module not in ("prorsa", "prorsa_agent", "prorsa_contract")
     )
+    blocked += ["prorsa_lab", "prorsa_sdk"]  # the image copies neither source
     assert "pytest" in blocked and "matplotlib" in blocked  # the probe really hides them
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(blocked)],

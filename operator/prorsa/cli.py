@@ -35,7 +35,10 @@ LAB_MISSING = (
 
 
 def lab_installed() -> bool:
-    return importlib.util.find_spec("prorsa_lab") is not None
+    try:
+        return importlib.util.find_spec("prorsa_lab") is not None
+    except ImportError:  # an import hook that hides it: as good as absent
+        return False
 
 
 class _Parser(argparse.ArgumentParser):
