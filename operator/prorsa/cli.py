@@ -48,7 +48,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with ``only`` the arguments of that one subcommand.
+
+    Each subcommand's ``configure`` may import its modules (``prorsa bench`` imports the
+    control core and the simulator); configuring only the command being run keeps
+    ``prorsa --help`` and every other command from paying for them.
+    """
     parser = _Parser(
         prog="prorsa",
         description="Forecast-driven prefill/decode role switching for agentic RL rollout.",
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_parser(name, help=f"{module.HELP} [prorsa_lab not installed]")
             continue
         child = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.configure(child)
+        if only is None or only == name:
+            module.configure(child)
         child.set_defaults(_run=module.run)
     return parser
 
@@ -72,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in LAB_COMMANDS and not lab_installed():
         print(f"prorsa {argv[0]}: error: {LAB_MISSING}", file=sys.stderr)
         return 2
-    parser = build_parser()
+    parser = build_parser(only=argv[0] if argv else "")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -17,6 +17,12 @@ import time
 import tracemalloc
 from typing import Any
 
+from prorsa.core.controller import Controller
+from prorsa.core.spec import parse_cluster
+from prorsa.process import tune_gc
+from prorsa_contract.agent_api import EngineState
+from prorsa_contract.events import parse_batch, parse_events
+
 HELP = "controller cost: events/s ingested, tick p50/p99 vs live trajectories, bytes/trajectory"
 
 TARGET_EVENTS_PER_S = 200_000
@@ -42,7 +48,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec() -> Any:
-    from prorsa.core.spec import parse_cluster
 
     manifest = {
         "apiVersion": "prorsa.io/v1alpha1",
@@ -122,8 +127,6 @@ class _Stream:
 
 
 def bench_events(quick: bool) -> dict[str, float]:
-    from prorsa.core.controller import Controller
-    from prorsa_contract.events import parse_batch
 
     stream = _Stream()
     raw: list[dict[str, Any]] = []
@@ -151,7 +154,6 @@ def bench_events(quick: bool) -> dict[str, float]:
 
 def _populate(controller: Any, n: int, now: float, rng: random.Random) -> None:
     """n live trajectories spread over states per MIX, plus learned duration statistics."""
-    from prorsa_contract.events import parse_events
 
     stream = _Stream(seed=rng.randint(0, 1 << 30))
     history: list[dict[str, Any]] = []
@@ -192,7 +194,6 @@ def _populate(controller: Any, n: int, now: float, rng: random.Random) -> None:
 
 
 def _engines(n: int) -> list[Any]:
-    from prorsa_contract.agent_api import EngineState
 
     return [
         EngineState.model_validate(
@@ -210,7 +211,6 @@ def _engines(n: int) -> list[Any]:
 
 
 def bench_ticks(sizes: list[int], quick: bool) -> list[dict[str, float]]:
-    from prorsa.core.controller import Controller
 
     rows = []
     for n in sizes:
@@ -239,7 +239,6 @@ def bench_ticks(sizes: list[int], quick: bool) -> list[dict[str, float]]:
 
 
 def bench_memory(n: int) -> float:
-    from prorsa.core.controller import Controller
 
     controller = Controller(_spec())
     controller.table.set_dedupe_window(0)  # measure trajectories, not the replay window
@@ -253,7 +252,6 @@ def bench_memory(n: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa.process import tune_gc
 
     tune_gc()  # as `prorsa operator` and `prorsa ingest` run
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]

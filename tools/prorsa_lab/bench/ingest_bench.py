@@ -31,6 +31,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from prorsa.clusters import ClusterRegistry, IngestLimits
+from prorsa.core.controller import Controller
+from prorsa.core.spec import parse_cluster
+from prorsa.ingest import WebhookServer
+from prorsa.process import tune_gc
+from prorsa_contract.events import parse_batch
+from prorsa_sdk import AsyncEventEmitter
+
 HELP = "trainer webhook end to end: SDK events/s over loopback HTTP, p99 batch latency"
 
 TARGET_EVENTS_PER_S = 100_000
@@ -115,7 +123,6 @@ def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterato
 
 def _serve(conn: Any, cpu: int | None, offload_events: int | None) -> None:
     """Child process: the real webhook + Controller, ticking every second, until told."""
-    from prorsa.process import tune_gc
 
     tune_gc()  # as `prorsa operator` and `prorsa ingest` run
     if cpu is not None and hasattr(os, "sched_setaffinity"):
@@ -125,10 +132,6 @@ def _serve(conn: Any, cpu: int | None, offload_events: int | None) -> None:
 
 
 async def _serve_async(conn: Any, offload_events: int | None) -> None:
-    from prorsa.clusters import ClusterRegistry, IngestLimits
-    from prorsa.core.controller import Controller
-    from prorsa.core.spec import parse_cluster
-    from prorsa.ingest import WebhookServer
 
     spec = parse_cluster(
         {
@@ -203,7 +206,6 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _throughput(url: str, n: int, batch: int) -> dict[str, float]:
-    from prorsa_sdk import AsyncEventEmitter
 
     items = list(workload(n, prefix="tp-"))
     cpu = time.process_time()
@@ -276,7 +278,6 @@ async def _latency(url: str, rate: float, seconds: float, batch: int) -> dict[st
 
 def _parse_cost(batch: int) -> float:
     """Server CPU per event for JSON parsing + CONTRACT validation alone (µs)."""
-    from prorsa_contract.events import parse_batch
 
     items = list(workload(20 * batch, prefix="pc-", seed=5))
     now = time.time()

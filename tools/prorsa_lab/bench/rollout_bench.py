@@ -18,6 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prorsa_lab.sim.costmodel import load_profile
+from prorsa_lab.sim.grid_plot import write_png
+from prorsa_lab.sim.runner import GridConfig, aggregate, jobs, run_jobs
+from prorsa_lab.sim.workloads import get_task
+
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
 
 AGENTIC = ("coding", "general")
@@ -71,7 +76,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from prorsa_lab.sim.runner import GridConfig
 
     base = GridConfig()
     kw: dict[str, Any] = {"seed": args.seed}
@@ -96,8 +100,6 @@ def _config(args: argparse.Namespace) -> Any:
     if args.smoothing is not None:
         kw["smoothing"] = args.smoothing
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
-    from prorsa_lab.sim.costmodel import load_profile
-    from prorsa_lab.sim.workloads import get_task
 
     for m in cfg.models:
         load_profile(m)
@@ -107,7 +109,6 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _deployment(model: str) -> str:
-    from prorsa_lab.sim.costmodel import load_profile
 
     return load_profile(model).title
 
@@ -296,8 +297,6 @@ def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.sim.grid_plot import write_png
-    from prorsa_lab.sim.runner import aggregate, jobs, run_jobs
 
     try:
         cfg = _config(args)
