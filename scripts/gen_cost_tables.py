@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "operator" / "prorsa" / "sim" / "data"
+DEFAULT_OUT = ROOT / "tools" / "prorsa_lab" / "sim" / "data"
 
 # Grids. Prefill chunks are at most the chunked-prefill size, but whole unchunked prompts
 # and long cached prefixes (coding contexts reach 100k tokens) must be covered too.
