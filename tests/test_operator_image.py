@@ -213,6 +213,21 @@ def runtime_closure(extra: str) -> set[str]:
     return seen
 
 
+OURS = ("prorsa", "prorsa_agent", "prorsa_contract", "prorsa_sdk", "prorsa_lab")
+
+
+def modules_outside(extra: str) -> list[str]:
+    """Top-level modules installed here that ``pip install .[extra]`` would not bring."""
+    allowed = runtime_closure(extra) | {"pip", "setuptools"}  # a fresh venv has these
+    return sorted(
+        module
+        for module, dists in md.packages_distributions().items()
+        if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
+        and module not in sys.stdlib_module_names
+        and module not in OURS
+    )
+
+
 # Run in a child interpreter where every module of a distribution outside ``.[operator]`` is
 # made unimportable, as if it were not installed (optional imports then take their fallback).
 _PROBE = """
@@ -237,14 +252,7 @@ def test_the_operator_runs_on_its_runtime_dependencies_alone():
     allowed = runtime_closure("operator") | {"pip", "setuptools"}  # a fresh venv has these
     assert {"kopf", "kubernetes", "aiohttp", "pydantic"} <= allowed
     assert not {"pytest", "hypothesis", "kmock", "matplotlib"} & allowed
-    blocked = sorted(
-        module
-        for module, dists in md.packages_distributions().items()
-        if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
-        and module not in sys.stdlib_module_names
-        and module not in ("prorsa", "prorsa_agent", "prorsa_contract")
-    )
-    blocked += ["prorsa_lab", "prorsa_sdk"]  # the image copies neither source
+    blocked = [*modules_outside("operator"), "prorsa_lab", "prorsa_sdk"]  # not in the image
     assert "pytest" in blocked and "matplotlib" in blocked  # the probe really hides them
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(blocked)],
