@@ -9,15 +9,18 @@
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 # -- build: install the distribution with the `operator` extra (kopf, kubernetes) into a venv;
-# no test, bench or aiconfigurator extras.
+# no test, bench or aiconfigurator extras. Only the operator's source roots are copied: the
+# operator, the wire contract, and the in-pod agent (`prorsa agent` is a subcommand of the
+# same CLI; the operator never runs it). The trainer SDK (sdk/prorsa_sdk) and the lab
+# (tools/: simulator, benchmarks, demo, test doubles) stay out; setuptools installs what
+# it finds.
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
-# setuptools looks for packages under engine_image/ too (the agent ships in the same
-# distribution); the operator never imports it.
+COPY sdk/prorsa_contract ./sdk/prorsa_contract
 COPY engine_image/prorsa_agent ./engine_image/prorsa_agent
 RUN python -m venv /opt/prorsa \
     && /opt/prorsa/bin/pip install --no-cache-dir ".[operator]" \

@@ -1,8 +1,11 @@
-# The README's commands. `make test` builds .venv itself when it is missing.
+# The README's commands. `make test` and `make demo` build .venv themselves when it is missing.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# One stamp per install: `make demo` installs the `demo` extra only (no test tooling);
+# `make test` installs the `test` extra (a superset).
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: test lint bench demo venv clean
 
@@ -10,25 +13,31 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-venv: $(STAMP)
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $(DEMO_STAMP)
 
-lint: $(STAMP)
+venv: $(TEST_STAMP)
+
+# ruff, then the import-layer contracts of pyproject.toml ([tool.importlinter]).
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(DEMO_STAMP)
 	$(BIN)/prorsa bench all
 
 # The whole system on this machine (no cluster, no GPU); e.g. DEMO_ARGS="--task math --no-live".
 DEMO_ARGS ?=
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/prorsa demo $(DEMO_ARGS)
 
 clean:

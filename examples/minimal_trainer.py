@@ -11,7 +11,7 @@ Each trajectory is a multi-turn agent: a sandbox starts, then turns of "model ca
 tool call" until the model stops, then a reward. The model and the tool are fakes with
 realistic timing (a prompt that grows by each tool result, lognormal tool latencies, a
 cold or prewarmed sandbox); pass ``--engine http://router:30000`` to send the model calls
-to a real SGLang router through :class:`prorsa.client.ResumableGeneration` instead, so
+to a real SGLang router through :class:`prorsa_sdk.ResumableGeneration` instead, so
 requests aborted by a role switch resume with their partial output.
 
 Rollout is asynchronous with replace-on-reward: ``--concurrency`` trajectories are live at
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from prorsa.client import AsyncEventEmitter, ResumableGeneration
+from prorsa_sdk import AsyncEventEmitter, ResumableGeneration
 
 TOOLS = {"bash": (1.5, 0.8), "read_file": (-2.5, 0.5), "run_tests": (2.5, 0.6)}  # lognormal μ, σ
 

@@ -62,7 +62,7 @@ decoding or in a tool), since the trainer process does not hold the agent loops.
 Role switches: verl's fully asynchronous client (``FullyAsyncLLMServerClient``) already
 resends prompt + partial output when SGLang aborts a request (``stop_reason == "aborted"``),
 which is exactly what a Prorsa role switch needs; outside verl, use
-:class:`prorsa.client.ResumableGeneration`.
+:class:`prorsa_sdk.ResumableGeneration`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, 
 from verl.utils.ray_utils import auto_await
 from verl.utils.reward_score import default_compute_score
 
-from prorsa.client import AsyncEventEmitter, EventEmitter
+from prorsa_sdk import AsyncEventEmitter, EventEmitter
 
 log = logging.getLogger("prorsa.verl")
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Generate the rollout simulator's latency tables with NVIDIA aiconfigurator.
 
-The simulator (``prorsa.sim``) must not make up GPU speeds: every step time it uses is read
+The simulator (``prorsa_lab.sim``) must not make up GPU speeds: every step time it uses is read
 from a table that this script asks aiconfigurator (PyPI ``aiconfigurator==0.12.0``, Apache-2.0;
 measured per-operation data for H200 under SGLang) to predict. The generated JSON files are
-committed under ``operator/prorsa/sim/data/`` so that the simulator and the benchmarks run
+committed under ``tools/prorsa_lab/sim/data/`` so that the simulator and the benchmarks run
 without aiconfigurator installed; it stays an optional extra (``prorsa[aiconfigurator]``).
 
 Run (3-4 minutes per table on a free laptop core; about 12 when two run side by side on two
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "operator" / "prorsa" / "sim" / "data"
+DEFAULT_OUT = ROOT / "tools" / "prorsa_lab" / "sim" / "data"
 
 # Grids. Prefill chunks are at most the chunked-prefill size, but whole unchunked prompts
 # and long cached prefixes (coding contexts reach 100k tokens) must be covered too.

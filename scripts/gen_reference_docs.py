@@ -1,6 +1,6 @@
 """Generate the field table of docs/crd-reference.md and the tables of docs/metrics.md.
 
-The RolloutCluster fields come from the pydantic models in ``operator/prorsa/spec.py`` (the
+The RolloutCluster fields come from the pydantic models in ``operator/prorsa/core/spec.py`` (the
 same models the CRD is generated from): wire name, Python attribute, type, default and
 description. A field whose model carries no description gets the one in ``DESCRIPTIONS``
 below. The metrics come from the registries the operator, the webhook and the in-pod agent
@@ -126,7 +126,7 @@ def _submodel(ann: Any) -> type[BaseModel] | None:
 def spec_fields(model: type[BaseModel] | None = None, prefix: str = "", py: str = "") -> list:
     """(wire path, python path, type, default, description) of every leaf field."""
     if model is None:
-        from prorsa.spec import RolloutClusterSpec
+        from prorsa.core.spec import RolloutClusterSpec
 
         model = RolloutClusterSpec
     rows = []
@@ -184,9 +184,9 @@ def _metrics(obj: Any) -> list[tuple[str, str, str, str]]:
 
 
 def metrics_blocks() -> dict[str, str]:
-    from prorsa.ingest.metrics import WebhookMetrics
-    from prorsa.metrics import OperatorMetrics
-    from prorsa_agent.metrics import AgentMetrics
+    from prorsa.ingest.webhook_metrics import WebhookMetrics
+    from prorsa.operator_metrics import OperatorMetrics
+    from prorsa_agent.agent_metrics import AgentMetrics
 
     out = {}
     for key, obj in (

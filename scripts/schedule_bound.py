@@ -23,9 +23,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from prorsa.sim.engine import DECODE, PREFILL
-from prorsa.sim.policies import _least_loaded, _split
-from prorsa.sim.simulator import Scenario, Simulation, simulate
+from prorsa_lab.sim.policies import _least_loaded, _split
+from prorsa_lab.sim.sim_engine import DECODE, PREFILL
+from prorsa_lab.sim.simulator import Scenario, Simulation, simulate
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from prorsa.events import Event, parse_events
-from prorsa.spec import RolloutClusterSpec, parse_cluster
+from prorsa.core.spec import RolloutClusterSpec, parse_cluster
+from prorsa_contract.events import Event, parse_events
 
 
 def make_spec(**spec: Any) -> RolloutClusterSpec:

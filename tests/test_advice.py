@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import make_spec
 
-from prorsa.advice import deployment_advice, refused_flags
+from prorsa.core.advice import deployment_advice, refused_flags
 
 
 def test_role_switch_refusals_are_named() -> None:

@@ -20,8 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa.engine_state import EngineState, RoleResult
-from prorsa.testing.engine import (
+from prorsa_agent.config import AgentConfig
+from prorsa_agent.server import Agent
+from prorsa_contract.agent_api import EngineState, RoleResult
+from prorsa_lab.doubles.sglang_double import (
     FAST_TIMEOUTS,
     EngineConfig,
     EngineDouble,
@@ -29,8 +31,6 @@ from prorsa.testing.engine import (
     Faults,
     TimingModel,
 )
-from prorsa_agent.config import AgentConfig
-from prorsa_agent.server import Agent
 
 TOKEN = "agent-token-7c1e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from prorsa.testing.engine import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EnginePod
 
 TOKEN = "agent-token-7c1e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prorsa_agent.cli import build_config, configure
+from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import (
     AgentConfig,
     Backoff,

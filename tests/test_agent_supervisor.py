@@ -1,8 +1,8 @@
 """The agent's ``--launch`` path: it runs the engine, restarts it with backoff, stops it.
 
 SGLang cannot run here, so the launched engine is the SGLang double as a process
-(``python -m prorsa.testing.engine``), started with the very command line the agent builds
-for SGLang; its injected crash ends the process as a real engine crash would.
+(``python -m prorsa_lab.doubles.sglang_double``), started with the very command line the
+agent builds for SGLang; its injected crash ends the process as a real engine crash would.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa.engine_state import EngineState, RoleResult
-from prorsa.testing.engine import FAST_TIMEOUTS
 from prorsa_agent.config import AgentConfig, Backoff, LaunchSpec, engine_argv
 from prorsa_agent.server import Agent
+from prorsa_contract.agent_api import EngineState, RoleResult
+from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS
 
 TOKEN = "launch-token-19"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-DOUBLE = (sys.executable, "-m", "prorsa.testing.engine")
+DOUBLE = (sys.executable, "-m", "prorsa_lab.doubles.sglang_double")
 FAST_BACKOFF = Backoff(initial=0.05, factor=2.0, maximum=0.4, stable_after=30.0)
 
 
@@ -217,7 +217,7 @@ def test_prorsa_agent_command_launches_the_engine_from_the_environment(tmp_path)
             "--listen", "127.0.0.1:0",
             "--token-file", str(token),
             "--engine-url", f"http://127.0.0.1:{port}",
-            "--engine-command", f"{sys.executable} -m prorsa.testing.engine",
+            "--engine-command", f"{sys.executable} -m prorsa_lab.doubles.sglang_double",
             "--health-interval", "0.1", "--poll-interval", "0.02",
             "--launch", "--", "--double-switch-seconds", "0.01",
         ],
@@ -269,7 +269,7 @@ def test_prorsa_agent_gives_the_engine_its_admin_key_and_keeps_it_out_of_the_log
             "--listen", "127.0.0.1:0",
             "--token-file", str(token),
             "--engine-url", f"http://127.0.0.1:{port}",
-            "--engine-command", f"{sys.executable} -m prorsa.testing.engine",
+            "--engine-command", f"{sys.executable} -m prorsa_lab.doubles.sglang_double",
             "--health-interval", "0.1", "--poll-interval", "0.02",
             "--launch", "--", "--double-switch-seconds", "0.01",
         ],

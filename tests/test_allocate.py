@@ -8,15 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorsa.allocate import (
-    MAX_MARGIN,
-    DemandSmoother,
-    PrefillSpeed,
-    PrefixCacheHits,
-    headroom,
-    keep_split,
-    solve,
-)
+from prorsa.core.allocate import MAX_MARGIN, headroom, keep_split, solve
+from prorsa.core.estimators import DemandSmoother, PrefillSpeed, PrefixCacheHits
 
 
 def test_eq1_hand_computed() -> None:

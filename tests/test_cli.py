@@ -159,3 +159,38 @@ def test_plan_refuses_a_bad_cluster_naming_the_field(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(bad))
     out = prorsa("plan", "--cluster", str(path), "--events", "-", "--at", "1", stdin="")
     assert "spec.engine.transferBackend" in out.stderr
+
+
+def prorsa_without_lab(*args: str) -> subprocess.CompletedProcess[str]:
+    """`prorsa` where the lab is not installed, as in the operator and engine images."""
+    code = (
+        "import sys; sys.modules['prorsa_lab'] = None; "
+        "from prorsa.cli import main; sys.exit(main())"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "args", [["bench", "rollout", "--quick"], ["demo", "--no-live"], ["engine-double", "--help"]]
+)
+def test_lab_commands_without_the_lab_say_what_to_install(args: list[str]) -> None:
+    out = prorsa_without_lab(*args)
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"prorsa {args[0]}: error: needs the Prorsa lab (package prorsa_lab")
+    assert "pip install -e ." in line
+    assert "Traceback" not in out.stderr
+
+
+def test_shipped_commands_run_the_same_without_the_lab(cluster: Path, tmp_path: Path) -> None:
+    out = prorsa_without_lab("--help")
+    assert out.returncode == 0, out.stderr
+    assert "bench" in out.stdout and "prorsa_lab not installed" in out.stdout
+    queued = {"id": "q", "ts": 100.0, "trajectory": "t", "type": "request_queued"}
+    events = write_events(tmp_path / "e.ndjson", [queued | {"prompt_tokens": 1000, "turn": 0}])
+    args = ("plan", "--cluster", str(cluster), "--events", str(events))
+    plan, with_lab = prorsa_without_lab(*args), prorsa(*args)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout) == json.loads(with_lab.stdout)

@@ -21,9 +21,10 @@ import pytest
 from aiohttp import web
 from conftest import make_spec
 
-from prorsa.client import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterHandle, ClusterRegistry, IngestLimits, WebhookServer
+from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
+from prorsa_sdk import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
 
 TOKEN = "tok-123"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -296,7 +297,7 @@ async def test_emit_never_blocks_while_the_server_hangs(hook: Webhook) -> None:
 
 
 async def test_full_buffer_drops_oldest_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, "prorsa.client")
+    caplog.set_level(logging.WARNING, "prorsa_sdk")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     em = AsyncEventEmitter(
         url=dead, namespace="rl", name="c", token=TOKEN, batch_size=10, max_buffer=100, backoff=FAST

@@ -20,9 +20,10 @@ import pytest
 from aiohttp import web
 from conftest import make_spec
 
-from prorsa.client import AsyncEventEmitter, ResumableGeneration, ResumeExhausted
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterRegistry, WebhookServer
+from prorsa.clusters import ClusterRegistry
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
+from prorsa_sdk import AsyncEventEmitter, ResumableGeneration, ResumeExhausted
 
 
 def next_token(seq: list[int]) -> int:

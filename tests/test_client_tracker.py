@@ -7,9 +7,9 @@ import logging
 import pytest
 from conftest import make_spec
 
-from prorsa.client import TrajectoryTracker
-from prorsa.controller import Controller
-from prorsa.events import parse_events
+from prorsa.core.controller import Controller
+from prorsa_contract.events import parse_events
+from prorsa_sdk import TrajectoryTracker
 
 
 def feed(tracker: TrajectoryTracker, *events: tuple) -> None:

@@ -10,8 +10,8 @@ from conftest import EventLog, make_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prorsa.controller import Controller
-from prorsa.engine_state import EngineState
+from prorsa.core.controller import Controller
+from prorsa_contract.agent_api import EngineState
 
 DECISION_KEYS = {
     "at",
@@ -102,7 +102,7 @@ def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> 
     d = c.tick(3.0)
     assert d.switches == ()  # maxConcurrent = 1 is taken by the running switch
     c.observe_engines(engines(2, 6, **{first: {"role": "prefill"}}))
-    c.record_switch(first, to="prefill", at=8.0, ok=True)
+    c.record_switch(first, at=8.0)
     nxt = c.tick(9.0).switches
     assert nxt and nxt[0].instance != first  # cooldown keeps the fresh one out
 
@@ -114,7 +114,7 @@ def test_cooldown_excludes_recently_switched_instances(log) -> None:
     c.observe_engines(engines(7, 1))
     # Demand now wants decode; the only flippable prefill instances all just switched.
     for i in range(7):
-        c.record_switch(f"c-engine-{i}", to="prefill", at=1.0, ok=True)
+        c.record_switch(f"c-engine-{i}", at=1.0)
     c2_states = engines(1, 7, **{f"c-engine-{i}": {"kvUsedTokens": 990_000} for i in range(1, 8)})
     c.observe_engines(c2_states)
     assert all(s.instance != "c-engine-0" for s in c.tick(50.0).switches)
@@ -243,7 +243,7 @@ def script(seed: int) -> list[dict]:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), at=st.floats(10, 60))
 def test_replaying_the_same_events_gives_the_same_decision(seed: int, at: float) -> None:
-    from prorsa.events import parse_events
+    from prorsa_contract.events import parse_events
 
     raw = script(seed)
     wires = []
@@ -493,7 +493,7 @@ def test_switch_durations_and_aborts_are_measured(log) -> None:
     c.observe_engines(engines(2, 6))
     (sw,) = c.tick(2.0).switches
     assert c.switch_costs.in_progress
-    c.record_switch(sw.instance, to="prefill", at=2.0 + 12.0, ok=True)
+    c.record_switch(sw.instance, at=2.0 + 12.0)
     assert not c.switch_costs.in_progress
     assert c.switch_costs.measured == 1
     assert 12.0 < c.switch_costs.seconds < 25.0  # pulled from the 25 s prior toward 12 s

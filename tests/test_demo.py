@@ -5,7 +5,8 @@ directions as the workload swings, requests aborted by switches are resumed with
 lost (checked here again from the per-request record, not only from the summary), and the
 timeline PNG is a real image. The phase-lag and backlog figures are checked for shape and
 consistency only: how fast the split follows depends on how loaded the machine is. Their
-definitions are pinned on hand-made records instead.
+definitions are pinned on hand-made records instead. The run has only what ``make demo``
+installs (the ``demo`` extra): every other installed distribution is made unimportable.
 """
 
 from __future__ import annotations
@@ -16,28 +17,48 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_operator_image import modules_outside
 
-from prorsa.demo.monitor import Sample
-from prorsa.demo.phases import (
+from prorsa_lab.demo.monitor import Sample
+from prorsa_lab.demo.phases import (
     Split,
     phase_changes,
     prefill_backlogs,
     split_timeline,
     summary_line,
 )
-from prorsa.demo.router import LabelChange, PrefillJob
-from prorsa.demo.workload import PhaseSchedule, default_phase_seconds
+from prorsa_lab.demo.router import LabelChange, PrefillJob
+from prorsa_lab.demo.workload import PhaseSchedule, default_phase_seconds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 Run = tuple[subprocess.CompletedProcess[str], Path]
 
 
+# `prorsa demo` in an interpreter where the modules outside the `demo` extra cannot load.
+_DEMO_EXTRA_ONLY = """
+import importlib.abc, sys
+blocked = set(sys.argv[1].split(","))
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+from prorsa.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("demo")
+    blocked = modules_outside("demo")
+    assert {"pytest", "hypothesis", "schemathesis"} <= set(blocked)  # test tooling is hidden
     proc = subprocess.run(
-        [sys.executable, "-m", "prorsa.cli", "demo", "--duration", "20", "--instances", "4",
-         "--no-live", "--out", str(out)],
+        [sys.executable, "-c", _DEMO_EXTRA_ONLY, ",".join(blocked),
+         "demo", "--duration", "20", "--instances", "4", "--no-live", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=180,

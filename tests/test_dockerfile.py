@@ -13,12 +13,13 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from prorsa_agent import cli as agent_cli
+from prorsa_agent import agent_cli
 from prorsa_agent.config import ENV_VARS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,6 +113,10 @@ def test_the_agent_is_installed_from_sources_that_exist(instructions):
         assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
     assert "operator" in sources and "engine_image/prorsa_agent" in sources
     assert "pyproject.toml" in sources
+    # The agent's one Prorsa dependency is the wire contract; the lab (simulator, demo,
+    # test doubles) and the trainer SDK never reach SGLang's interpreter.
+    assert "sdk/prorsa_contract" in sources
+    assert not [s for s in sources if s.startswith(("tools", "sdk/prorsa_sdk")) or s == "sdk"]
     runs = " ".join(i.value for i in instructions if i.keyword == "RUN")
     assert "pip install --no-cache-dir /opt/prorsa-src" in runs
     assert "--upgrade" not in runs and " -U " not in runs  # never disturb SGLang's pins
@@ -157,3 +162,47 @@ def test_parser_handles_continuations_and_comments():
         ("ENV", "A=1 B='two words'"),
     ]
     assert env_pairs(parsed[2].value) == {"A": "1", "B": "two words"}
+
+
+# A child interpreter where the packages the engine image leaves out cannot be imported.
+_PROBE = """
+import importlib, importlib.abc, pkgutil, sys
+blocked = set(sys.argv[1].split(","))
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+exec(sys.argv[2])
+"""
+
+
+def probe(blocked: list[str], code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, ",".join(blocked), code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_agent_needs_nothing_of_prorsa_but_the_contract():
+    code = (
+        "import prorsa_agent\n"
+        "for m in pkgutil.walk_packages(prorsa_agent.__path__, 'prorsa_agent.'):\n"
+        "    if m.name != 'prorsa_agent.__main__':  # runs the agent\n"
+        "        importlib.import_module(m.name)\n"
+        "print('ok')"
+    )
+    result = probe(["prorsa", "prorsa_sdk", "prorsa_lab"], code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_image_check_prorsa_agent_help_runs_without_the_lab_and_the_sdk():
+    code = "from prorsa.cli import main; sys.exit(main(['agent', '--help']))"
+    result = probe(["prorsa_sdk", "prorsa_lab"], code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: prorsa agent")

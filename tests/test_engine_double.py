@@ -19,7 +19,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from prorsa.testing.engine import (
+from prorsa_agent.config import engine_argv
+from prorsa_lab.doubles.engine_cli import check_cache_flags, configure
+from prorsa_lab.doubles.sglang_double import (
     CRASH_EXIT_CODE,
     NOT_IDLE,
     EngineConfig,
@@ -27,8 +29,6 @@ from prorsa.testing.engine import (
     Faults,
     TimingModel,
 )
-from prorsa.testing.engine_cli import check_cache_flags, configure
-from prorsa_agent.config import engine_argv
 
 SLOW_DECODE = TimingModel(decode_step_seconds=0.02, health_check_timeout_seconds=0.5)
 SWITCH_REPLY_KEYS = {
@@ -700,7 +700,8 @@ def test_engine_double_command_serves_and_crashes_like_a_process():
 def test_module_entry_point_ignores_unmodelled_sglang_flags():
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "prorsa.testing.engine", "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "prorsa_lab.doubles.sglang_double",
+            "--host", "127.0.0.1", "--port", "0",
             "--disaggregation-mode", "decode", "--enable-pd-role-switch",
             "--chunked-prefill-size", "4096", "--mem-fraction-static", "0.8",
         ],

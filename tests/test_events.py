@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prorsa.events import (
+from prorsa_contract.events import (
     EVENT_TYPES,
     BatchError,
     WeightUpdateFinished,

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from prorsa.forecast.admission import predict_admissions
-from prorsa.forecast.model import ForecastConfig, Forecaster, PrefillSite, prefill_work
-from prorsa.forecast.stats import ClassedDistributions, EmaTable, EmpiricalDistribution, Prior
-from prorsa.forecast.table import TrajectoryTable
+from prorsa.core.forecast.admission import predict_admissions
+from prorsa.core.forecast.model import ForecastConfig, Forecaster, PrefillSite, prefill_work
+from prorsa.core.forecast.stats import ClassedDistributions, EmaTable, EmpiricalDistribution, Prior
+from prorsa.core.forecast.table import TrajectoryTable
 
 SITE = PrefillSite(names=("p0",), seconds_per_token=1e-3)  # θ_P = 1000 tokens/s
 

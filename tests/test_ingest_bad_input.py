@@ -18,8 +18,9 @@ import httpx
 import pytest
 from conftest import make_spec
 
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterHandle, ClusterRegistry, IngestLimits, WebhookServer
+from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

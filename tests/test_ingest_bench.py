@@ -8,9 +8,9 @@ import sys
 
 from conftest import make_spec
 
-from prorsa.bench.ingest import workload
-from prorsa.controller import Controller
-from prorsa.events import parse_events
+from prorsa.core.controller import Controller
+from prorsa_contract.events import parse_events
+from prorsa_lab.bench.ingest_bench import workload
 
 
 def test_workload_is_a_valid_lifecycle_stream() -> None:

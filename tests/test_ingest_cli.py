@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from prorsa.decision import Decision
+from prorsa.core.decision import Decision
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = {

@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 import httpx
 from conftest import make_spec
 
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterRegistry, IngestLimits, WebhookServer
+from prorsa.clusters import ClusterRegistry, IngestLimits
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -12,11 +12,12 @@ from conftest import make_spec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from prorsa.clusters import ClockOffset, ClusterRegistry
+from prorsa.clusters.auth import bearer_token, normalize_token, token_matches
 from prorsa.commands.ingest import format_decision, parse_listen
-from prorsa.controller import Controller
-from prorsa.events import parse_events
-from prorsa.ingest import ClockOffset, ClusterRegistry, DedupeWindow
-from prorsa.ingest.auth import bearer_token, normalize_token, token_matches
+from prorsa.core.controller import Controller
+from prorsa.core.dedupe import DedupeWindow
+from prorsa_contract.events import parse_events
 
 
 def test_dedupe_window_counts_replays_and_forgets_the_oldest() -> None:

@@ -28,7 +28,7 @@ from kopf.testing import KopfRunner
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.testing.kube import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "rolloutcluster.yaml"
@@ -992,7 +992,7 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
         [
             sys.executable,
             "-m",
-            "prorsa.testing.kube",
+            "prorsa_lab.doubles.kube_emulator",
             "--kubeconfig",
             str(config),
             "--namespace",
@@ -1017,7 +1017,7 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
 
 
 def test_audit_log_records_each_users_calls_as_rbac_sees_them(kube, core, tmp_path):
-    from prorsa.testing.kube_audit import ApiCall
+    from prorsa_lab.doubles.kube_audit import ApiCall
 
     operator = client.CoreV1Api(
         KubeEmulatorServer.client_for(kube.kubeconfig_for("op", tmp_path / "op"))

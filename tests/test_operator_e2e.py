@@ -8,14 +8,21 @@ import json
 
 import httpx
 import pytest
-from operator_harness import NAMESPACE, Deployment, cluster_manifest, deployment
 from prometheus_client.parser import text_string_to_metric_families
 
-from prorsa.k8s import objects as obj
-from prorsa.testing.engine import EngineConfig, TimingModel
+from prorsa_contract.labels import (
+    BOOTSTRAP_ANNOTATION,
+    CLUSTER_LABEL,
+    DRAINING,
+    MANAGED_BY,
+    ROLE_LABEL,
+    SWITCH_ANNOTATION,
+)
+from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
+from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
 
 
-def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[dict]:
+def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict]:
     """n requests queued with big prompts: prefill demand n·tokens / (S·θ) instances."""
     return [
         env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
@@ -23,7 +30,7 @@ def prefill_heavy(env: Deployment, n: int = 30, tokens: int = 10_000) -> list[di
     ]
 
 
-def decode_heavy(env: Deployment, prefill_pod: str, n: int = 6, tokens: int = 10_000) -> list:
+def decode_heavy(env: Stack, prefill_pod: str, n: int = 6, tokens: int = 10_000) -> list:
     """Requests already in prefill: they enter decode within the horizon (K̂_D), so the
     decode side needs n·tokens / C_KV instances while prefill demand stays small."""
     out = []
@@ -34,17 +41,17 @@ def decode_heavy(env: Deployment, prefill_pod: str, n: int = 6, tokens: int = 10
     return out
 
 
-async def ready_split(env: Deployment, prefill: int, decode: int) -> bool:
+async def ready_split(env: Stack, prefill: int, decode: int) -> bool:
     counts = await env.count_roles()
     return counts.get("prefill", 0) == prefill and counts.get("decode", 0) == decode
 
 
 async def test_cluster_comes_up_and_follows_demand_both_ways() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await comes_up_and_follows_demand_both_ways(env, cluster_manifest())
 
 
-async def comes_up_and_follows_demand_both_ways(env: Deployment, manifest: dict) -> None:
+async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> None:
     """The main scenario (also run by tests/test_chart.py to record the operator's API
     calls): four engines come up, the split follows prefill- then decode-heavy demand."""
     await env.create_cluster(manifest)
@@ -53,9 +60,9 @@ async def comes_up_and_follows_demand_both_ways(env: Deployment, manifest: dict)
     pods = await env.pods()
     for pod in pods:
         meta = pod["metadata"]
-        assert meta["labels"][obj.MANAGED_BY] == "prorsa"
-        assert meta["labels"][obj.CLUSTER_LABEL] == "demo"
-        assert meta["annotations"][obj.BOOTSTRAP_ANNOTATION] == "8998"
+        assert meta["labels"][MANAGED_BY] == "prorsa"
+        assert meta["labels"][CLUSTER_LABEL] == "demo"
+        assert meta["annotations"][BOOTSTRAP_ANNOTATION] == "8998"
         assert meta["ownerReferences"][0]["kind"] == "RolloutCluster"
         limits = pod["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "8"
@@ -125,7 +132,7 @@ async def _count(pods_coro, n: int) -> bool:
 
 
 async def test_recommend_mode_changes_only_status() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         manifest = cluster_manifest(
             switching={"mode": "Recommend"},
             roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
@@ -156,23 +163,23 @@ def before_prefill(roles: dict[str, str]) -> int:
 
 async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None:
     slow = TimingModel(switch_seconds=3.0)
-    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
 
         async def someone_draining() -> str | None:
             for name, role in (await env.roles()).items():
-                if role == obj.DRAINING:
+                if role == DRAINING:
                     return name
             return None
 
         # The bootstrap flip to 1P:3D is slow (3 s): stop the operator while it runs.
         name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
         pod = next(p for p in await env.pods() if p["metadata"]["name"] == name)
-        intent = json.loads(pod["metadata"]["annotations"][obj.SWITCH_ANNOTATION])
+        intent = json.loads(pod["metadata"]["annotations"][SWITCH_ANNOTATION])
         assert intent["to"] == "prefill"
         await env.stop_operator()
-        assert (await env.roles())[name] == obj.DRAINING  # left mid-switch
+        assert (await env.roles())[name] == DRAINING  # left mid-switch
         saved = await env.kube.read_config_map(NAMESPACE, "demo-prorsa-state")
         assert saved is not None and json.loads(saved["learned.json"])["format"] == 1
         await env.start_operator()
@@ -189,8 +196,8 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
         async def converged() -> bool:
             pods = await env.pods()
             return all(
-                p["metadata"]["labels"][obj.ROLE_LABEL] != obj.DRAINING
-                and obj.SWITCH_ANNOTATION not in (p["metadata"].get("annotations") or {})
+                p["metadata"]["labels"][ROLE_LABEL] != DRAINING
+                and SWITCH_ANNOTATION not in (p["metadata"].get("annotations") or {})
                 for p in pods
             ) and await ready_split(env, 1, 3)
 
@@ -199,12 +206,12 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
 
 async def test_pod_deleted_mid_switch_is_recreated() -> None:
     slow = TimingModel(switch_seconds=2.0)
-    async with deployment(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(cluster_manifest())
 
         async def someone_draining() -> str | None:
             for name, role in (await env.roles()).items():
-                if role == obj.DRAINING:
+                if role == DRAINING:
                     return name
             return None
 
@@ -213,14 +220,14 @@ async def test_pod_deleted_mid_switch_is_recreated() -> None:
 
         async def replaced() -> bool:
             pods = {p["metadata"]["name"]: p for p in await env.pods()}
-            return name in pods and pods[name]["metadata"]["labels"][obj.ROLE_LABEL] != "draining"
+            return name in pods and pods[name]["metadata"]["labels"][ROLE_LABEL] != "draining"
 
         await env.wait_for(replaced, timeout=60, what="the pod recreated")
         await env.wait_for(lambda: ready_split(env, 1, 3), timeout=60, what="1P:3D again")
 
 
 async def test_unsafe_switch_failure_replaces_the_pod() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
         await env.kubelet.wait_running(4)
@@ -247,7 +254,7 @@ async def test_unsafe_switch_failure_replaces_the_pod() -> None:
 async def test_bad_rollout_clusters_are_refused_naming_the_field() -> None:
     import kubernetes
 
-    async with deployment() as env:
+    async with stack() as env:
         bad = cluster_manifest(gpuBudget=30)
         with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
             await env.create_cluster(bad)
@@ -260,7 +267,7 @@ async def test_bad_rollout_clusters_are_refused_naming_the_field() -> None:
 
 
 async def test_gpu_budget_change_scales_the_instances() -> None:
-    async with deployment() as env:
+    async with stack() as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
         await env.patch_cluster("demo", {"spec": {"gpuBudget": 48}})

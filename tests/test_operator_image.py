@@ -137,6 +137,24 @@ def test_runtime_stage_copies_only_the_built_venv(steps):
     assert [c.value for c in copies] == ["--from=build /opt/prorsa /opt/prorsa"]
 
 
+def test_build_stage_copies_the_operators_source_roots_and_not_the_lab(steps):
+    copied = [
+        a
+        for s in steps
+        if s.keyword == "COPY" and "--from=" not in s.value
+        for a in shlex.split(s.value)[:-1]
+    ]
+    assert set(copied) == {
+        "pyproject.toml",
+        "README.md",
+        "operator",
+        "sdk/prorsa_contract",
+        "engine_image/prorsa_agent",
+    }
+    # The contract is the only part of sdk/ the operator imports; the lab is never copied.
+    assert not any(c.startswith(("tools", "sdk/prorsa_sdk")) or c == "sdk" for c in copied)
+
+
 def test_runs_as_the_non_root_uid_the_chart_expects(steps):
     (user,) = final(steps, "USER")
     uid, _, gid = user.value.partition(":")
@@ -195,6 +213,21 @@ def runtime_closure(extra: str) -> set[str]:
     return seen
 
 
+OURS = ("prorsa", "prorsa_agent", "prorsa_contract", "prorsa_sdk", "prorsa_lab")
+
+
+def modules_outside(extra: str) -> list[str]:
+    """Top-level modules installed here that ``pip install .[extra]`` would not bring."""
+    allowed = runtime_closure(extra) | {"pip", "setuptools"}  # a fresh venv has these
+    return sorted(
+        module
+        for module, dists in md.packages_distributions().items()
+        if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
+        and module not in sys.stdlib_module_names
+        and module not in OURS
+    )
+
+
 # Run in a child interpreter where every module of a distribution outside ``.[operator]`` is
 # made unimportable, as if it were not installed (optional imports then take their fallback).
 _PROBE = """
@@ -208,8 +241,8 @@ class NotInstalled(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NotInstalled())
-import prorsa.cli, prorsa.commands.operator, prorsa.k8s.handlers, prorsa.k8s.runtime
-import prorsa.ingest, prorsa.metrics
+import prorsa.cli, prorsa.commands.operator, prorsa.kopf_handlers, prorsa.k8s.runtime
+import prorsa.ingest, prorsa.operator_metrics
 prorsa.cli.build_parser().parse_args(["operator", "-A"])
 print("ok")
 """
@@ -219,13 +252,7 @@ def test_the_operator_runs_on_its_runtime_dependencies_alone():
     allowed = runtime_closure("operator") | {"pip", "setuptools"}  # a fresh venv has these
     assert {"kopf", "kubernetes", "aiohttp", "pydantic"} <= allowed
     assert not {"pytest", "hypothesis", "kmock", "matplotlib"} & allowed
-    blocked = sorted(
-        module
-        for module, dists in md.packages_distributions().items()
-        if not {re.sub(r"[-_.]+", "-", d).lower() for d in dists} & allowed
-        and module not in sys.stdlib_module_names
-        and module not in ("prorsa", "prorsa_agent")
-    )
+    blocked = [*modules_outside("operator"), "prorsa_lab", "prorsa_sdk"]  # not in the image
     assert "pytest" in blocked and "matplotlib" in blocked  # the probe really hides them
     result = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(blocked)],

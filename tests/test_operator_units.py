@@ -9,11 +9,12 @@ import kopf
 import kubernetes_validate
 import pytest
 from conftest import make_spec
-from operator_harness import cluster_manifest
 
+from prorsa.core.spec import parse_cluster
 from prorsa.k8s import objects as obj
-from prorsa.k8s.handlers import OperatorConfig, build_registry, parse_spec
-from prorsa.spec import parse_cluster
+from prorsa.kopf_handlers import OperatorConfig, build_registry, parse_spec
+from prorsa_contract.labels import parse_intent, switch_intent
+from prorsa_lab.doubles.stack import cluster_manifest
 
 
 def test_admission_refuses_bad_specs_naming_the_field() -> None:
@@ -118,15 +119,15 @@ def test_router_selects_roles_so_draining_matches_neither() -> None:
 
 
 def test_switch_intent_round_trip() -> None:
-    value = obj.switch_intent(to="prefill", phase="draining", started="t0", origin="decode")
-    assert obj.parse_intent(value) == {
+    value = switch_intent(to="prefill", phase="draining", started="t0", origin="decode")
+    assert parse_intent(value) == {
         "to": "prefill",
         "from": "decode",
         "phase": "draining",
         "started": "t0",
     }
-    assert obj.parse_intent("not json") is None
-    assert obj.parse_intent('{"to": "sideways"}') is None
+    assert parse_intent("not json") is None
+    assert parse_intent('{"to": "sideways"}') is None
 
 
 @pytest.mark.parametrize(

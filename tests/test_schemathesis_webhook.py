@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from prorsa.controller import Controller
-from prorsa.ingest import ClusterHandle, ClusterRegistry, WebhookServer
+from prorsa.clusters import ClusterHandle, ClusterRegistry
+from prorsa.core.controller import Controller
+from prorsa.ingest import WebhookServer
 from prorsa.ingest.openapi import SENT_AT_HEADER
 
 TOKEN = "fuzz-token"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from prorsa.bench import rollout
 from prorsa.cli import main
 from prorsa.commands.bench import BENCHES
-from prorsa.sim.runner import GridConfig, SettingRow, aggregate, jobs
+from prorsa_lab.bench import rollout_bench as rollout
+from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs
 
 TINY = [
     "--models",
@@ -32,7 +32,7 @@ TINY = [
 
 
 def test_registered_in_prorsa_bench() -> None:
-    assert BENCHES["rollout"] == "prorsa.bench.rollout"
+    assert BENCHES["rollout"] == "prorsa_lab.bench.rollout_bench"
 
 
 def test_json_has_every_policy_speedups_wape_and_writes_the_png(

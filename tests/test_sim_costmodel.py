@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prorsa.sim.costmodel import MODELS, StepTimes, Table2D, load_profile
+from prorsa_lab.sim.costmodel import MODELS, StepTimes, Table2D, load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_unknown_model_names_the_known_ones() -> None:
 
 def test_committed_tables_say_how_they_were_made() -> None:
     for stem in set(MODELS.values()):
-        data = json.loads((resources.files("prorsa.sim") / "data" / f"{stem}.json").read_text())
+        data = json.loads((resources.files("prorsa_lab.sim") / "data" / f"{stem}.json").read_text())
         assert data["generatedBy"] == "scripts/gen_cost_tables.py"
         assert data["system"] == "h200_sxm" and data["backend"] == "sglang"
         assert len(data["prefill"]["ms"]) == len(data["prefill"]["newTokens"])
@@ -161,7 +161,9 @@ def test_role_switch_capable_tables_count_kv_honestly(name: str) -> None:
     assert p.gpus_per_rank * ranks == gpus and p.gpus_per_rank == attn_tp
     # aiconfigurator's KV per GPU is the per-GPU arithmetic above, replicas included.
     assert p.kv_bytes_per_token_per_gpu == kv_per_gpu
-    data = json.loads((resources.files("prorsa.sim") / "data" / f"{MODELS[name]}.json").read_text())
+    data = json.loads(
+        (resources.files("prorsa_lab.sim") / "data" / f"{MODELS[name]}.json").read_text()
+    )
     assert data["parallel"]["moeEp"] == 1 and data["parallel"]["moeTp"] == gpus
     memory = data["memory"]
     fixed = (memory["weightsGiBPerGpu"] + memory["ncclGiBPerGpu"]) * 2**30
@@ -208,6 +210,6 @@ def test_expert_parallel_tables_are_not_role_switch_capable() -> None:
         p = load_profile(name)
         assert not p.role_switch_capable
         data = json.loads(
-            (resources.files("prorsa.sim") / "data" / f"{MODELS[name]}.json").read_text()
+            (resources.files("prorsa_lab.sim") / "data" / f"{MODELS[name]}.json").read_text()
         )
         assert data["parallel"]["moeEp"] > 1 and "EP" in data["title"]

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from prorsa.sim.costmodel import ModelProfile, StepTimes, load_profile
-from prorsa.sim.engine import (
+from prorsa_lab.sim.costmodel import ModelProfile, StepTimes, load_profile
+from prorsa_lab.sim.loop import Loop
+from prorsa_lab.sim.sim_engine import (
     COLOCATED,
     DECODE,
     DECODE_RESERVE_TOKENS,
@@ -16,7 +17,6 @@ from prorsa.sim.engine import (
     Cluster,
     Request,
 )
-from prorsa.sim.loop import Loop
 
 
 class Recorder:

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from prorsa import events as ev
-from prorsa.controller import Controller
-from prorsa.sim.policies import Static
-from prorsa.sim.simulator import Scenario, Simulation
+from prorsa.core.controller import Controller
+from prorsa_contract import events as ev
+from prorsa_lab.sim.policies import Static
+from prorsa_lab.sim.simulator import Scenario, Simulation
 
 # Allowed next event types per event type: the lifecycle of Figure 4 (DESIGN.md table).
 NEXT = {

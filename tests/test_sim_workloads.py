@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from prorsa.sim.workloads import TASKS, TEMPLATE_TOKENS, get_task
+from prorsa_lab.sim.workloads import TASKS, TEMPLATE_TOKENS, get_task
 
 CTX = 131072
 

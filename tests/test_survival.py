@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from prorsa.forecast.model import ForecastConfig, Forecaster, PrefillSite
-from prorsa.forecast.stats import EmpiricalDistribution, Prior
-from prorsa.forecast.survival import ClassedSurvival, SurvivalWindow
-from prorsa.forecast.table import TrajectoryTable
+from prorsa.core.forecast.model import ForecastConfig, Forecaster, PrefillSite
+from prorsa.core.forecast.stats import EmpiricalDistribution, Prior
+from prorsa.core.forecast.survival import ClassedSurvival, SurvivalWindow
+from prorsa.core.forecast.table import TrajectoryTable
 
 MEDIAN = 100.0  # seconds: the true median of every synthetic lognormal here
 KEY = (0, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from prorsa.switch_cost import (
+from prorsa.core.switch_cost import (
     Load,
     Persistence,
     Regret,

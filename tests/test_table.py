@@ -6,9 +6,9 @@ import tracemalloc
 
 import numpy as np
 
-from prorsa import events as ev
-from prorsa.forecast.model import ForecastConfig, Forecaster
-from prorsa.forecast.table import TrajectoryTable
+from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.table import TrajectoryTable
+from prorsa_contract import events as ev
 
 
 def table() -> TrajectoryTable:

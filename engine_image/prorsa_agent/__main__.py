@@ -6,7 +6,7 @@ A fallback entry point for the engine image: it loads nothing but the agent.
 import argparse
 import sys
 
-from prorsa_agent.cli import HELP, configure, run
+from prorsa_agent.agent_cli import HELP, configure, run
 
 parser = argparse.ArgumentParser(prog="prorsa agent", description=HELP)
 configure(parser)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prorsa.engine_state import Role
 from prorsa_agent.engine_client import EngineProtocolError, internal_states
+from prorsa_contract.agent_api import Role
 
 log = logging.getLogger("prorsa_agent.health")
 

@@ -1,10 +1,10 @@
 """The in-pod agent's HTTP server (CONTRACT: docs/agent-api.md, port 8080).
 
-``GET /v1/state``  the engine as an :class:`~prorsa.engine_state.EngineState` (summed over DP
+``GET /v1/state``  the engine as an :class:`~prorsa_contract.agent_api.EngineState` (summed over DP
                    ranks), from ``/v1/loads``; 200 even when the engine is down (then
                    ``healthy: false``), so the operator can tell a dead engine from a dead pod.
 ``POST /v1/role``  bearer token; runs one switch at a time. The caller gets the final
-                   :class:`~prorsa.engine_state.RoleResult` (200 ok, 502 failed); the same
+                   :class:`~prorsa_contract.agent_api.RoleResult` (200 ok, 502 failed); the same
                    target while it runs answers 202 with the progress, another target 409;
                    503 when the engine cannot switch now (down, starting, failed); 401 bad
                    token; 400 unreadable body; 422 invalid body. The switch runs on even if
@@ -33,13 +33,13 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from prorsa.engine_state import EngineState, RoleRequest, RoleResult
+from prorsa_agent.agent_metrics import AgentMetrics
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import EngineClient, EngineUnavailable
 from prorsa_agent.health import EngineHealth
-from prorsa_agent.metrics import AgentMetrics
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
+from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
 
 log = logging.getLogger("prorsa_agent")
 

@@ -1,6 +1,6 @@
 """The role switch of one engine: drain, abort at the deadline, flip, verify (DESIGN step 3-4).
 
-Every way it can end is a :class:`~prorsa.engine_state.RoleResult` and a metrics label:
+Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a metrics label:
 
 * the engine flipped, reports the new role in ``/server_info`` and generates: ``ok``;
 * it refused before tearing anything down (``safe_to_restore: true``, e.g. a backend that
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.engine_state import Role, RoleResult
+from prorsa_agent.agent_metrics import AgentMetrics
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import (
     EngineClient,
@@ -31,7 +31,7 @@ from prorsa_agent.engine_client import (
     internal_states,
 )
 from prorsa_agent.health import EngineHealth
-from prorsa_agent.metrics import AgentMetrics
+from prorsa_contract.agent_api import Role, RoleResult
 
 log = logging.getLogger("prorsa_agent.switch")
 

@@ -61,7 +61,12 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
             "gpusPerInstance": 1,
             "tensorParallelSize": 1,
             "gpuResourceName": "",
-            "env": [{"name": "PRORSA_ENGINE_COMMAND", "value": "python -m prorsa.testing.engine"}],
+            "env": [
+                {
+                    "name": "PRORSA_ENGINE_COMMAND",
+                    "value": "python -m prorsa_lab.doubles.sglang_double",
+                }
+            ],
         },
         "gpuBudget": 4,
         "roles": {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},

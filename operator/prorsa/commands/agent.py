@@ -8,12 +8,12 @@ HELP = "run the in-pod agent: supervise SGLang, report its state, flip its PD ro
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from prorsa_agent.cli import configure as configure_agent
+    from prorsa_agent.agent_cli import configure as configure_agent
 
     configure_agent(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_agent.cli import run as run_agent
+    from prorsa_agent.agent_cli import run as run_agent
 
     return run_agent(args)

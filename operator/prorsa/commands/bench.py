@@ -9,9 +9,9 @@ HELP = "run benchmarks (controller, ingest, rollout, or all)"
 
 # Benchmark name -> module exposing configure(parser) and run(args) -> int.
 BENCHES: dict[str, str] = {
-    "controller": "prorsa.bench.controller",
-    "ingest": "prorsa.bench.ingest",
-    "rollout": "prorsa.bench.rollout",
+    "controller": "prorsa_lab.bench.controller_bench",
+    "ingest": "prorsa_lab.bench.ingest_bench",
+    "rollout": "prorsa_lab.bench.rollout_bench",
 }
 
 

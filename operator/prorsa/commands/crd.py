@@ -14,7 +14,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa.k8s.crd import render
+    from prorsa.k8s.crd_manifest import render
 
     text = render()
     if args.write is None:

@@ -76,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa.demo.run import DemoInterrupted, DemoOptions, run_demo
+    from prorsa_lab.demo.run import DemoInterrupted, DemoOptions, run_demo
 
     try:
         options = DemoOptions(

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prorsa.decision import Decision
-    from prorsa.ingest import ClusterHandle
+    from prorsa.clusters import ClusterHandle
+    from prorsa.core.decision import Decision
 
 HELP = "serve the trainer webhook for one RolloutCluster manifest (no Kubernetes)"
 
@@ -70,8 +70,8 @@ def parse_listen(value: str) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from prorsa.core.spec import SpecError, load_cluster
     from prorsa.process import tune_gc
-    from prorsa.spec import SpecError, load_cluster
 
     tune_gc()
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         token = args.token_file.read_text()
     except OSError as exc:
         return fail(f"cannot read --token-file: {exc}")
-    from prorsa.ingest.auth import normalize_token
+    from prorsa.clusters.auth import normalize_token
 
     try:
         normalize_token(token)
@@ -114,8 +114,9 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
     import json
     import signal
 
-    from prorsa.controller import Controller
-    from prorsa.ingest import ClusterRegistry, WebhookServer
+    from prorsa.clusters import ClusterRegistry
+    from prorsa.core.controller import Controller
+    from prorsa.ingest import WebhookServer
 
     meta, spec = manifest.metadata, manifest.spec
     registry = ClusterRegistry()

@@ -43,8 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    from prorsa.k8s.handlers import OperatorConfig, build_registry
     from prorsa.k8s.runtime import OperatorOptions
+    from prorsa.kopf_handlers import OperatorConfig, build_registry
     from prorsa.process import tune_gc
 
     tune_gc()

@@ -42,11 +42,11 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from prorsa.advice import deployment_advice
-    from prorsa.controller import Controller
-    from prorsa.engine_state import ENGINE_STATES
-    from prorsa.events import BatchError, parse_lines
-    from prorsa.spec import SpecError, load_cluster
+    from prorsa.core.advice import deployment_advice
+    from prorsa.core.controller import Controller
+    from prorsa.core.spec import SpecError, load_cluster
+    from prorsa_contract.agent_api import ENGINE_STATES
+    from prorsa_contract.events import BatchError, parse_lines
 
     try:
         cluster = load_cluster(args.cluster)

@@ -1,6 +1,6 @@
 """The trainer webhook (the CONTRACT of docs/webhook-events.md), for one or many clusters.
 
->>> registry = ClusterRegistry()
+>>> registry = ClusterRegistry()            # prorsa.clusters
 >>> handle = registry.add(namespace="rl", name="c", token="t", controller=Controller(spec))
 >>> app = WebhookServer(registry).make_app()      # or .add_routes(operator_app)
 
@@ -8,27 +8,11 @@ Clusters can be added and removed while the server runs; ``handle.tick()`` runs 
 tick at the trainer's (estimated) present and keeps the Decision for ``GET .../forecast``.
 """
 
-from prorsa.dedupe import DedupeWindow
 from prorsa.ingest.app import Refusal, RunningServer, WebhookServer
-from prorsa.ingest.clock import ClockOffset
-from prorsa.ingest.metrics import WebhookMetrics
 from prorsa.ingest.openapi import openapi_document
-from prorsa.ingest.registry import (
-    BatchOutcome,
-    ClusterHandle,
-    ClusterRegistry,
-    IngestLimits,
-    QueueFull,
-)
+from prorsa.ingest.webhook_metrics import WebhookMetrics
 
 __all__ = [
-    "BatchOutcome",
-    "ClockOffset",
-    "ClusterHandle",
-    "ClusterRegistry",
-    "DedupeWindow",
-    "IngestLimits",
-    "QueueFull",
     "Refusal",
     "RunningServer",
     "WebhookMetrics",

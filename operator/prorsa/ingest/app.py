@@ -35,19 +35,10 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prorsa.events import (
-    BatchError,
-    Event,
-    FieldError,
-    Snapshot,
-    parse_batch,
-    parse_ndjson,
-    parse_snapshot,
-)
-from prorsa.ingest.auth import bearer_token
-from prorsa.ingest.metrics import WebhookMetrics
+from prorsa.clusters.auth import bearer_token
+from prorsa.clusters.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
-from prorsa.ingest.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside
 from prorsa.ingest.wire import (
     BatchReply,
@@ -56,6 +47,15 @@ from prorsa.ingest.wire import (
     ErrorReply,
     Health,
     SnapshotReply,
+)
+from prorsa_contract.events import (
+    BatchError,
+    Event,
+    FieldError,
+    Snapshot,
+    parse_batch,
+    parse_ndjson,
+    parse_snapshot,
 )
 
 log = logging.getLogger("prorsa.ingest")

@@ -12,10 +12,10 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from prorsa import __version__
-from prorsa.decision import Decision
-from prorsa.events import EventBatch, Snapshot
-from prorsa.ingest.registry import IngestLimits
+from prorsa.clusters.registry import IngestLimits
+from prorsa.core.decision import Decision
 from prorsa.ingest.wire import BatchReply, ClusterStatus, ErrorReply, Health, SnapshotReply
+from prorsa_contract.events import EventBatch, Snapshot
 
 CLUSTER_PATH = "/v1/namespaces/{namespace}/rolloutclusters/{name}"
 SENT_AT_HEADER = "X-Prorsa-Sent-At"

@@ -10,7 +10,7 @@ so it is refused (422, naming the field) before anything is applied or measured.
 The window is wide on purpose. Ahead: a trainer clock may run fast (an hour by default).
 Behind: events may wait in a client's buffer or retries, and a snapshot's ``since`` may be
 old (a week by default). Smaller errors within the window are the clock estimate's job
-(:mod:`prorsa.ingest.clock`), and eviction never runs faster than real time.
+(:mod:`prorsa.clusters.clock`), and eviction never runs faster than real time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prorsa.events import Event, FieldError, Snapshot
+from prorsa_contract.events import Event, FieldError, Snapshot
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """Reply bodies of the trainer webhook; the single source of replies and of ``/openapi.json``.
 
-Event and snapshot bodies are the CONTRACT models of :mod:`prorsa.events`; the Decision is
-:mod:`prorsa.decision`. Reply keys are single words or camelCase, like the CRD status.
+Event and snapshot bodies are the CONTRACT models of :mod:`prorsa_contract.events`; the Decision is
+:mod:`prorsa.core.decision`. Reply keys are single words or camelCase, like the CRD status.
 """
 
 from __future__ import annotations

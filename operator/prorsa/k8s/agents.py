@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from prorsa.engine_state import EngineState, RoleResult
+from prorsa_contract.agent_api import EngineState, RoleResult
 
 STATE_TIMEOUT = 2.0
 

@@ -22,11 +22,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prorsa.decision import Switch
-from prorsa.engine_state import RoleResult
+from prorsa.core.decision import Switch
 from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.objects import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION, parse_intent, switch_intent
+from prorsa_contract.agent_api import RoleResult
+from prorsa_contract.labels import (
+    DRAINING,
+    ROLE_LABEL,
+    SWITCH_ANNOTATION,
+    parse_intent,
+    switch_intent,
+)
 
 log = logging.getLogger("prorsa.executor")
 

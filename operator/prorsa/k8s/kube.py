@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.spec import GROUP, PLURAL, VERSION
+from prorsa.core.spec import GROUP, PLURAL, VERSION
 
 T = TypeVar("T")
 

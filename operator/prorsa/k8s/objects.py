@@ -1,10 +1,7 @@
 """Kubernetes objects of one RolloutCluster, as plain manifests (pure functions).
 
-The names, labels and annotations here are the CONTRACT of docs/agent-api.md: engine pods
-``<cluster>-engine-<i>``, labels ``app.kubernetes.io/managed-by: prorsa``,
-``prorsa.io/cluster`` and ``prorsa.io/role`` (prefill | decode | draining), the
-``sglang.ai/bootstrap-port`` annotation on every engine pod (any pod may become prefill),
-and the ``prorsa.io/switch`` intent annotation of a switch in progress.
+The names, labels and annotations the manifests carry are the CONTRACT of
+docs/agent-api.md, defined in :mod:`prorsa_contract.labels`.
 """
 
 from __future__ import annotations
@@ -12,20 +9,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prorsa.spec import RolloutClusterSpec
+from prorsa.core.spec import RolloutClusterSpec
+from prorsa_contract.labels import (
+    AGENT_PORT,
+    BOOTSTRAP_ANNOTATION,
+    BOOTSTRAP_PORT,
+    CLUSTER_LABEL,
+    COMPONENT_LABEL,
+    ENGINE_PORT,
+    INDEX_LABEL,
+    MANAGED_BY,
+    ROLE_LABEL,
+    agent_secret_name,
+    engine_key_secret_name,
+    engine_name,
+)
 
-MANAGED_BY = "app.kubernetes.io/managed-by"
-CLUSTER_LABEL = "prorsa.io/cluster"
-ROLE_LABEL = "prorsa.io/role"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-INDEX_LABEL = "prorsa.io/index"
-BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
-SWITCH_ANNOTATION = "prorsa.io/switch"
-DRAINING = "draining"
-
-ENGINE_PORT = 30000
-BOOTSTRAP_PORT = 8998
-AGENT_PORT = 8080
 ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 TOKEN_PATH = "/var/run/prorsa/agent-token"
@@ -44,20 +43,8 @@ ENGINE_CONTAINER_SECURITY: dict[str, Any] = {
 """The engine container's default securityContext; spec.engine.securityContext replaces it."""
 
 
-def engine_name(cluster: str, index: int) -> str:
-    return f"{cluster}-engine-{index}"
-
-
 def router_name(cluster: str) -> str:
     return f"{cluster}-router"
-
-
-def agent_secret_name(cluster: str) -> str:
-    return f"{cluster}-agent-token"
-
-
-def engine_key_secret_name(cluster: str) -> str:
-    return f"{cluster}-engine-admin-key"
 
 
 def labels(cluster: str, component: str) -> dict[str, str]:
@@ -343,20 +330,3 @@ def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str
             "ports": [{"name": "webhook", "port": WEBHOOK_PORT, "targetPort": WEBHOOK_PORT}],
         },
     }
-
-
-def switch_intent(*, to: str, phase: str, started: str, origin: str) -> str:
-    """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
-    return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})
-
-
-def parse_intent(value: str | None) -> dict[str, str] | None:
-    if not value:
-        return None
-    try:
-        data = json.loads(value)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or data.get("to") not in ("prefill", "decode"):
-        return None
-    return {k: str(v) for k, v in data.items()}

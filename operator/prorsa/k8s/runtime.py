@@ -20,15 +20,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.decision import Decision, Switch
-from prorsa.engine_state import EngineState
-from prorsa.ingest import ClusterHandle
+from prorsa.clusters import ClusterHandle
+from prorsa.core.decision import Decision, Switch
+from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
-from prorsa.metrics import OperatorMetrics
-from prorsa.spec import RolloutClusterSpec
+from prorsa.operator_metrics import OperatorMetrics
+from prorsa_contract.agent_api import EngineState
+from prorsa_contract.labels import (
+    AGENT_PORT,
+    CLUSTER_LABEL,
+    COMPONENT_LABEL,
+    INDEX_LABEL,
+    SWITCH_ANNOTATION,
+    agent_secret_name,
+)
 
 log = logging.getLogger("prorsa.runtime")
 
@@ -40,7 +48,7 @@ EventPoster = Callable[[str, str, str], Awaitable[None]]  # (type, reason, messa
 class OperatorOptions:
     """Process-wide settings of the operator (flags of ``prorsa operator``)."""
 
-    agent_port: int = obj.AGENT_PORT
+    agent_port: int = AGENT_PORT
     router_url_template: str = "http://{name}-router.{namespace}.svc:{port}"
     router_settle_timeout: float = 30.0
     tick_seconds: float | None = None  # None: each cluster's forecast.horizonSeconds
@@ -74,7 +82,7 @@ class ClusterRuntime:
 
     @property
     def selector(self) -> str:
-        return f"{obj.CLUSTER_LABEL}={self.name},{obj.COMPONENT_LABEL}=engine"
+        return f"{CLUSTER_LABEL}={self.name},{COMPONENT_LABEL}=engine"
 
     def owner(self) -> dict[str, Any]:
         return {
@@ -101,7 +109,7 @@ class ClusterRuntime:
         """Secret, services, router; the executor; switches a previous process left."""
         ns, name = self.namespace, self.name
         self.metrics.start_cluster(ns, name)
-        secret_name = obj.agent_secret_name(name)
+        secret_name = agent_secret_name(name)
         token = await self.kube.read_secret_key(ns, secret_name, "token")
         if token is None:
             token = secrets.token_urlsafe(32)
@@ -246,7 +254,7 @@ class ClusterRuntime:
         for pod in pods:
             meta = pod["metadata"]
             try:
-                index = int((meta.get("labels") or {}).get(obj.INDEX_LABEL, "-1"))
+                index = int((meta.get("labels") or {}).get(INDEX_LABEL, "-1"))
             except ValueError:
                 index = -1
             phase = (pod.get("status") or {}).get("phase")
@@ -293,7 +301,7 @@ class ClusterRuntime:
                     self.metrics.agent_errors.labels(self.namespace, self.name).inc()
                 continue
             annotations = pod["metadata"].get("annotations") or {}
-            if name in busy or obj.SWITCH_ANNOTATION in annotations:
+            if name in busy or SWITCH_ANNOTATION in annotations:
                 state = state.model_copy(update={"switching": True})
             out[name] = state
         return out
@@ -304,9 +312,7 @@ class ClusterRuntime:
         self.metrics.switch_seconds.labels(ns, name).observe(outcome.seconds)
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
-            controller.record_switch(
-                outcome.pod, to=outcome.to, at=self.handle.trainer_now(), ok=ok
-            )
+            controller.record_switch(outcome.pod, at=self.handle.trainer_now())
         message = (
             f"{outcome.pod}: {outcome.origin} -> {outcome.to} {outcome.result} "
             f"in {outcome.seconds:.1f}s"

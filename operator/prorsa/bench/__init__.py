@@ -1,1 +1,0 @@
-"""Benchmarks behind `prorsa bench`; modules here import nothing heavy at top level."""

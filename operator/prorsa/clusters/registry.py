@@ -1,0 +1,455 @@
+"""Clusters served by one webhook listener: token, Controller, epoch and resync state each.
+
+The registry is what lets one aiohttp listener serve many RolloutClusters: the operator
+adds a :class:`ClusterHandle` when it starts managing a cluster and removes it when the
+cluster goes away, at runtime, from the same asyncio loop the server runs on.
+
+A handle serialises every call into its Controller (which is not thread-safe) behind one
+:class:`asyncio.Lock`. Small batches apply inline, which costs a few milliseconds at most;
+large batches and control ticks, whose cost grows with the batch or with the number of
+live trajectories, run in a worker thread so the event loop keeps serving other requests
+and other clusters meanwhile. The requests waiting for the lock are the queue; its length
+in events is bounded (``max_pending_events``) and a batch that would exceed it is refused
+with 429 and a Retry-After computed from the measured apply rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prorsa.clusters.auth import normalize_token, token_matches
+from prorsa.clusters.clock import ClockOffset
+from prorsa.core.controller import Controller
+from prorsa.core.decision import Decision
+from prorsa.core.dedupe import DedupeWindow
+from prorsa_contract.agent_api import EngineState
+from prorsa_contract.events import Event, Snapshot
+
+T = TypeVar("T")
+
+EVICTION_CLOCK_RATE = 2.0
+"""The eviction clock runs at most this many times as fast as real time (see tick)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IngestLimits:
+    """Every bound that keeps the server's memory and latency finite under any input."""
+
+    max_batch_bytes: int = 4 << 20
+    """Largest ``POST .../events`` body (after any Content-Encoding); larger gets 413."""
+    max_snapshot_bytes: int = 64 << 20
+    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory."""
+    max_inflight_bytes: int = 256 << 20
+    """Request bodies being read or parsed at once, whole server; beyond it 429."""
+    max_pending_events: int = 50_000
+    """Validated events waiting for one cluster's Controller; beyond it 429."""
+    dedupe_window: int = 65_536
+    """Most recent event ids remembered per cluster to count replays."""
+    offload_events: int = 500
+    """Batches of more events than this parse and apply in a worker thread. A batch of
+    500 (the SDK's default) costs ~1 ms to parse and ~2-4 ms in the Controller: inline
+    that is a short, bounded stall and the cheapest path; larger batches would stall the
+    loop in proportion, so they move to a thread (at some cost in throughput)."""
+    offload_ticks: bool = True
+    """Run ``Controller.tick`` in a worker thread (its cost grows with live trajectories)."""
+    header_timeout_seconds: float = 30.0
+    """A connection must send a request's line and headers within this long of connecting
+    (or of its previous reply, kept alive); then it is closed without a reply."""
+    body_timeout_seconds: float = 60.0
+    """A request must send its whole body within this long of its headers; then 408."""
+    max_clock_ahead_seconds: float = 3600.0
+    """Trainer timestamps (event ``ts``, snapshot times, ``X-Prorsa-Sent-At``) more than
+    this far ahead of the server's wall clock are refused (422)."""
+    max_clock_behind_seconds: float = 7 * 86400.0
+    """... and more than this far behind it: milliseconds, seconds since the trainer
+    started, or a clock years off are trainer bugs, not times."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch_bytes",
+            "max_snapshot_bytes",
+            "max_inflight_bytes",
+            "max_pending_events",
+            "dedupe_window",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.offload_events < 0:
+            raise ValueError("offload_events must be >= 0")
+        for name in (
+            "header_timeout_seconds",
+            "body_timeout_seconds",
+            "max_clock_ahead_seconds",
+            "max_clock_behind_seconds",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What happened to one accepted batch, as the reply reports it."""
+
+    accepted: int
+    applied: int
+    duplicates: int
+    superseded: int
+    anomalies: int
+
+
+class QueueFull(Exception):
+    """The cluster's Controller is behind; the client should retry after ``retry_after`` s."""
+
+    def __init__(self, *, pending: int, retry_after: int) -> None:
+        super().__init__(f"{pending} events are waiting for the controller")
+        self.pending = pending
+        self.retry_after = retry_after
+
+
+def _epoch_now() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ClusterHandle:
+    """One RolloutCluster as the webhook sees it."""
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        token: str | bytes,
+        controller: Controller,
+        epoch: int,
+        resync: bool = True,
+        limits: IngestLimits | None = None,
+        clock: ClockOffset | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.controller = controller
+        self.epoch = epoch
+        self.limits = limits or IngestLimits()
+        self.clock = clock or ClockOffset()
+        self._token = normalize_token(token)
+        self._resync = resync
+        self._snapshot_ts: float | None = None
+        self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
+        self._window = DedupeWindow(capacity=self.limits.dedupe_window)
+        # This handle dedupes every batch before the Controller sees it: one window is enough.
+        controller.table.set_dedupe_window(0)
+        self._lock = asyncio.Lock()
+        self._seconds_per_event = 5e-6  # EWMA of apply cost, for Retry-After
+        self.pending_events = 0
+        self.batches = 0
+        self.applied = 0
+        self.duplicates = 0
+        self.superseded = 0
+        self.anomalies = 0
+        self.snapshots = 0
+        self.created = time.time()
+
+    # -- identity and auth ---------------------------------------------------------------
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    def set_token(self, token: str | bytes) -> None:
+        """Rotate the trainer token (the operator does when the Secret changes)."""
+        self._token = normalize_token(token)
+
+    def authorized(self, presented: str | None) -> bool:
+        return token_matches(presented, self._token)
+
+    @property
+    def resync(self) -> bool:
+        """True until the trainer has posted a snapshot to this epoch."""
+        return self._resync
+
+    def request_resync(self) -> None:
+        """Ask the trainer for a snapshot in the next reply (e.g. after losing state)."""
+        self._resync = True
+
+    def trainer_now(self) -> float:
+        return self.clock.trainer_now()
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self.controller.last_decision
+
+    # -- inputs --------------------------------------------------------------------------
+
+    def check_capacity(self, incoming: int = 1) -> None:
+        """Raise :class:`QueueFull` when ``incoming`` more events would overflow the queue.
+
+        A lone batch larger than the bound is still admitted into an empty queue (the body
+        size limit bounds it), so a legal batch is never refused forever.
+        """
+        pending = self.pending_events
+        if pending and pending + incoming > self.limits.max_pending_events:
+            wait = pending * self._seconds_per_event
+            raise QueueFull(pending=pending, retry_after=max(1, math.ceil(wait)))
+
+    async def apply(
+        self, events: Sequence[Event], *, received: float, sent_at: float | None = None
+    ) -> BatchOutcome:
+        """Validate-then-apply step of one batch: capacity, dedupe, Controller.
+
+        Raises :class:`QueueFull` before changing anything. ``received`` is the arrival
+        time on ``self.clock.monotonic()``; ``sent_at`` the client's send time if it said.
+        """
+        self.check_capacity(len(events))
+        if events:
+            newest = sent_at if sent_at is not None else max(e.ts for e in events)
+            self.clock.observe(received=received, trainer_sent=newest)
+        window = self._window
+        fresh, duplicates, superseded = window.admit(events, before=self._snapshot_ts)
+        applied = anomalies = 0
+        if fresh:
+            result = await self._exclusive(
+                self.controller.observe,
+                fresh,
+                offload=len(fresh) > self.limits.offload_events,
+                pending=len(fresh),
+                on_error=lambda: window.forget(e.id for e in fresh),
+            )
+            applied, anomalies = result.applied, result.anomalies
+            duplicates += result.duplicates
+        self.batches += 1
+        self.applied += applied
+        self.duplicates += duplicates
+        self.superseded += superseded
+        self.anomalies += anomalies
+        return BatchOutcome(
+            accepted=len(events),
+            applied=applied,
+            duplicates=duplicates,
+            superseded=superseded,
+            anomalies=anomalies,
+        )
+
+    async def apply_snapshot(
+        self, snapshot: Snapshot, *, received: float, sent_at: float | None = None
+    ) -> None:
+        """Replace the Controller's trajectories with the trainer's; clears ``resync``.
+
+        Events stamped before the snapshot that arrive after it (from a buffer, a retry or
+        another emitter) are already reflected in it; they are counted as ``superseded``
+        and not applied, so no transition is applied twice.
+        """
+        sent = sent_at if sent_at is not None else snapshot.ts
+        self.clock.observe(received=received, trainer_sent=sent)
+        n = len(snapshot.trajectories)
+        # The cutoff moves now, as the snapshot joins the queue: batches queued before it
+        # apply first and are then replaced by it; batches arriving after it are filtered.
+        previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
+
+        def undo() -> None:
+            self._snapshot_ts = previous
+
+        await self._exclusive(
+            self.controller.observe_snapshot,
+            snapshot,
+            offload=n > self.limits.offload_events,
+            pending=n,
+            on_error=undo,
+        )
+        self._resync = False
+        self.snapshots += 1
+
+    async def observe_engines(self, states: Sequence[EngineState]) -> None:
+        await self._exclusive(self.controller.observe_engines, states, offload=False, pending=0)
+
+    async def tick(self, now: float | None = None) -> Decision:
+        """One control tick at ``now`` (trainer clock; default: the corrected present)."""
+
+        def run() -> Decision:
+            at = self.trainer_now() if now is None else now
+            return self.controller.tick(at, evict_now=self._eviction_now(at))
+
+        return await self._exclusive_call(run, offload=self.limits.offload_ticks, pending=0)
+
+    def _eviction_now(self, now: float) -> float:
+        """The present for eviction: ``now``, but advancing at most twice as fast as the
+        server's monotonic clock since the previous tick (from the server's wall clock at
+        the first one).
+
+        A batch stamped an hour ahead can move the clock estimate by an hour (while fewer
+        than three batches have arrived); without this, the next tick would find every
+        live trajectory silent for longer than the TTL and evict it. A trainer clock that
+        really is ahead of the server's is caught up with at one extra second per second.
+        """
+        mono = self.clock.monotonic()
+        if self._evicted_at is None:
+            limit = self.clock.wall()
+        else:
+            last_mono, last = self._evicted_at
+            limit = last + EVICTION_CLOCK_RATE * max(0.0, mono - last_mono)
+        at = min(now, limit)
+        self._evicted_at = (mono, at)
+        return at
+
+    # -- the queue -----------------------------------------------------------------------
+
+    async def _exclusive(
+        self,
+        fn: Callable[[Any], T],
+        arg: Any,
+        *,
+        offload: bool,
+        pending: int,
+        on_error: Callable[[], None] | None = None,
+    ) -> T:
+        return await self._exclusive_call(
+            lambda: fn(arg), offload=offload, pending=pending, on_error=on_error
+        )
+
+    async def _exclusive_call(
+        self,
+        fn: Callable[[], T],
+        *,
+        offload: bool,
+        pending: int,
+        on_error: Callable[[], None] | None = None,
+    ) -> T:
+        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort.
+
+        Shielding matters: if a client hangs up while its batch waits or runs, the batch
+        still applies exactly once (its ids are already in the dedupe window), and a thread
+        is never left running on the Controller after the lock was released.
+        """
+        self.pending_events += pending
+        task = asyncio.ensure_future(self._locked(fn, offload=offload, pending=pending))
+
+        def done(t: asyncio.Future[T]) -> None:
+            self.pending_events -= pending
+            if (t.cancelled() or t.exception() is not None) and on_error is not None:
+                on_error()
+
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _locked(self, fn: Callable[[], T], *, offload: bool, pending: int) -> T:
+        async with self._lock:
+            start = time.perf_counter()
+            result = await asyncio.to_thread(fn) if offload else fn()
+            if pending:
+                per_event = (time.perf_counter() - start) / pending
+                self._seconds_per_event += 0.2 * (per_event - self._seconds_per_event)
+            return result
+
+    async def idle(self) -> None:
+        """Wait until every queued call has run (orderly shutdown)."""
+        async with self._lock:
+            return
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[Controller]:
+        """Hold the Controller alone, e.g. to persist its statistics consistently.
+
+        Batches arriving meanwhile queue up (and get 429 past ``max_pending_events``);
+        keep the block short and do blocking work in a thread.
+        """
+        async with self._lock:
+            yield self.controller
+
+    def status(self) -> dict[str, Any]:
+        """The handle's state for ``GET .../status`` (camelCase, like the CRD status)."""
+        decision = self.controller.last_decision
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "epoch": self.epoch,
+            "resync": self._resync,
+            "trainerNow": self.trainer_now(),
+            "clockSkewSeconds": self.clock.skew(),
+            "pendingEvents": self.pending_events,
+            "batches": self.batches,
+            "events": {
+                "applied": self.applied,
+                "duplicates": self.duplicates,
+                "superseded": self.superseded,
+                "anomalies": self.anomalies,
+            },
+            "snapshots": self.snapshots,
+            "liveTrajectories": self.controller.live_trajectories(),
+            "accuracy": self.controller.accuracy(),
+            "lastDecisionAt": None if decision is None else decision.at,
+        }
+
+
+class ClusterRegistry:
+    """(namespace, name) -> :class:`ClusterHandle`; add and remove at runtime.
+
+    Epochs are the registration time in unix milliseconds, made strictly increasing
+    within a process: a cluster removed and added again (or a restarted server) gets a
+    new epoch, which is how a trainer learns that the server lost its state.
+    """
+
+    def __init__(self, *, limits: IngestLimits | None = None) -> None:
+        self.limits = limits or IngestLimits()
+        self._clusters: dict[tuple[str, str], ClusterHandle] = {}
+        self._last_epoch = 0
+
+    def next_epoch(self) -> int:
+        self._last_epoch = max(self._last_epoch + 1, _epoch_now())
+        return self._last_epoch
+
+    def add(
+        self,
+        *,
+        namespace: str,
+        name: str,
+        token: str | bytes,
+        controller: Controller,
+        epoch: int | None = None,
+        resync: bool = True,
+        clock: ClockOffset | None = None,
+    ) -> ClusterHandle:
+        """Serve a cluster (replacing any handle of the same name, with a new epoch).
+
+        ``resync=True`` (the default) makes replies ask the trainer for a snapshot: right
+        for any server that may have lost state. Pass False only for a cluster that is new
+        to the world, with no trainer running against it yet.
+        """
+        handle = ClusterHandle(
+            namespace=namespace,
+            name=name,
+            token=token,
+            controller=controller,
+            epoch=self.next_epoch() if epoch is None else epoch,
+            resync=resync,
+            limits=self.limits,
+            clock=clock,
+        )
+        self._clusters[handle.key] = handle
+        return handle
+
+    def remove(self, *, namespace: str, name: str) -> ClusterHandle | None:
+        """Stop serving a cluster; requests already running finish on the old handle."""
+        return self._clusters.pop((namespace, name), None)
+
+    def get(self, namespace: str, name: str) -> ClusterHandle | None:
+        return self._clusters.get((namespace, name))
+
+    def knows_token(self, presented: str | None) -> bool:
+        """Whether ``presented`` is the token of some served cluster (each one compared)."""
+        matches = [h.authorized(presented) for h in self._clusters.values()]
+        return any(matches)
+
+    def __len__(self) -> int:
+        return len(self._clusters)
+
+    def __iter__(self) -> Iterator[ClusterHandle]:
+        return iter(list(self._clusters.values()))
+
+    def pending_events(self) -> int:
+        return sum(h.pending_events for h in self._clusters.values())

@@ -1,0 +1,616 @@
+"""Appendix B: the six sources of prefill demand and the decode-admission forecast.
+
+:class:`Forecaster` learns from lifecycle facts the table reports (it is the table's
+observer) and, at a tick, reads the table's columns to produce one :class:`ForecastResult`.
+Nothing here reads a clock: the tick's ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from prorsa.core.forecast.accuracy import AccuracyTracker
+from prorsa.core.forecast.admission import Admissions, predict_admissions
+from prorsa.core.forecast.stats import ClassedDistributions, EmaTable, Prior, WindowMean
+from prorsa.core.forecast.survival import ClassedSurvival
+from prorsa.core.forecast.table import (
+    DECODE,
+    PREFILL,
+    READY,
+    REWARD,
+    STARTING,
+    TOOL,
+    TrajectoryTable,
+)
+
+Policy = Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"]
+
+# EMA weight of decode outcomes (share ending in a tool call, their output length): about
+# the last 50 decodes of a task.
+_OUTCOME_ALPHA = 0.02
+
+# Class codes pack small non-negative label codes into one int64 so that classes can be
+# grouped with np.unique; the radix bounds every label code (see Interner's caps).
+_RADIX = 1 << 14
+
+
+def pack(*parts: np.ndarray) -> np.ndarray:
+    code = np.zeros(len(parts[0]), dtype=np.int64)
+    for p in parts:
+        code = code * _RADIX + np.asarray(p, dtype=np.int64)
+    return code
+
+
+def _unpack(code: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        code, part = divmod(code, _RADIX)
+        out.append(part)
+    return out[::-1]
+
+
+def _startup_key(code: int) -> tuple[object, ...]:
+    """Eq. 6 class (mode, image, node class); -1 marks "dispatched, not launched yet"."""
+    if code < 0:
+        return ("dispatch",)
+    mode, image, node = _unpack(code, 3)
+    return (mode, image - 1, node - 1)
+
+
+def _tool_key(code: int) -> tuple[object, ...]:
+    """Eq. 9 class (task, tool, turn bucket, concurrent tool load)."""
+    task, tool, turn, load = _unpack(code, 4)
+    return (task - 1, tool - 1, turn, load)
+
+
+def _pair_key(code: int) -> tuple[object, ...]:
+    task, tool = _unpack(code, 2)
+    return (task - 1, tool - 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForecastConfig:
+    horizon: float = 10.0
+    tool_alpha: float = 0.1  # Eq. 10
+    bias_correction: bool = True
+    policy: Policy = "replaceOnReward"
+    group_size: int = 1
+    rate_per_second: float = 0.0
+    window: int = 2048  # samples kept per duration class
+    min_samples: int = 16  # before a finer class is trusted over its parent
+    tool_min_samples: int = 4
+    prior_reward_seconds: float = 30.0
+    prior_startup_seconds: float = 5.0
+    prior_tool_seconds: float = 5.0
+    prior_decode_seconds: float = 20.0
+    prior_first_prompt_tokens: float = 2048.0
+    kv_per_token: float = 1.0  # κ_D(x) = kv_per_token · x, in KV token slots
+    decode_chain: bool = True  # count decode -> tool -> ready returns within the horizon
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillSite:
+    """The prefill instances the recurrence of Eq. 13 schedules onto, and g(x).
+
+    With ``per_computed_token`` g charges each request for the tokens it is expected to
+    compute (prompt minus the prefix cached from its previous turn), else for its full
+    prompt x / θ_P as in the paper: a resend after a weight update, which recomputes a
+    30k-token context, then takes as long as a 1k-token tool turn would on average.
+    """
+
+    names: tuple[str, ...]
+    seconds_per_token: float  # g = tokens · seconds_per_token
+    per_computed_token: bool = False
+    # Prompt position at which a computed token costs twice one at the start of a prompt
+    # (``capacity.prefillCostDoublingTokens``); None: every computed token costs the same.
+    doubling_tokens: float | None = None
+    # Attention-DP ranks per instance: a request runs on one, at 1/ranks of the speed.
+    ranks: int = 1
+
+
+def prefill_work(x: np.ndarray, cached: np.ndarray | float, doubling: float | None) -> np.ndarray:
+    """Computed tokens of each prompt, weighted by what attention makes them cost.
+
+    Token p of a prompt attends to the p before it, so its cost grows about linearly:
+    1 + p/L with L = ``doubling``. Computing positions c..x then costs
+    (x − c)·(1 + (x + c)/(2L)) start-of-prompt tokens: a resend that recomputes a 60k
+    context is ~2.5× its token count, a 1k tool turn on a cached 60k prefix ~2.5× too.
+    """
+    comp = np.maximum(x - cached, 1.0)
+    if not doubling:
+        return comp
+    return comp * (1.0 + (x + np.minimum(cached, x)) / (2.0 * doubling))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForecastResult:
+    sampler: float  # Eq. 5
+    startup: float  # Eq. 7
+    ready: float  # Eq. 8
+    tool: float  # Eq. 11
+    inflight: float  # Eq. 12
+    # Live contexts that re-prefill once a pending weight update ends (paper §3.1); a
+    # term of Eq. 15 beyond the paper, observed like the ready queue (not bias-corrected).
+    reprefill: float
+    prefill: float  # Eq. 15 (bias-corrected)
+    prefill_seconds: float  # instance-seconds to prefill W_P at g (W_P / θ_P of Eq. 1)
+    # Parts of prefill_seconds that do not recur every horizon as arrivals do: prompts
+    # already sent to a prefill engine (queued or in flight), which only that engine will
+    # serve, and the re-prefills a pending weight update will send at once.
+    queued_seconds: float
+    reprefill_seconds: float
+    admission: float  # Â_D, Eq. 14 (bias-corrected)
+    admission_kv: float  # K̂_D
+    admission_requests: float  # how many requests Â_D is
+    raw_arrivals: float  # sampler + startup + tool before correction
+    raw_admission: float
+    arrival_factor: float
+    admission_factor: float
+    sampler_launches: float  # N̂_samp over the shortened horizon (Eq. 4)
+    launch_horizon: float  # S_pw
+
+
+class Forecaster:
+    """Duration statistics plus the per-tick forecast over a :class:`TrajectoryTable`."""
+
+    def __init__(self, config: ForecastConfig) -> None:
+        c = self.config = config
+        self.reward = ClassedDistributions(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_reward_seconds)
+        )
+        self.startup = ClassedDistributions(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_startup_seconds)
+        )
+        self.tool = EmaTable(
+            alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=c.prior_tool_seconds
+        )
+        self.growth = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
+        self.template = EmaTable(alpha=c.tool_alpha, min_samples=c.tool_min_samples, prior=0.0)
+        # Decode durations and outcomes, for trajectories that will decode, call a tool and
+        # come back within the horizon (an extension of Eq. 11 one step back). A survival
+        # estimate: the decodes still running count as censored durations, else long
+        # decodes (math final answers) would be under-represented.
+        self.decode_time = ClassedSurvival(
+            window=c.window, min_samples=c.min_samples, prior=Prior(c.prior_decode_seconds)
+        )
+        self.decode_outcome: dict[int, list[float]] = {}
+        self.admit_rate = WindowMean(window=1024, default=1.0)  # p̂
+        self.dispatch_delay = WindowMean(window=1024, default=0.0)  # d̂
+        self.first_prompt: dict[int, WindowMean] = {}
+        self.accuracy = AccuracyTracker()
+        self.intervals: list[tuple[float, float]] = []  # completed prefill busy intervals
+        # Full-prompt tokens whose prefill finished, cumulative: the Controller sets them
+        # against the tokens the engines computed to measure the prefix-cache hit ratio.
+        self.prefilled_tokens = 0.0
+        self.prefilled_computed = 0.0  # the table's estimate of those not served from cache
+
+    # -- Observer: facts from the table ----------------------------------------------------
+
+    def on_startup(self, *, key: tuple[object, ...], seconds: float) -> None:
+        self.startup.add(key, seconds)
+
+    def on_dispatch_delay(self, *, seconds: float) -> None:
+        self.dispatch_delay.add(seconds)
+
+    def first_prompt_for(self, task: int) -> WindowMean | None:
+        """First-prompt sizes of a task (-2: every task together), created on first use."""
+        mean = self.first_prompt.get(task)
+        if mean is None and len(self.first_prompt) < 4096:
+            mean = self.first_prompt[task] = WindowMean(window=256, default=math.nan)
+        return mean
+
+    def on_first_prompt(self, *, task: int, tokens: float) -> None:
+        for k in (task, -2):
+            mean = self.first_prompt_for(k)
+            if mean is not None:
+                mean.add(tokens)
+
+    def on_growth(self, key: tuple[object, ...], tokens: float, result_known: bool) -> None:
+        # With the result size known, only the chat template's overhead is unknown.
+        (self.template if result_known else self.growth).update(key, max(tokens, 0.0))
+
+    def on_tool(self, key: tuple[object, ...], seconds: float) -> None:
+        self.tool.update(key, seconds)
+
+    def on_decode(self, task: int, turn: int, seconds: float, output: float, tool: bool) -> None:
+        self.decode_time.add((task, turn), seconds, marked=tool)
+        share = 1.0 if tool else 0.0
+        a = _OUTCOME_ALPHA
+        for k in (task, -2):  # -2: every task together
+            s = self.decode_outcome.get(k) or self._outcome_stats(k)
+            if s is None:
+                continue
+            # [P(tool) EMA, decodes seen, output-tokens EMA of tool calls, tool calls seen]
+            s[0] = share if not s[1] else s[0] + a * (share - s[0])
+            s[1] += 1
+            if tool:
+                s[2] = output if not s[3] else s[2] + a * (output - s[2])
+                s[3] += 1
+
+    def _outcome_stats(self, key: int) -> list[float] | None:
+        if len(self.decode_outcome) >= 4096:
+            return None
+        stats = self.decode_outcome[key] = [0.5, 0, 0.0, 0]
+        return stats
+
+    def on_reward(self, *, task: int, seconds: float, accepted: bool) -> None:
+        self.reward.add((task,), seconds)
+        self.admit_rate.add(1.0 if accepted else 0.0)
+
+    def on_arrival(self, ts: float, tokens: float) -> None:
+        if self.accuracy.pending:
+            self.accuracy.on_arrival(ts, tokens)
+
+    def on_admission(self, ts: float, tokens: float, computed: float) -> None:
+        self.prefilled_tokens += tokens
+        self.prefilled_computed += computed
+        if self.accuracy.pending:
+            self.accuracy.on_admission(ts, tokens)
+
+    def on_prefill_interval(self, *, tokens: float, seconds: float) -> None:
+        self.intervals.append((tokens, seconds))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _first_prompts(self, tasks: np.ndarray) -> np.ndarray:
+        out = np.empty(len(tasks))
+        for code, idx in self._by_class(tasks):
+            out[idx] = self.first_prompt_tokens(code)
+        return out
+
+    def _decode_outcome(self, task: int) -> tuple[float, float]:
+        """P(a decode ends in a tool call) and the mean output tokens of those, for a task."""
+        p_tool, out = 0.5, 0.0
+        for k in (task, -2):
+            s = self.decode_outcome.get(k)
+            if s is not None and s[1]:
+                p_tool = s[0]
+                break
+        for k in (task, -2):
+            s = self.decode_outcome.get(k)
+            if s is not None and s[3]:
+                out = s[2]
+                break
+        return p_tool, out
+
+    def first_prompt_tokens(self, task: int) -> float:
+        for k in (task, -2):
+            mean = self.first_prompt.get(k)
+            if mean is not None and len(mean):
+                return mean.value
+        return self.config.prior_first_prompt_tokens
+
+    @staticmethod
+    def _by_class(codes: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Group item positions by an integer class code: [(code, positions), ...]."""
+        if not len(codes):
+            return []
+        uniq, inverse = np.unique(codes, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.searchsorted(inverse[order], np.arange(len(uniq) + 1))
+        return [(int(u), order[bounds[j] : bounds[j + 1]]) for j, u in enumerate(uniq.tolist())]
+
+    def _conditional(
+        self,
+        dists: ClassedDistributions,
+        codes: np.ndarray,
+        key_of: Callable[[int], tuple[object, ...]],
+        elapsed: np.ndarray,
+        horizon: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Conditional q and residual for many items, one vectorised query per class."""
+        q = np.zeros(len(codes))
+        res = np.zeros(len(codes))
+        for code, idx in self._by_class(codes):
+            q[idx], res[idx] = dists.conditional(key_of(code), elapsed[idx], horizon)
+        return q, res
+
+    def _ema(
+        self, table: EmaTable, codes: np.ndarray, key_of: Callable[[int], tuple[object, ...]]
+    ) -> np.ndarray:
+        out = np.empty(len(codes))
+        for code, idx in self._by_class(codes):
+            out[idx] = table.get(key_of(code))
+        return out
+
+    # -- the forecast ------------------------------------------------------------------------
+
+    def forecast(self, table: TrajectoryTable, *, now: float, site: PrefillSite) -> ForecastResult:
+        c = self.config
+        S = c.horizon
+        n = table.hwm
+        col = table.cols
+        state = col["state"][:n]
+        since = col["since"][:n]
+        x = col["x"][:n]
+        task = col["task"][:n]
+
+        # Future arrivals for Eq. 13: (arrival time, prompt tokens, weight).
+        arr_u: list[np.ndarray] = []
+        arr_x: list[np.ndarray] = []
+        arr_w: list[np.ndarray] = []
+        # Tokens each request is expected to compute: its prompt minus the prefix the
+        # engines still hold from its previous turn (the table's ``cached``). New samples,
+        # and resends after an abort, compute their whole prompt.
+        arr_c: list[np.ndarray] = []
+        cached = col["cached"][:n]
+        doubling = site.doubling_tokens
+
+        # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
+        d_hat = max(self.dispatch_delay.value, 0.0)
+        s_pw = max(0.0, S - d_hat)
+        launches = 0.0
+        w_samp = 0.0
+        rew = np.flatnonzero(state == REWARD)
+        if s_pw > 0 and c.policy != "none":
+            p_hat = self.admit_rate.value
+            if c.policy == "fixedRate":
+                launches = c.rate_per_second * s_pw
+                xhat = self.first_prompt_tokens(-2)
+                w_samp = launches * xhat
+                k = max(1, math.ceil(launches))
+                arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
+                arr_x.append(np.full(k, xhat))
+                arr_w.append(np.full(k, launches / k))
+                arr_c.append(prefill_work(np.full(k, xhat), 0.0, doubling))
+            elif len(rew):
+                tasks = task[rew].astype(np.int64)
+                q, res = self._conditional(
+                    self.reward, tasks, lambda t: (t,), now - since[rew], s_pw
+                )
+                xhat = self._first_prompts(tasks)
+                if c.policy == "replaceOnReward":
+                    w = p_hat * q  # Eq. 3; f(N) = N (Eq. 4)
+                    launches = float(w.sum())
+                    w_samp = float(np.dot(w, xhat))
+                    arr_u.append(now + res + d_hat)
+                    arr_x.append(xhat)
+                    arr_w.append(w)
+                    arr_c.append(prefill_work(xhat, 0.0, doubling))
+                else:  # groupReplenish: a group of groupSize per group whose members all end
+                    launches, w_samp = self._group_replenish(
+                        table,
+                        rew,
+                        q,
+                        res,
+                        xhat,
+                        now=now,
+                        d_hat=d_hat,
+                        out=(arr_u, arr_x, arr_w, arr_c),
+                        doubling=doubling,
+                    )
+
+        # Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come.
+        st = np.flatnonzero(state == STARTING)
+        w_start = 0.0
+        if len(st):
+            launched = col["launched"][:n][st]
+            dispatched = col["dispatched"][:n][st]
+            has_launch = ~np.isnan(launched)
+            origin = np.where(
+                has_launch, launched, np.where(np.isnan(dispatched), since[st], dispatched)
+            )
+            codes = np.where(
+                has_launch,
+                pack(col["mode"][:n][st], col["image"][:n][st] + 1, col["node"][:n][st] + 1),
+                -1,
+            )
+            q, res = self._conditional(self.startup, codes, _startup_key, now - origin, S)
+            fp = col["first_prompt"][:n][st]
+            xs = np.where(np.isnan(fp), self._first_prompts(task[st].astype(np.int64)), fp)
+            w_start = float(np.dot(q, xs))
+            arr_u.append(now + res)
+            arr_x.append(xs)
+            arr_w.append(q)
+            arr_c.append(prefill_work(xs, 0.0, doubling))
+
+        # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
+        ready_idx = np.flatnonzero(state == READY)
+        ready_idx = ready_idx[np.argsort(since[ready_idx], kind="stable")]
+        w_ready = float(x[ready_idx].sum())
+        c_ready = prefill_work(x[ready_idx], cached[ready_idx], doubling)
+        pre = np.flatnonzero(state == PREFILL)
+        w_inflight = float(x[pre].sum())
+        c_inflight = prefill_work(x[pre], cached[pre], doubling)
+
+        # Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S.
+        tl = np.flatnonzero(state == TOOL)
+        w_tool = 0.0
+        if len(tl):
+            done = col["tool_done"][:n][tl]
+            t_task = task[tl].astype(np.int64) + 1
+            t_tool = col["tool"][:n][tl].astype(np.int64) + 1
+            turns = col["turn"][:n][tl]
+            tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+            load = col["tool_load"][:n][tl]
+            tau = self._ema(self.tool, pack(t_task, t_tool, tb, load), _tool_key)
+            r = np.where(done, 0.0, np.maximum(0.0, tau - (now - since[tl])))
+            soon = r < S
+            result = col["result"][:n][tl]
+            known = result >= 0
+            pair = pack(t_task, t_tool)
+            grow = np.where(
+                known,
+                self._ema(self.template, pair, _pair_key),
+                self._ema(self.growth, pair, _pair_key),
+            )
+            xhat = x[tl] + np.where(known, result, 0.0) + grow
+            w_tool = float(xhat[soon].sum())
+            comp = prefill_work(xhat[soon], cached[tl][soon], doubling)
+            arr_u.append(now + r[soon])
+            arr_x.append(xhat[soon])
+            arr_w.append(np.ones(int(soon.sum())))
+            arr_c.append(comp)
+
+        # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
+        # q = P(T_dec < e + S − τ̂ and ends in a tool call | T_dec > e); x̂ = x + ô + growth.
+        # The decodes running now are the censored observations of that survival estimate.
+        # Not while a weight update is pending: it interrupts those decodes instead.
+        update = table.weight_update
+        updating = update.in_progress(now)
+        dc = np.flatnonzero(state == DECODE) if c.decode_chain else np.empty(0, dtype=np.int64)
+        d_task = task[dc].astype(np.int64)
+        turns = col["turn"][:n][dc]
+        tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+        elapsed = now - since[dc]
+        groups = [
+            ((t_code - 1, turn), idx)
+            for code, idx in self._by_class(pack(d_task + 1, tb))
+            for t_code, turn in (_unpack(code, 2),)
+        ]
+        self.decode_time.observe_running(now, {key: elapsed[idx] for key, idx in groups})
+        for (t, turn), idx in groups if not updating else ():
+            tau = self.tool.get((t,))
+            window = S - tau
+            if window <= 0:
+                continue
+            # Conditioned on the outcome as well as on e: the longer a decode has run,
+            # the likelier it is a final answer rather than a tool call.
+            w, res = self.decode_time.conditional((t, turn), elapsed[idx], window, marked=True)
+            _, out = self._decode_outcome(t)
+            xhat = x[dc[idx]] + out + self.growth.get((t, -1))
+            w_tool += float(np.dot(w, xhat))
+            comp = prefill_work(xhat, cached[dc[idx]], doubling)
+            keep = w > 0
+            arr_u.append(now + res[keep] + tau)
+            arr_x.append(xhat[keep])
+            arr_w.append(w[keep])
+            arr_c.append(comp[keep])
+
+        # A pending weight update: nothing prefills before it ends, and then every request
+        # still decoding has been interrupted and re-prefills its whole context.
+        resume_at = update.expected_end(now) if updating else None
+        re_u = re_x = re_c = np.empty(0)
+        if resume_at is not None:
+            arr_u = [np.maximum(u, resume_at) for u in arr_u]
+            if resume_at < now + S:
+                interrupted = np.flatnonzero(state == DECODE)
+                re_x = x[interrupted]
+                re_u = np.full(len(interrupted), resume_at)
+                re_c = prefill_work(re_x, 0.0, doubling)
+        w_reprefill = float(re_x.sum())
+
+        raw_arrivals = w_samp + w_start + w_tool
+        corrected = c.bias_correction
+        a_factor = self.accuracy.arrival_factor if corrected else 1.0
+        d_factor = self.accuracy.admission_factor if corrected else 1.0
+        prefill = w_ready + w_inflight + w_reprefill + a_factor * raw_arrivals  # Eq. 15
+
+        # Decode admissions, Eq. 13–14, on the current prefill instances.
+        names = {name: i for i, name in enumerate(site.names)}
+        inst_codes = col["instance"][:n][pre]
+        inst_map = np.full(len(table.instances.names) + 1, -1, dtype=np.int64)
+        for name, i in names.items():
+            code = table.instances.get(name)
+            if code is not None:
+                inst_map[code] = i
+        pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
+        per_computed = site.per_computed_token
+        per_rank = site.seconds_per_token * site.ranks
+        finish = np.maximum(since[pre] + (c_inflight if per_computed else x[pre]) * per_rank, now)
+        if resume_at is not None:
+            # Interrupted prefills start over on the new weights.
+            full = prefill_work(x[pre], 0.0, doubling) if per_computed else x[pre]
+            finish = resume_at + full * per_rank
+        arrival_w = np.concatenate(arr_w) if arr_w else np.empty(0)
+        arrival_work = np.concatenate(arr_c) if arr_c else np.empty(0)
+        adm: Admissions = predict_admissions(
+            now=now,
+            horizon=S,
+            instances=len(site.names),
+            inflight_instance=pinned,
+            inflight_finish=finish,
+            inflight_x=x[pre],
+            queued_x=x[ready_idx],
+            arrival_u=np.concatenate([*arr_u, re_u]),
+            arrival_x=np.concatenate([*arr_x, re_x]),
+            arrival_w=np.concatenate([arrival_w, np.ones(len(re_x))]),
+            queued_work=c_ready if per_computed else None,
+            arrival_work=np.concatenate([arrival_work, re_c]) if per_computed else None,
+            resume_at=resume_at,
+            seconds_per_token=site.seconds_per_token,
+            kv_per_token=c.kv_per_token,
+            ranks=site.ranks,
+        )
+        # W_P / θ_P of Eq. 1, counted over the same requests as W_P with the same g.
+        if per_computed:
+            work = (
+                c_ready.sum()
+                + c_inflight.sum()
+                + re_c.sum()
+                + a_factor * np.dot(arrival_w, arrival_work)
+            )
+            queued, burst = c_ready.sum() + c_inflight.sum(), re_c.sum()
+        else:
+            work = prefill
+            queued, burst = w_ready + w_inflight, w_reprefill
+        prefill_seconds = float(work) * site.seconds_per_token
+        return ForecastResult(
+            sampler=a_factor * w_samp,
+            startup=a_factor * w_start,
+            ready=w_ready,
+            tool=a_factor * w_tool,
+            inflight=w_inflight,
+            reprefill=w_reprefill,
+            prefill=prefill,
+            prefill_seconds=prefill_seconds,
+            queued_seconds=float(queued) * site.seconds_per_token,
+            reprefill_seconds=float(burst) * site.seconds_per_token,
+            admission=d_factor * adm.tokens,
+            admission_kv=d_factor * adm.kv_tokens,
+            admission_requests=d_factor * adm.requests,
+            raw_arrivals=raw_arrivals,
+            raw_admission=adm.tokens,
+            arrival_factor=a_factor,
+            admission_factor=d_factor,
+            sampler_launches=launches,
+            launch_horizon=s_pw,
+        )
+
+    def _group_replenish(
+        self,
+        table: TrajectoryTable,
+        rew: np.ndarray,
+        q: np.ndarray,
+        res: np.ndarray,
+        xhat: np.ndarray,
+        *,
+        now: float,
+        d_hat: float,
+        out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
+        doubling: float | None,
+    ) -> tuple[float, float]:
+        """Eq. 4 with f = group replenishment: a group whose live members are all in reward
+        ends within the horizon with probability Π q_i (members independent; known group
+        state held fixed), and then brings groupSize new samples."""
+        groups = table.cols["group"][: table.hwm][rew]
+        member = groups >= 0
+        if not member.any():
+            return 0.0, 0.0
+        g = groups[member]
+        live = table.group_live_counts()
+        size = len(live)
+        in_reward = np.bincount(g, minlength=size)
+        logq = np.bincount(g, weights=np.log(np.maximum(q[member], 1e-300)), minlength=size)
+        last = np.zeros(size)
+        np.maximum.at(last, g, res[member])
+        xsum = np.bincount(g, weights=xhat[member], minlength=size)
+        complete = (in_reward > 0) & (in_reward == live)
+        p_group = np.where(complete, np.exp(logq), 0.0)
+        k = self.config.group_size
+        launches = float(k * p_group.sum())
+        xbar = np.where(in_reward > 0, xsum / np.maximum(in_reward, 1), 0.0)
+        tokens = float(k * np.dot(p_group, xbar))
+        sel = np.flatnonzero(p_group > 0)
+        u, xs, ws, computed = out
+        u.append(now + last[sel] + d_hat)
+        xs.append(xbar[sel])
+        ws.append(k * p_group[sel])
+        # New samples: nothing of theirs is cached yet.
+        computed.append(prefill_work(xbar[sel], 0.0, doubling))
+        return launches, tokens

@@ -1,0 +1,345 @@
+"""kopf handlers of the operator, built into a registry so tests can run several apart.
+
+One process serves every RolloutCluster it watches: one webhook listener (tokens from each
+cluster's Secret), one ``/metrics``, one control loop per cluster (a kopf daemon), and a
+validating admission handler that refuses bad specs with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from prorsa.clusters import ClusterRegistry
+from prorsa.core.controller import Controller
+from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, format_validation_error
+from prorsa.ingest import WebhookServer
+from prorsa.ingest.webhook_metrics import WebhookMetrics
+from prorsa.k8s import objects as obj
+from prorsa.k8s.agents import AgentClient
+from prorsa.k8s.kube import Kube
+from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+from prorsa.operator_metrics import OperatorMetrics
+from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
+
+log = logging.getLogger("prorsa.operator")
+
+
+@dataclass(kw_only=True)
+class OperatorConfig:
+    """What ``prorsa operator`` is told on its command line."""
+
+    listen_host: str = "0.0.0.0"
+    listen_port: int = obj.WEBHOOK_PORT
+    options: OperatorOptions = field(default_factory=OperatorOptions)
+    operator_namespace: str | None = None  # where the shared webhook Service goes
+    admission: bool = False
+    admission_tls_dir: str | None = None  # tls.crt + tls.key (e.g. from cert-manager)
+    # Watching named namespaces (kopf --namespace) rather than all: kopf then neither lists
+    # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
+    namespaced: bool = False
+    login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
+    watch_timeout: float | None = None  # tests: short watch timeouts
+
+
+@dataclass
+class OperatorContext:
+    """Process-wide state shared by every handler (kept on kopf's memo)."""
+
+    config: OperatorConfig
+    kube: Kube
+    agents: AgentClient
+    registry: ClusterRegistry
+    server: WebhookServer
+    metrics: OperatorMetrics
+    runner: web.AppRunner | None = None
+    port: int = 0
+    runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
+
+
+def parse_spec(spec: dict[str, Any]) -> RolloutClusterSpec:
+    try:
+        return RolloutClusterSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc, root="spec")) from None
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+
+    if config.login_kubeconfig:
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return connection_from_kubeconfig(config.login_kubeconfig or "")
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.posting.level = logging.INFO
+        settings.persistence.finalizer = "prorsa.io/finalizer"
+        if config.namespaced:
+            # The namespaces are named exactly (no globs) and the chart installs the CRD
+            # before the operator starts: nothing to discover at run time, and the operator's
+            # Roles grant nothing cluster-wide (charts/prorsa/templates/rbac.yaml).
+            settings.scanning.disabled = True
+        if config.watch_timeout:
+            settings.watching.server_timeout = config.watch_timeout
+            settings.watching.client_timeout = config.watch_timeout + 5
+            settings.watching.reconnect_backoff = 0.2
+        if config.admission:
+            # The API server calls the admission webhook through the operator's Service.
+            host = (
+                f"prorsa-webhook.{config.operator_namespace}.svc"
+                if config.operator_namespace
+                else None
+            )
+            tls = config.admission_tls_dir
+            settings.admission.server = kopf.WebhookServer(
+                addr="0.0.0.0",
+                port=9443,
+                host=host,
+                certfile=f"{tls}/tls.crt" if tls else None,
+                pkeyfile=f"{tls}/tls.key" if tls else None,
+                cafile=f"{tls}/ca.crt" if tls and Path(f"{tls}/ca.crt").exists() else None,
+            )
+            settings.admission.managed = "prorsa.io"
+        if config.login_kubeconfig:
+            import kubernetes
+
+            kubernetes.config.load_kube_config(config_file=config.login_kubeconfig)
+        else:
+            _load_kube_config()
+        prom = CollectorRegistry()
+        registry_ = ClusterRegistry()
+        ctx = OperatorContext(
+            config=config,
+            kube=Kube(),
+            agents=AgentClient(),
+            registry=registry_,
+            server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
+            metrics=OperatorMetrics(prom),
+        )
+        app = web.Application()
+        ctx.server.add_routes(app)
+        ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
+        await ctx.runner.setup()
+        site = web.TCPSite(ctx.runner, config.listen_host, config.listen_port)
+        await site.start()
+        addresses = ctx.runner.addresses
+        ctx.port = addresses[0][1] if addresses else config.listen_port
+        log.info("webhook and metrics on %s:%d", config.listen_host, ctx.port)
+        if config.operator_namespace:
+            try:
+                await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
+            except Exception:
+                log.exception("could not create the shared webhook Service")
+        memo.prorsa = ctx
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        ctx: OperatorContext | None = getattr(memo, "prorsa", None)
+        if ctx is None:
+            return
+        for runtime in list(ctx.runtimes.values()):  # daemons may still be winding down
+            runtime.stop()
+            await runtime.shutdown()
+        if ctx.runner is not None:
+            await ctx.runner.cleanup()
+        await ctx.agents.aclose()
+
+    @kopf.on.probe(id="clusters", registry=registry)
+    def probe(memo: kopf.Memo, **_: Any) -> int:
+        ctx: OperatorContext = memo.prorsa
+        return len(ctx.runtimes)
+
+    if config.admission:
+
+        @kopf.on.validate(*resource, registry=registry, id="spec")
+        def validate(spec: kopf.Spec, **_: Any) -> None:
+            try:
+                parse_spec(spec)
+            except ValueError as exc:
+                raise kopf.AdmissionError(str(exc), code=422) from None
+
+    @kopf.daemon(*resource, registry=registry, id="control", cancellation_timeout=30.0)
+    async def control(
+        stopped: kopf.DaemonStopped,
+        name: str,
+        namespace: str,
+        spec: kopf.Spec,
+        uid: str,
+        meta: kopf.Meta,
+        body: kopf.Body,
+        memo: kopf.Memo,
+        patch: kopf.Patch,
+        **_: Any,
+    ) -> None:
+        ctx: OperatorContext = memo.prorsa
+        try:
+            cluster = parse_spec(spec)
+        except ValueError as exc:
+            kopf.warn(body, reason="InvalidSpec", message=str(exc))
+            raise kopf.PermanentError(str(exc)) from None
+        token = await _trainer_token(ctx, namespace=namespace, name=name, spec=cluster, uid=uid)
+        handle = ctx.registry.add(
+            namespace=namespace, name=name, token=token, controller=Controller(cluster)
+        )
+        ref = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "RolloutCluster",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        }
+
+        async def post_event(kind: str, reason: str, message: str) -> None:
+            try:
+                (kopf.info if kind == "Normal" else kopf.warn)(ref, reason=reason, message=message)
+            except Exception:  # events are best effort
+                log.debug("event not posted", exc_info=True)
+
+        runtime = ClusterRuntime(
+            namespace=namespace,
+            name=name,
+            spec=cluster,
+            uid=uid,
+            handle=handle,
+            kube=ctx.kube,
+            agents=ctx.agents,
+            metrics=ctx.metrics,
+            options=ctx.config.options,
+            post_event=post_event,
+            generation=int(meta.get("generation") or 0),
+        )
+        ctx.runtimes[(namespace, name)] = runtime
+        try:
+            await runtime.setup()
+            task = asyncio.create_task(runtime.run())
+            try:
+                await stopped.wait()
+            finally:
+                runtime.stop()
+                await asyncio.shield(task)
+        finally:
+            ctx.runtimes.pop((namespace, name), None)
+            if ctx.registry.get(namespace, name) is handle:
+                ctx.registry.remove(namespace=namespace, name=name)
+
+    @kopf.on.update(*resource, registry=registry, field="spec", id="spec-update")
+    async def update(
+        name: str, namespace: str, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+    ) -> None:
+        ctx: OperatorContext = memo.prorsa
+        runtime = ctx.runtimes.get((namespace, name))
+        if runtime is None:
+            return
+        try:
+            cluster = parse_spec(new or {})
+        except ValueError as exc:
+            raise kopf.PermanentError(str(exc)) from None
+        runtime.update_spec(cluster)
+        runtime.generation = int(meta.get("generation") or 0)
+        runtime.wake()
+
+    @kopf.on.delete(*resource, registry=registry, id="forget")
+    async def delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+        ctx: OperatorContext = memo.prorsa
+        runtime = ctx.runtimes.get((namespace, name))
+        if runtime is not None:
+            runtime.stop()
+        ctx.registry.remove(namespace=namespace, name=name)
+        ctx.metrics.forget(namespace, name)
+
+    @kopf.on.event("", "v1", "pods", registry=registry, labels={MANAGED_BY: "prorsa"})
+    async def pod_event(
+        event: dict[str, Any], labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
+    ) -> None:
+        ctx: OperatorContext | None = getattr(memo, "prorsa", None)
+        cluster = labels.get(CLUSTER_LABEL)
+        if ctx is None or cluster is None:
+            return
+        runtime = ctx.runtimes.get((namespace, cluster))
+        phase = ((event.get("object") or {}).get("status") or {}).get("phase")
+        if runtime is not None and (event.get("type") == "DELETED" or phase == "Failed"):
+            runtime.wake()
+
+    return registry
+
+
+async def _trainer_token(
+    ctx: OperatorContext, *, namespace: str, name: str, spec: RolloutClusterSpec, uid: str
+) -> str:
+    """The trainer's bearer token: the referenced Secret, or one the operator creates."""
+    ref = spec.trainer.token_secret_ref
+    if ref is not None:
+        for _ in range(30):
+            token = await ctx.kube.read_secret_key(namespace, ref.name, ref.key)
+            if token:
+                return token.strip()
+            log.warning("%s/%s: waiting for Secret %s key %s", namespace, name, ref.name, ref.key)
+            await asyncio.sleep(2.0)
+        raise kopf.TemporaryError(f"Secret {ref.name} has no key {ref.key}", delay=30)
+    secret_name = f"{name}-trainer-token"
+    token = await ctx.kube.read_secret_key(namespace, secret_name, "token")
+    if token:
+        return token.strip()
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name,
+            "namespace": namespace,
+            "labels": obj.labels(name, "trainer-token"),
+            "ownerReferences": [
+                {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": "RolloutCluster",
+                    "name": name,
+                    "uid": uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_urlsafe(32)},
+    }
+    await ctx.kube.ensure(manifest)
+    return (await ctx.kube.read_secret_key(namespace, secret_name, "token") or "").strip()
+
+
+def connection_from_kubeconfig(path: str) -> kopf.ConnectionInfo:
+    """kopf credentials from a kubeconfig file given by path (not $KUBECONFIG)."""
+    import kubernetes
+
+    cfg = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=path, client_configuration=cfg)
+    header = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme, _, token = (header or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+def _load_kube_config() -> None:
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()

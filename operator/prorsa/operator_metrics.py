@@ -1,0 +1,217 @@
+"""Prometheus metrics of the operator (``prorsa_*``), one registry per process.
+
+The names are what the Grafana dashboard and the alert rules read; a test checks that
+every metric they name is defined here (or by the webhook's own metrics).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prorsa.core.decision import Decision
+
+_CLUSTER = ("namespace", "cluster")
+SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+TICK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+SWITCH_DIRECTIONS = (("decode", "prefill"), ("prefill", "decode"))
+SWITCH_RESULTS = ("succeeded", "restored", "replaced", "lost")
+
+
+class OperatorMetrics:
+    """Every ``prorsa_*`` series the operator exports, labelled by cluster."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.forecast_tokens = Gauge(
+            "prorsa_forecast_prefill_tokens",
+            "Forecast prefill demand over the horizon by source (Eq. 15), full-prompt tokens.",
+            [*_CLUSTER, "component"],
+            registry=r,
+        )
+        self.forecast_total = Gauge(
+            "prorsa_forecast_prefill_demand_tokens",
+            "Forecast prefill demand W_P over the horizon (bias-corrected), tokens.",
+            _CLUSTER,
+            registry=r,
+        )
+        self.decode_admission = Gauge(
+            "prorsa_forecast_decode_admission_tokens",
+            "Forecast decode admissions over the horizon (Eq. 14), prompt tokens.",
+            _CLUSTER,
+            registry=r,
+        )
+        self.decode_kv = Gauge(
+            "prorsa_decode_kv_tokens",
+            "Decode KV: current use, current plus predicted admissions, capacity per instance.",
+            [*_CLUSTER, "kind"],
+            registry=r,
+        )
+        self.theta = Gauge(
+            "prorsa_prefill_tokens_per_second",
+            "Prefill speed θ_P per instance, full-prompt tokens per second (cache hits included).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.cache_hit = Gauge(
+            "prorsa_prefix_cache_hit_ratio",
+            "Share of prefilled prompt tokens served from the prefix cache, last 6 horizons "
+            "(trainer's full prompts against the engines' computed tokens).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.instances = Gauge(
+            "prorsa_instances",
+            "Engine instances by role (prefill, decode, switching, unavailable).",
+            [*_CLUSTER, "role"],
+            registry=r,
+        )
+        self.target = Gauge(
+            "prorsa_target_instances", "Target instances by role.", [*_CLUSTER, "role"], registry=r
+        )
+        self.demand = Gauge(
+            "prorsa_demand_instances",
+            "Demand in instances by role: W_P/(S·θ_P) and (K_D+K̂_D)/C_KV.",
+            [*_CLUSTER, "role"],
+            registry=r,
+        )
+        self.planned = Gauge(
+            "prorsa_planned_demand_instances",
+            "Demand in instances by role averaged over switching.smoothingSeconds: what the "
+            "split is sized for.",
+            [*_CLUSTER, "role"],
+            registry=r,
+        )
+        self.cache_floor = Gauge(
+            "prorsa_prefix_cache_floor_instances",
+            "Prefill instances whose prefix caches hold the contexts of every live "
+            "trajectory, averaged over switching.smoothingSeconds: the planned prefill "
+            "demand is never below it.",
+            _CLUSTER,
+            registry=r,
+        )
+        self.margin = Gauge(
+            "prorsa_safety_margin",
+            "Shared safety margin δ of Eq. 1 (negative: demand over budget).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.mode = Gauge(
+            "prorsa_forecast_mode",
+            "1 for the Controller's current mode (predictive or reactive).",
+            [*_CLUSTER, "mode"],
+            registry=r,
+        )
+        self.wape = Gauge(
+            "prorsa_forecast_wape",
+            "Forecast WAPE over recent windows (prefill, decode).",
+            [*_CLUSTER, "forecast"],
+            registry=r,
+        )
+        self.switches = Counter(
+            "prorsa_switches",
+            "Role switches by origin, destination and result.",
+            [*_CLUSTER, "from_role", "to_role", "result"],
+            registry=r,
+        )
+        self.switch_seconds = Histogram(
+            "prorsa_switch_duration_seconds",
+            "Wall time of a role switch, from intent to relabel.",
+            _CLUSTER,
+            buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
+        self.tick_seconds = Histogram(
+            "prorsa_tick_duration_seconds",
+            "Time of one control tick (poll excluded).",
+            _CLUSTER,
+            buckets=TICK_BUCKETS,
+            registry=r,
+        )
+        self.trajectories = Gauge(
+            "prorsa_live_trajectories",
+            "Live trajectories by lifecycle state.",
+            [*_CLUSTER, "state"],
+            registry=r,
+        )
+        self.anomalies = Gauge(
+            "prorsa_event_anomalies",
+            "Events that did not fit the trajectory state machine, by kind (cumulative).",
+            [*_CLUSTER, "kind"],
+            registry=r,
+        )
+        self.agent_errors = Counter(
+            "prorsa_agent_poll_errors",
+            "Failed polls of an engine agent's /v1/state.",
+            _CLUSTER,
+            registry=r,
+        )
+        self.forecast_age = Gauge(
+            "prorsa_trainer_silence_seconds",
+            "Seconds since the last trainer event (trainer clock).",
+            _CLUSTER,
+            registry=r,
+        )
+
+    def record_decision(
+        self,
+        namespace: str,
+        cluster: str,
+        decision: Decision,
+        *,
+        demand_prefill: float,
+        demand_decode: float,
+        kv_now: float,
+        planned: tuple[float, float] | None = None,
+        cache_hit_ratio: float | None = None,
+        cache_floor: float | None = None,
+    ) -> None:
+        key = (namespace, cluster)
+        f = decision.forecast
+        for name, value in f.components.model_dump().items():
+            self.forecast_tokens.labels(*key, name).set(value)
+        self.forecast_total.labels(*key).set(f.prefill_tokens)
+        self.decode_admission.labels(*key).set(f.decode_admission_tokens)
+        self.decode_kv.labels(*key, "current").set(kv_now)
+        self.decode_kv.labels(*key, "predicted").set(f.decode_kv_tokens)
+        self.decode_kv.labels(*key, "capacity").set(decision.capacity.decode_kv_tokens)
+        self.theta.labels(*key).set(decision.capacity.prefill_tokens_per_second)
+        self.target.labels(*key, "prefill").set(decision.target.prefill)
+        self.target.labels(*key, "decode").set(decision.target.decode)
+        self.demand.labels(*key, "prefill").set(demand_prefill)
+        self.demand.labels(*key, "decode").set(demand_decode)
+        plan_p, plan_d = planned if planned is not None else (demand_prefill, demand_decode)
+        self.planned.labels(*key, "prefill").set(plan_p)
+        self.planned.labels(*key, "decode").set(plan_d)
+        if cache_hit_ratio is not None:
+            self.cache_hit.labels(*key).set(cache_hit_ratio)
+        if cache_floor is not None:
+            self.cache_floor.labels(*key).set(cache_floor)
+        self.margin.labels(*key).set(decision.safety_margin)
+        for mode in ("predictive", "reactive"):
+            self.mode.labels(*key, mode).set(1.0 if decision.mode == mode else 0.0)
+
+    def start_cluster(self, namespace: str, cluster: str) -> None:
+        """Create a cluster's counter children at 0 before anything happens.
+
+        A counter child that first appears at 1 has no earlier sample, so ``increase()``
+        (the alerts', which survives counter resets) cannot see that first switch failure;
+        one exported at 0 from the start makes it a step it counts. The operator calls this
+        for every cluster it runs, again after each restart.
+        """
+        for origin, to in SWITCH_DIRECTIONS:
+            for result in SWITCH_RESULTS:
+                self.switches.labels(namespace, cluster, origin, to, result)
+        self.agent_errors.labels(namespace, cluster)
+
+    def forget(self, namespace: str, cluster: str) -> None:
+        """Drop a deleted cluster's series so dashboards do not show it forever."""
+        for metric in (
+            self.forecast_tokens, self.forecast_total, self.decode_admission, self.decode_kv,
+            self.theta, self.cache_hit, self.instances, self.target, self.demand, self.planned,
+            self.margin, self.mode,
+            self.wape, self.switches, self.switch_seconds, self.tick_seconds, self.trajectories,
+            self.anomalies, self.agent_errors, self.forecast_age,
+        ):  # fmt: skip
+            for labels in list(metric._metrics):  # type: ignore[attr-defined]
+                if labels[:2] == (namespace, cluster):
+                    metric.remove(*labels)

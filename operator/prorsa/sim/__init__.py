@@ -1,7 +1,0 @@
-"""Discrete-event simulator of agentic RL rollout on PD-disaggregated engines (virtual time).
-
-The Prorsa policy in it is the very Controller the operator runs, fed only the webhook and
-agent CONTRACT bodies the simulated trainer and engines produce. Entry points:
-:func:`prorsa.sim.simulator.simulate` for one run, :mod:`prorsa.sim.runner` for the benchmark
-grid behind ``prorsa bench rollout``.
-"""

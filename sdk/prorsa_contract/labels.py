@@ -1,0 +1,56 @@
+"""CONTRACT: the names, labels and annotations of engine pods (docs/agent-api.md).
+
+The operator writes them; a router, a monitor or a kubelet reads them to tell which pod
+serves which role without asking the operator. Engine pods are ``<cluster>-engine-<i>``,
+labelled ``app.kubernetes.io/managed-by: prorsa``, ``prorsa.io/cluster`` and
+``prorsa.io/role`` (prefill | decode | draining); every engine pod carries the
+``sglang.ai/bootstrap-port`` annotation (any pod may become prefill), and a switch in
+progress carries the ``prorsa.io/switch`` intent annotation, so an operator that restarts
+mid-switch can finish it.
+"""
+
+from __future__ import annotations
+
+import json
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CLUSTER_LABEL = "prorsa.io/cluster"
+ROLE_LABEL = "prorsa.io/role"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+INDEX_LABEL = "prorsa.io/index"
+BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
+SWITCH_ANNOTATION = "prorsa.io/switch"
+DRAINING = "draining"
+
+ENGINE_PORT = 30000
+BOOTSTRAP_PORT = 8998
+AGENT_PORT = 8080
+
+
+def engine_name(cluster: str, index: int) -> str:
+    return f"{cluster}-engine-{index}"
+
+
+def agent_secret_name(cluster: str) -> str:
+    return f"{cluster}-agent-token"
+
+
+def engine_key_secret_name(cluster: str) -> str:
+    return f"{cluster}-engine-admin-key"
+
+
+def switch_intent(*, to: str, phase: str, started: str, origin: str) -> str:
+    """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
+    return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})
+
+
+def parse_intent(value: str | None) -> dict[str, str] | None:
+    if not value:
+        return None
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("to") not in ("prefill", "decode"):
+        return None
+    return {k: str(v) for k, v in data.items()}

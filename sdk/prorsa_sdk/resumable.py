@@ -1,0 +1,302 @@
+"""Generation that survives a role switch: aborted requests resume where they stopped.
+
+When Prorsa flips an engine between prefill and decode, the in-pod agent drains it and,
+at the drain deadline, aborts what is still running (``/abort_request``). SGLang then
+answers those requests normally, HTTP 200, with ``finish_reason.type == "abort"`` and the
+tokens produced so far. :class:`ResumableGeneration` sends the prompt plus that partial
+output back through the router (which now routes to the remaining engines) and stitches
+the pieces together, so the caller gets one complete answer and no generated token is
+lost or generated twice.
+
+Two endpoints, non-streaming:
+
+* SGLang native ``POST /generate``: with ``input_ids`` the resume is token-exact
+  (``input_ids + output_ids so far``), which is what RL needs; with ``text`` it resumes
+  from ``text + partial text`` (the boundary may tokenize differently).
+* OpenAI-compatible ``POST /v1/chat/completions``: the partial answer is appended as an
+  assistant message with ``continue_final_message: true`` (SGLang appends it to the
+  prompt after the generation prompt). The continuation re-tokenizes the partial text, and
+  tool calls / reasoning that straddle the abort are parsed from the last piece only; use
+  ``/generate`` when token identity matters.
+
+In both cases the token budget (``max_new_tokens`` / ``max_tokens`` /
+``max_completion_tokens``) shrinks by what was already generated. Resumes are bounded
+(``max_resumes``); transient failures (connection errors, 5xx, 429: no partial output) are
+retried with backoff, bounded by ``max_retries``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import httpx
+
+log = logging.getLogger("prorsa_sdk")
+
+_BUDGET_KEYS_GENERATE = ("max_new_tokens",)
+_BUDGET_KEYS_CHAT = ("max_tokens", "max_completion_tokens")
+
+
+class ResumeExhausted(RuntimeError):
+    """Still aborted after ``max_resumes`` resumes; ``partial`` holds everything so far."""
+
+    def __init__(self, message: str, *, partial: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class _Emitter(Protocol):
+    def decode_finished(
+        self, trajectory: str, *, output_tokens: int, finish: Any, ts: float | None = None
+    ) -> str: ...
+
+    def request_queued(
+        self,
+        trajectory: str,
+        *,
+        prompt_tokens: int,
+        turn: int,
+        request: str | None = None,
+        ts: float | None = None,
+    ) -> str: ...
+
+
+def _finish_type(finish: Any) -> str | None:
+    if isinstance(finish, Mapping):
+        kind = finish.get("type")
+        return kind if isinstance(kind, str) else None
+    return finish if isinstance(finish, str) else None
+
+
+def _shrink_budget(params: dict[str, Any], keys: tuple[str, ...], used: int) -> bool:
+    """Lower the remaining token budget by ``used``; False when nothing is left."""
+    for key in keys:
+        value = params.get(key)
+        if isinstance(value, int):
+            params[key] = max(value - used, 0)
+            if params[key] == 0:
+                return False
+    for key in ("min_new_tokens", "min_tokens"):
+        value = params.get(key)
+        if isinstance(value, int):
+            params[key] = max(value - used, 0)
+    return True
+
+
+class ResumableGeneration:
+    """Cancel-and-resend for aborted generations, over an ``httpx.AsyncClient``.
+
+    >>> async with httpx.AsyncClient(base_url="http://router:30000", timeout=600) as http:
+    ...     gen = ResumableGeneration(http)
+    ...     out = await gen.generate({"input_ids": ids, "sampling_params": {...}})
+
+    With ``emitter`` and a ``trajectory`` the helper also reports each resume to Prorsa
+    (``decode_finished(finish="abort")`` then ``request_queued`` with the longer prompt), so
+    the forecast sees the resent prefill.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        max_resumes: int = 8,
+        max_retries: int = 3,
+        retry_base: float = 0.2,
+        emitter: _Emitter | None = None,
+    ) -> None:
+        if max_resumes < 0 or max_retries < 0:
+            raise ValueError("max_resumes and max_retries must be >= 0")
+        self.client = client
+        self.max_resumes = max_resumes
+        self.max_retries = max_retries
+        self.retry_base = retry_base
+        self.emitter = emitter
+        self.resumes = 0  # total over this helper's life, for metrics and tests
+
+    # -- SGLang /generate ----------------------------------------------------------------
+
+    async def generate(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        path: str = "/generate",
+        trajectory: str | None = None,
+        turn: int = 0,
+    ) -> dict[str, Any]:
+        """POST a single, non-streaming ``/generate`` request, resuming on abort."""
+        if payload.get("stream"):
+            raise ValueError("ResumableGeneration supports non-streaming requests only")
+        if isinstance(payload.get("text"), list) or _is_batch(payload.get("input_ids")):
+            raise ValueError("ResumableGeneration supports one prompt per request")
+        request = copy.deepcopy(dict(payload))
+        pieces: list[dict[str, Any]] = []
+        output_ids: list[int] = []
+        text = ""
+        for resume in range(self.max_resumes + 1):
+            out = await self._post(path, request)
+            pieces.append(out)
+            meta = out.get("meta_info") or {}
+            new_ids = list(out.get("output_ids") or [])
+            output_ids.extend(new_ids)
+            text += out.get("text") or ""
+            if _finish_type(meta.get("finish_reason")) != "abort":
+                return _merge_generate(pieces, output_ids=output_ids, text=text)
+            generated = len(new_ids) if new_ids else int(meta.get("completion_tokens") or 0)
+            params = dict(request.get("sampling_params") or {})
+            if not _shrink_budget(params, _BUDGET_KEYS_GENERATE, generated):
+                merged = _merge_generate(pieces, output_ids=output_ids, text=text)
+                merged["meta_info"]["finish_reason"] = {"type": "length", "length": len(output_ids)}
+                return merged
+            request["sampling_params"] = params
+            if "input_ids" in request:
+                request["input_ids"] = list(payload["input_ids"]) + output_ids
+            elif "text" in request:
+                request["text"] = str(payload["text"]) + text
+            else:
+                raise ValueError("a /generate payload needs input_ids or text")
+            if "rid" in payload:
+                request["rid"] = f"{payload['rid']}-resume{resume + 1}"
+            prompt = int(meta.get("prompt_tokens") or 0)
+            self._report(trajectory, turn=turn, partial=generated, prompt=prompt + generated)
+            if resume < self.max_resumes:
+                log.info("generation aborted after %d tokens; resuming", len(output_ids))
+        raise ResumeExhausted(
+            f"aborted {self.max_resumes + 1} times",
+            partial=_merge_generate(pieces, output_ids=output_ids, text=text),
+        )
+
+    # -- OpenAI-compatible chat ----------------------------------------------------------
+
+    async def chat(
+        self,
+        payload: Mapping[str, Any],
+        *,
+        path: str = "/v1/chat/completions",
+        trajectory: str | None = None,
+        turn: int = 0,
+    ) -> dict[str, Any]:
+        """POST a non-streaming chat completion (``n == 1``), resuming on abort."""
+        if payload.get("stream"):
+            raise ValueError("ResumableGeneration supports non-streaming requests only")
+        if int(payload.get("n") or 1) != 1:
+            raise ValueError("ResumableGeneration supports n == 1 only")
+        request = copy.deepcopy(dict(payload))
+        messages = list(request.get("messages") or [])
+        prefix = ""
+        if request.get("continue_final_message") and messages:
+            last = messages[-1]
+            if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                prefix = last["content"]  # the caller's own prefix: keep it in front
+                messages = messages[:-1]
+        content = ""
+        completion = 0
+        logprobs: list[Any] = []
+        first: dict[str, Any] | None = None
+        for resume in range(self.max_resumes + 1):
+            out = await self._post(path, request)
+            first = first or out
+            choice = (out.get("choices") or [{}])[0]
+            message = choice.get("message") or {}
+            content += message.get("content") or ""
+            logprobs.extend(((choice.get("logprobs") or {}).get("content")) or [])
+            usage = out.get("usage") or {}
+            used = int(usage.get("completion_tokens") or 0)
+            completion += used
+            merged = _merge_chat(first, out, content=content, completion=completion)
+            if logprobs:
+                merged["choices"][0].setdefault("logprobs", {})["content"] = logprobs
+            if _finish_type(choice.get("finish_reason")) != "abort":
+                return merged
+            if not _shrink_budget(request, _BUDGET_KEYS_CHAT, used):
+                merged["choices"][0]["finish_reason"] = "length"
+                return merged
+            resumed = {"role": "assistant", "content": prefix + content}
+            request["messages"] = [*messages, resumed]
+            request["continue_final_message"] = True
+            request.pop("add_generation_prompt", None)
+            prompt = int(usage.get("prompt_tokens") or 0)
+            self._report(trajectory, turn=turn, partial=used, prompt=prompt + used)
+            if resume < self.max_resumes:
+                log.info("chat completion aborted after %d tokens; resuming", completion)
+        raise ResumeExhausted(f"aborted {self.max_resumes + 1} times", partial=merged)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _report(self, trajectory: str | None, *, turn: int, partial: int, prompt: int) -> None:
+        self.resumes += 1
+        if self.emitter is None or trajectory is None:
+            return
+        self.emitter.decode_finished(trajectory, output_tokens=partial, finish="abort")
+        self.emitter.request_queued(trajectory, prompt_tokens=prompt, turn=turn)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST with retries on transient failures (no partial output to keep from those)."""
+        attempt = 0
+        while True:
+            try:
+                r = await self.client.post(path, json=body)
+                r.raise_for_status()
+                data = r.json()
+                if not isinstance(data, dict):
+                    raise ValueError(f"{path} answered {type(data).__name__}, not an object")
+                return data
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                transient = isinstance(exc, httpx.TransportError) or (
+                    exc.response.status_code == 429 or exc.response.status_code >= 500
+                )
+                if not transient or attempt >= self.max_retries:
+                    raise
+                delay = random.uniform(0.0, self.retry_base * 2**attempt)
+                log.info("%s failed (%s); retrying in %.2fs", path, exc, delay)
+                await asyncio.sleep(delay)
+                attempt += 1
+
+
+def _is_batch(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], list)
+
+
+def _merge_generate(
+    pieces: list[dict[str, Any]], *, output_ids: list[int], text: str
+) -> dict[str, Any]:
+    """One response out of the pieces: ids and text joined, counts summed, last finish."""
+    last = pieces[-1]
+    merged = copy.deepcopy(last)
+    merged["text"] = text
+    if any("output_ids" in p for p in pieces):
+        merged["output_ids"] = output_ids
+    meta = merged.setdefault("meta_info", {})
+    first_meta = pieces[0].get("meta_info") or {}
+    metas = [p.get("meta_info") or {} for p in pieces]
+    meta["completion_tokens"] = sum(int(m.get("completion_tokens") or 0) for m in metas)
+    for key in ("prompt_tokens", "cached_tokens", "id"):
+        if key in first_meta:
+            meta[key] = first_meta[key]
+    for key, value in first_meta.items():
+        # Per-output-token lists (logprobs, top logprobs, hidden states) concatenate.
+        if key.startswith("output_") and isinstance(value, list):
+            meta[key] = [x for m in metas for x in (m.get(key) or [])]
+    meta["resumes"] = len(pieces) - 1
+    return merged
+
+
+def _merge_chat(
+    first: dict[str, Any], last: dict[str, Any], *, content: str, completion: int
+) -> dict[str, Any]:
+    merged = copy.deepcopy(last)
+    merged["id"] = first.get("id", merged.get("id"))
+    choice = merged["choices"][0]
+    choice.setdefault("message", {"role": "assistant"})["content"] = content
+    prompt = int((first.get("usage") or {}).get("prompt_tokens") or 0)
+    merged["usage"] = {
+        **(merged.get("usage") or {}),
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    return merged

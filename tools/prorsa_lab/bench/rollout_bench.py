@@ -1,0 +1,352 @@
+"""``prorsa bench rollout``: the rollout simulator's figures, from one run of the whole grid.
+
+For each model x task x staleness it prints the makespan of every policy (PD colocation,
+the best static split found by a sweep, Dynamo's reactive and throughput planners, Prorsa's
+real Controller, the oracle), speedups over colocation and over the best static split,
+colocation's GPU idle ratio from attention-DP interference, and the Controller's forecast
+WAPE; then whether each goal of the project holds, with the measured numbers. It writes a
+PNG of predicted vs measured prefill demand and the P/D allocation over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prorsa_lab.sim.costmodel import load_profile
+from prorsa_lab.sim.grid_plot import write_png
+from prorsa_lab.sim.runner import GridConfig, aggregate, jobs, run_jobs
+from prorsa_lab.sim.workloads import get_task
+
+HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
+
+AGENTIC = ("coding", "general")
+POLICIES = (
+    "colocation",
+    "best-static",
+    "task-static",
+    "reactive",
+    "throughput",
+    "prorsa",
+    "oracle",
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced grid for CI and make bench: half batches, 2 steps, "
+        "static splits 2..6 (about 1.5 min on 2 cores)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out"),
+        help="folder for rollout.png and rollout.json (default bench-out/)",
+    )
+    parser.add_argument("--models", help="comma-separated (default qwen3-235b,deepseek-v3)")
+    parser.add_argument("--tasks", help="comma-separated (default math,coding,general)")
+    parser.add_argument("--staleness", help="comma-separated (default 0,2,8)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default 3; quick 2)")
+    parser.add_argument("--scale", type=float, help="batch scale (default 1; quick 0.5)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--hicache-ratio",
+        type=float,
+        help="HiCache host tier over each rank's GPU KV pool (default 2.0, SGLang's and the "
+        "engine image's; 0: GPU-only prefix caches)",
+    )
+    parser.add_argument(
+        "--no-weight-update-events",
+        action="store_true",
+        help="the simulated trainer does not announce weight updates (the Controller infers "
+        "them from a burst of aborts)",
+    )
+    parser.add_argument(
+        "--smoothing", type=float, help="switching.smoothingSeconds (default: the spec's)"
+    )
+    parser.add_argument("--workers", type=int, help="processes (default: one per CPU)")
+
+
+def _config(args: argparse.Namespace) -> Any:
+
+    base = GridConfig()
+    kw: dict[str, Any] = {"seed": args.seed}
+    if args.quick:
+        kw.update(steps=2, scale=0.5, static=(2, 3, 4, 5, 6))
+    if args.models:
+        kw["models"] = tuple(args.models.split(","))
+    if args.tasks:
+        kw["tasks"] = tuple(args.tasks.split(","))
+    if args.staleness:
+        kw["staleness"] = tuple(int(s) for s in args.staleness.split(","))
+    if args.steps:
+        kw["steps"] = args.steps
+    if args.scale:
+        kw["scale"] = args.scale
+    if args.hicache_ratio is not None:
+        if not (args.hicache_ratio >= 0 and math.isfinite(args.hicache_ratio)):
+            raise ValueError(f"--hicache-ratio must be >= 0, got {args.hicache_ratio}")
+        kw["hicache_ratio"] = args.hicache_ratio
+    if args.no_weight_update_events:
+        kw["weight_update_events"] = False
+    if args.smoothing is not None:
+        kw["smoothing"] = args.smoothing
+    cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
+
+    for m in cfg.models:
+        load_profile(m)
+    for t in cfg.tasks:
+        get_task(t)
+    return cfg
+
+
+def _deployment(model: str) -> str:
+
+    return load_profile(model).title
+
+
+def _stale(s: int) -> str:
+    return "on-policy" if s == 0 else str(s)
+
+
+def _num(v: float | None, fmt: str = "{:.0f}") -> str:
+    if v is None:
+        return "-"
+    if math.isinf(v):
+        return "DNF"
+    return fmt.format(v)
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def table(rows: list[Any]) -> str:
+    head = (
+        f"{'model':<18} {'task':<8} {'stale':<9}"
+        + "".join(f"{p:>12}" for p in POLICIES)
+        + f"{'best split':>11}{'task split':>11}{'coloc idle':>11}{'WAPE P':>8}{'WAPE D':>8}"
+        + f"{'dec KV':>7} {'regime':<14}"
+    )
+    lines = ["makespan (s)", head, "-" * len(head)]
+    for r in rows:
+        split = f"{r.best_static}P:{r.instances - r.best_static}D" if r.best_static else "-"
+        tsplit = f"{r.task_static}P:{r.instances - r.task_static}D" if r.task_static else "-"
+        kv = (r.details.get("best-static") or {}).get("decodeKvUtilisation")
+        regime = r.regime + ("" if r.role_switch_capable else " (EP)")
+        lines.append(
+            f"{r.model:<18} {r.task:<8} {_stale(r.staleness):<9}"
+            + "".join(f"{_num(r.makespan.get(p)):>12}" for p in POLICIES)
+            + f"{split:>11}{tsplit:>11}{_num(r.colocation_idle, '{:.1%}'):>11}"
+            + f"{_num(r.wape_prefill, '{:.1%}'):>8}{_num(r.wape_decode, '{:.1%}'):>8}"
+            + f"{_num(kv, '{:.0%}'):>7} {regime:<14}"
+        )
+    lines += ["", "speedup over colocation / over best static"]
+    head2 = f"{'model':<18} {'task':<8} {'stale':<9}" + "".join(f"{p:>14}" for p in POLICIES[1:])
+    lines += [head2, "-" * len(head2)]
+    for r in rows:
+        cells = []
+        for p in POLICIES[1:]:
+            a = r.speedup(p, over="colocation")
+            b = r.speedup(p, over="best-static")
+            cells.append(f"{_num(a, '{:.2f}')}/{_num(b, '{:.2f}')}")
+        lines.append(
+            f"{r.model:<18} {r.task:<8} {_stale(r.staleness):<9}"
+            + "".join(f"{c:>14}" for c in cells)
+        )
+    return "\n".join(lines)
+
+
+def goals(rows: list[Any]) -> list[dict[str, Any]]:
+    """The goals of the benchmark issue, with the numbers that decide them (never tuned).
+
+    The headline goals hold only for deployments SGLang 0.5.23 can role-switch; the EP
+    deployments are a reference ("not role-switch-capable") and are reported, not judged.
+    """
+    out: list[dict[str, Any]] = []
+
+    def sp(r: Any, p: str, over: str) -> float | None:
+        return r.speedup(p, over=over)
+
+    def label(r: Any) -> str:
+        return f"{r.model}/{r.task}/{_stale(r.staleness)}"
+
+    capable = [r for r in rows if r.role_switch_capable]
+    win = [r for r in capable if r.regime == "kv-bound" and r.task == "coding"]
+    win = [r for r in win if r.staleness in (2, 8)]
+    best = {label(r): sp(r, "prorsa", "best-static") for r in win}
+    task = {label(r): sp(r, "prorsa", "task-static") for r in win}
+    ok = bool(win) and all(v is not None and v >= 1.10 for v in best.values())
+    ok = ok and all(v is not None and v >= 1.20 for v in task.values())
+    out.append(
+        {
+            "goal": "role-switch-capable, KV-bound, coding at staleness 2 and 8: Prorsa >= "
+            "1.10x best static and >= 1.20x the per-task static",
+            "ok": ok if win else None,
+            "measured": {"vsBestStatic": best, "vsTaskStatic": task} if win else "no setting",
+        }
+    )
+    below = {
+        label(r): sp(r, "prorsa", "best-static")
+        for r in capable
+        if (v := sp(r, "prorsa", "best-static")) is not None and v < 0.99
+    }
+    out.append(
+        {
+            "goal": "every role-switch-capable setting: Prorsa >= 0.99x best static",
+            "ok": not below if capable else None,
+            "misses": below,
+        }
+    )
+    far: dict[str, Any] = {}
+    for r in rows:
+        mine, limit = r.makespan.get("prorsa"), r.makespan.get("oracle")
+        if mine is not None and limit is not None and mine > 1.03 * limit:
+            far[label(r)] = round(mine / limit, 3)
+    out.append({"goal": "Prorsa within 3% of the oracle's makespan", "ok": not far, "misses": far})
+    wape: dict[str, Any] = {}
+    for r in rows:
+        bound = 0.10 if r.task in AGENTIC else 0.20
+        for name, v in (("prefill", r.wape_prefill), ("decode", r.wape_decode)):
+            if v is None or v > bound:
+                wape[f"{label(r)} {name}"] = None if v is None else round(v, 4)
+    out.append(
+        {
+            "goal": "forecast WAPE <= 10% on agentic tasks, <= 20% on math (prefill, "
+            "decode admissions)",
+            "ok": not wape,
+            "misses": wape,
+        }
+    )
+    ag = [v for r in rows if r.task in AGENTIC if (v := sp(r, "prorsa", "colocation"))]
+    out.append(
+        {
+            "goal": "speedup over colocation beside the paper (agentic 1.11-4.05x)",
+            "ok": None,
+            "measured": [round(min(ag), 2), round(max(ag), 2)] if ag else None,
+        }
+    )
+    return out
+
+
+def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> dict[str, Any]:
+    rollout = []
+    wape = []
+    settings = []
+    for r in rows:
+        for p in POLICIES:
+            if p not in r.makespan:
+                continue
+            detail = r.details.get(p) or {}
+            rollout.append(
+                {
+                    "model": r.model,
+                    "deployment": _deployment(r.model),
+                    "roleSwitchCapable": r.role_switch_capable,
+                    "regime": r.regime,
+                    "task": r.task,
+                    "staleness": r.staleness,
+                    "policy": p,
+                    "makespanSeconds": _finite(r.makespan[p]),
+                    "speedupVsColocation": r.speedup(p, over="colocation"),
+                    "speedupVsBestStatic": r.speedup(p, over="best-static"),
+                    "speedupVsTaskStatic": r.speedup(p, over="task-static"),
+                    "decodeKvUtilisation": detail.get("decodeKvUtilisation"),
+                    "admissionQueue": detail.get("admissionQueue"),
+                    "switches": detail.get("switches"),
+                }
+            )
+        wape.append(
+            {
+                "model": r.model,
+                "deployment": _deployment(r.model),
+                "task": r.task,
+                "staleness": r.staleness,
+                "prefill": r.wape_prefill,
+                "decode": r.wape_decode,
+            }
+        )
+        settings.append(
+            {
+                "model": r.model,
+                "task": r.task,
+                "staleness": r.staleness,
+                "deployment": _deployment(r.model),
+                "roleSwitchCapable": r.role_switch_capable,
+                "regime": r.regime,
+                "bestStatic": {"prefill": r.best_static, "decode": r.instances - r.best_static},
+                "taskStatic": {"prefill": r.task_static, "decode": r.instances - r.task_static},
+                "colocationIdleRatio": r.colocation_idle,
+            }
+        )
+    return {
+        "rollout": rollout,
+        "wape": wape,
+        "settings": settings,
+        "goals": gl,
+        "png": str(png) if png else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"prorsa bench rollout: {exc}", file=sys.stderr)
+        return 2
+    todo = jobs(cfg)
+    started = time.monotonic()
+    done = 0
+
+    def progress(r: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        print(
+            f"\r[{done}/{len(todo)}] {time.monotonic() - started:5.0f}s "
+            f"{r['model']} {r['task']} {_stale(r['staleness'])} {r['policy']}".ljust(78),
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    results = run_jobs(todo, workers=args.workers, progress=progress)
+    print(file=sys.stderr)
+    rows = aggregate(results, instances=cfg.instances)
+    # The grid's order: role-switch-capable deployments first, EP references after.
+    rows.sort(key=lambda r: cfg.models.index(r.model))
+    png: Path | None = None
+    pick = [r for r in rows if r.task in AGENTIC and r.staleness == max(cfg.staleness)]
+    pick = [r for r in pick if r.model == rows[0].model] or rows[:1]
+    if pick and any("prorsa" in r.details for r in pick):
+        png = write_png(pick, args.out / "rollout.png")
+    gl = goals(rows)
+    elapsed = time.monotonic() - started
+    doc = as_json(rows, png, gl=gl)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rollout.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(
+        f"prorsa bench rollout: {len(cfg.models)} models x {len(cfg.tasks)} tasks x "
+        f"{len(cfg.staleness)} staleness, {cfg.steps} steps, batch scale {cfg.scale}, "
+        f"{cfg.instances} instances; {len(todo)} simulations in {elapsed:.0f} s"
+    )
+    print(table(rows))
+    print("\ngoals")
+    for g in gl:
+        mark = {True: "ok  ", False: "MISS", None: "info"}[g["ok"]]
+        detail = g.get("misses") if g["ok"] is False else g.get("measured", "")
+        print(f"  [{mark}] {g['goal']}" + (f": {detail}" if detail else ""))
+    written = [str(path) for path in (png, args.out / "rollout.json") if path]
+    print("\nwrote " + ", ".join(written))
+    return 0

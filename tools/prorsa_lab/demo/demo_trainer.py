@@ -1,0 +1,310 @@
+"""The demo's simulated agentic trainer: asyncio multi-turn agents, replace-on-reward.
+
+``concurrency`` trajectories are live at once; each finished one is replaced by a new
+sample. A trajectory: sandbox start, turns of "model call -> tool call" until its last
+turn, reward. Every transition is reported through the SDK
+(:class:`prorsa_sdk.AsyncEventEmitter`); every model call is a real ``/generate``
+through :class:`prorsa_sdk.ResumableGeneration` and the demo's PD router, so a request
+aborted by a role switch is resent with its partial output and the turn still gets
+exactly the tokens it asked for. Each request is checked for that: ``tokens lost`` in the
+summary counts every missing or extra token.
+
+Prompts are text of ``n`` words: the engine double counts one token per word, and its
+output tokens are words too (``" t<id>"``), so resuming with ``prompt + partial text``
+is token-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from prorsa_lab.demo.workload import DemoTask, PhaseName, PhaseSchedule
+from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
+from prorsa_sdk import AsyncEventEmitter, ResumableGeneration
+from prorsa_sdk.resumable import ResumeExhausted
+
+log = logging.getLogger("prorsa_lab.demo.demo_trainer")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One model call: what was asked, what came back, how many resumes it took."""
+
+    trajectory: str
+    turn: int
+    phase: PhaseName
+    prompt_tokens: int
+    asked: int
+    started: float
+    got: int = 0
+    resumes: int = 0
+    finished: float | None = None
+    error: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "trajectory": self.trajectory,
+            "turn": self.turn,
+            "phase": self.phase,
+            "promptTokens": self.prompt_tokens,
+            "asked": self.asked,
+            "got": self.got,
+            "resumes": self.resumes,
+            "started": self.started,
+            "finished": self.finished,
+            "error": self.error,
+        }
+
+    @property
+    def lost(self) -> int:
+        """Tokens missing from (or duplicated in) the answer; 0 when it is exact."""
+        return abs(self.asked - self.got) if self.finished is not None else 0
+
+
+class _ResumeTap:
+    """Forwards ResumableGeneration's resume reports to the emitter and remembers the
+    partial outputs, so the turn's final ``decode_finished`` reports only its last piece
+    (the trajectory table adds each report to the context length)."""
+
+    def __init__(self, emitter: AsyncEventEmitter) -> None:
+        self.emitter = emitter
+        self.partial: dict[str, int] = {}
+        self.resumes: dict[str, int] = {}
+
+    def decode_finished(
+        self,
+        trajectory: str,
+        *,
+        output_tokens: int,
+        finish: Literal["tool", "stop", "length", "abort"],
+        ts: float | None = None,
+    ) -> str:
+        if finish == "abort":
+            self.partial[trajectory] = self.partial.get(trajectory, 0) + output_tokens
+            self.resumes[trajectory] = self.resumes.get(trajectory, 0) + 1
+        return self.emitter.decode_finished(
+            trajectory, output_tokens=output_tokens, finish=finish, ts=ts
+        )
+
+    def request_queued(
+        self,
+        trajectory: str,
+        *,
+        prompt_tokens: int,
+        turn: int,
+        request: str | None = None,
+        ts: float | None = None,
+    ) -> str:
+        return self.emitter.request_queued(
+            trajectory, prompt_tokens=prompt_tokens, turn=turn, request=request, ts=ts
+        )
+
+    def take(self, trajectory: str) -> tuple[int, int]:
+        """(tokens reported with aborts, resumes) since the last call, for one trajectory."""
+        return self.partial.pop(trajectory, 0), self.resumes.pop(trajectory, 0)
+
+
+@dataclass(slots=True)
+class TrainerStats:
+    started: int = 0
+    finished: int = 0
+    accepted: int = 0
+    dropped: int = 0
+    requests: list[RequestRecord] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for r in self.requests if r.finished is None and r.error is None)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for r in self.requests if r.finished is not None)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for r in self.requests if r.error is not None)
+
+    @property
+    def resumed(self) -> int:
+        return sum(1 for r in self.requests if r.resumes > 0)
+
+    @property
+    def resumes(self) -> int:
+        return sum(r.resumes for r in self.requests)
+
+    @property
+    def tokens_lost(self) -> int:
+        return sum(r.lost for r in self.requests)
+
+    @property
+    def tokens_generated(self) -> int:
+        return sum(r.got for r in self.requests)
+
+
+class DemoTrainer:
+    """Runs the trajectories; :meth:`stop` ends dispatching (in-flight calls complete)."""
+
+    def __init__(
+        self,
+        *,
+        task: DemoTask,
+        schedule: PhaseSchedule,
+        emitter: AsyncEventEmitter,
+        router: httpx.AsyncClient,
+        concurrency: int,
+        seed: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.task = task
+        self.schedule = schedule
+        self.emitter = emitter
+        self.tap = _ResumeTap(emitter)
+        self.gen = ResumableGeneration(router, max_resumes=16, emitter=self.tap)
+        self.concurrency = concurrency
+        self.rng = random.Random(seed)
+        self.clock = clock
+        self.stats = TrainerStats()
+        self.t0 = clock()
+        self._ids = itertools.count()
+        self._stopping = asyncio.Event()
+        self.stopped_at: float | None = None  # when dispatching ended
+
+    def phase_now(self) -> PhaseName:
+        return self.schedule.at(self.clock() - self.t0)
+
+    def stop(self) -> None:
+        if not self._stopping.is_set():
+            self.stopped_at = self.clock()
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def run(self, *, duration: float) -> TrainerStats:
+        """Dispatch for ``duration`` seconds (or until :meth:`stop`), then let the turns in
+        flight finish and drop the unfinished trajectories."""
+        self.t0 = self.clock()
+
+        async def stop_later() -> None:
+            await asyncio.sleep(duration)
+            self.stop()
+
+        timer = asyncio.create_task(stop_later())
+        try:
+            await asyncio.gather(*(self._worker() for _ in range(self.concurrency)))
+        finally:
+            timer.cancel()
+        return self.stats
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep; False if the run is ending (the sleep is cut short then)."""
+        if self.stopping:
+            return False
+        try:
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        except TimeoutError:
+            return True
+        return False
+
+    async def _worker(self) -> None:
+        while not self.stopping:  # replace-on-reward
+            n = next(self._ids)
+            await self._trajectory(f"traj-{n}", group=f"g{n // self.task.profile.group_size}")
+
+    async def _trajectory(self, tid: str, *, group: str) -> None:
+        task, rng, em = self.task, self.rng, self.emitter
+        self.stats.started += 1
+        context = int(task.prompt.draw(rng))
+        em.sample_dispatched(tid, group=group, task=task.name, prompt_tokens=context)
+        em.sandbox_started(tid, mode="prewarm", image=f"demo-{task.name}:latest")
+        if not await self._sleep(task.startup_seconds.draw(rng)):
+            return self._drop(tid)
+        turns = rng.randint(task.turns_min, task.turns_max)
+        for turn in range(turns):
+            phase = self.phase_now()
+            shape = task.phase(phase)
+            want = max(1, int(shape.output.draw(rng)))
+            last = turn == turns - 1 or context + want >= task.max_context
+            want = min(want, task.max_context - context)
+            if want < 1:
+                break
+            record = await self._generate(
+                tid, turn=turn, phase=phase, context=context, want=want, last=last
+            )
+            if record.error is not None:
+                return self._drop(tid, reason="generation failed")
+            context += record.got
+            if last:
+                break
+            tool = task.pick_tool(rng)
+            em.tool_started(tid, tool=tool)
+            if not await self._sleep(shape.tool_seconds.draw(rng)):
+                return self._drop(tid)
+            result = int(shape.result_tokens.draw(rng))
+            em.tool_finished(tid, result_tokens=result)
+            context += result + TEMPLATE_TOKENS
+            if self.stopping:
+                return self._drop(tid)
+            if context >= task.max_context:
+                break
+        em.reward_started(tid)
+        if not await self._sleep(task.reward_seconds.draw(rng)):
+            return self._drop(tid)
+        accepted = rng.random() < task.accept
+        em.reward_finished(tid, accepted=accepted)
+        self.stats.finished += 1
+        self.stats.accepted += accepted
+
+    def _drop(self, tid: str, reason: str = "demo ended") -> None:
+        self.emitter.trajectory_dropped(tid, reason=reason)
+        self.stats.dropped += 1
+
+    async def _generate(
+        self, tid: str, *, turn: int, phase: PhaseName, context: int, want: int, last: bool
+    ) -> RequestRecord:
+        record = RequestRecord(
+            trajectory=tid,
+            turn=turn,
+            phase=phase,
+            prompt_tokens=context,
+            asked=want,
+            started=self.clock(),
+        )
+        self.stats.requests.append(record)
+        rid = f"{tid}@{turn}"
+        self.emitter.request_queued(tid, prompt_tokens=context, turn=turn, request=rid)
+        payload: dict[str, Any] = {
+            "rid": rid,
+            "text": "w " * context,
+            "sampling_params": {"max_new_tokens": want, "temperature": 1.0},
+        }
+        try:
+            out = await self.gen.generate(payload, trajectory=tid, turn=turn)
+        except (httpx.HTTPError, ResumeExhausted, ValueError) as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+            self.tap.take(tid)
+            log.warning("%s turn %d failed: %s", tid, turn, record.error)
+            return record
+        partial, resumes = self.tap.take(tid)
+        ids = out.get("output_ids") or []
+        words = len(str(out.get("text") or "").split())
+        # Both views of the answer must agree with the ask: ids and text, token for token.
+        record.got = len(ids) if len(ids) == words else min(len(ids), words)
+        record.resumes = resumes
+        record.finished = self.clock()
+        self.emitter.decode_finished(
+            tid, output_tokens=max(0, record.got - partial), finish="stop" if last else "tool"
+        )
+        return record

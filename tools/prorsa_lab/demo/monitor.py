@@ -1,0 +1,276 @@
+"""What the demo watches while it runs, through the interfaces a user has.
+
+Every ``interval`` seconds, concurrently: the latest Decision (``GET .../forecast`` on the
+webhook), the operator's ``/metrics``, the RolloutCluster's status from the API server, and
+each engine pod's agent (``GET /v1/state``). The samples feed the live view, the summary
+and the timeline PNG; label changes come from the router's :class:`PodDirectory`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from prorsa.core.spec import GROUP, PLURAL, VERSION
+from prorsa_lab.demo.router import PodDirectory
+
+log = logging.getLogger("prorsa_lab.demo.monitor")
+
+Metrics = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Prometheus text -> {sample name: [(labels, value)]} (``_total``, ``_sum`` included)."""
+    out: Metrics = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def metric_sum(
+    metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **match: str
+) -> float:
+    """Sum of a sample's values over the series whose labels include ``match``."""
+    return sum(
+        value
+        for labels, value in metrics.get(name, [])
+        if all(labels.get(k) == v for k, v in match.items())
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PodState:
+    """One engine pod as the demo sees it: its label and its agent's report."""
+
+    name: str
+    role: str  # label
+    intent: str | None  # switching toward
+    engine_role: str | None  # what the engine itself says
+    running: int = 0
+    waiting: int = 0
+    waiting_tokens: int = 0
+    kv_used: int = 0
+    kv_capacity: int = 0
+    healthy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t: float  # wall clock
+    labels: dict[str, int]  # prefill / decode / draining pod counts
+    target: tuple[int, int] | None  # the latest Decision's target (prefill, decode)
+    demand: tuple[float, float] | None  # a = W_P/(S·θ_P), b = (K_D+K̂_D)/C_KV, instances
+    kv_used_decode: int  # Σ KV in use on decode engines (agents)
+    waiting_prefill_tokens: int  # Σ prompt tokens queued on prefill engines (agents)
+    waiting_prefill_requests: int  # Σ requests queued on prefill engines (agents)
+    events_total: float  # webhook events accepted so far
+    mode: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchRecord:
+    pod: str
+    origin: str
+    to: str
+    started: str  # as the operator stamps it (UTC, seconds)
+    seconds: float
+    result: str
+    seen: float  # wall clock when the demo first saw it finished
+
+
+@dataclass
+class Monitor:
+    webhook: str
+    cluster_path: str  # /v1/namespaces/<ns>/rolloutclusters/<name>
+    api_url: str
+    namespace: str
+    cluster: str
+    token: str
+    agent_port: int
+    directory: PodDirectory
+    interval: float = 1.0
+    clock: Callable[[], float] = time.time
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    switches: dict[tuple[str, str], SwitchRecord] = field(default_factory=dict)
+    pods: list[PodState] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=dict)
+    event_rate: float = 0.0  # webhook events per second over the last interval
+    errors: int = 0
+    _http: httpx.AsyncClient | None = None
+    _task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Monitor:
+        self._http = httpx.AsyncClient(timeout=5.0)
+        await self.poll()
+        self._task = asyncio.create_task(self._loop(), name="demo-monitor")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.poll()  # the final counters for the summary
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.poll()
+
+    @property
+    def decision(self) -> dict[str, Any] | None:
+        return self.decisions[-1] if self.decisions else None
+
+    async def poll(self) -> None:
+        assert self._http is not None
+        results = await asyncio.gather(
+            self._forecast(), self._metrics(), self._status(), self._agents(),
+            return_exceptions=True,
+        )  # fmt: skip
+        for result in results:
+            if isinstance(result, BaseException):
+                self.errors += 1
+                log.debug("monitor poll failed: %r", result)
+        self._sample()
+
+    async def _forecast(self) -> None:
+        assert self._http is not None
+        reply = await self._http.get(
+            f"{self.webhook}{self.cluster_path}/forecast",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        if reply.status_code == 404:
+            return  # no tick yet
+        reply.raise_for_status()
+        decision = reply.json()
+        if not self.decisions or decision.get("at") != self.decisions[-1].get("at"):
+            self.decisions.append(decision)
+
+    async def _metrics(self) -> None:
+        assert self._http is not None
+        reply = await self._http.get(f"{self.webhook}/metrics")
+        reply.raise_for_status()
+        fresh = parse_metrics(reply.text)
+        before = metric_sum(self.metrics, "prorsa_webhook_events_total")
+        after = metric_sum(fresh, "prorsa_webhook_events_total")
+        if self.metrics:
+            self.event_rate = max(0.0, after - before) / self.interval
+        self.metrics = fresh
+
+    async def _status(self) -> None:
+        assert self._http is not None
+        reply = await self._http.get(
+            f"{self.api_url}/apis/{GROUP}/{VERSION}/namespaces/{self.namespace}/"
+            f"{PLURAL}/{self.cluster}"
+        )
+        reply.raise_for_status()
+        self.status = reply.json().get("status") or {}
+        now = self.clock()
+        for entry in self.status.get("switchHistory") or []:
+            key = (str(entry.get("pod")), str(entry.get("started")))
+            if key not in self.switches:
+                self.switches[key] = SwitchRecord(
+                    pod=key[0],
+                    origin=str(entry.get("from")),
+                    to=str(entry.get("to")),
+                    started=key[1],
+                    seconds=float(entry.get("seconds") or 0.0),
+                    result=str(entry.get("result")),
+                    seen=now,
+                )
+
+    async def _agents(self) -> None:
+        assert self._http is not None
+        views = sorted(self.directory.pods.values(), key=lambda p: p.name)
+
+        async def one(view: Any) -> PodState:
+            base = PodState(name=view.name, role=view.role, intent=view.intent, engine_role=None)
+            if not view.ip:
+                return base
+            try:
+                assert self._http is not None
+                reply = await self._http.get(f"http://{view.ip}:{self.agent_port}/v1/state")
+                body = reply.json()
+            except (httpx.HTTPError, ValueError):
+                return base
+            return PodState(
+                name=view.name,
+                role=view.role,
+                intent=view.intent,
+                engine_role=body.get("role"),
+                running=int(body.get("runningRequests") or 0),
+                waiting=int(body.get("waitingRequests") or 0),
+                waiting_tokens=int(body.get("waitingTokens") or 0),
+                kv_used=int(body.get("kvUsedTokens") or 0),
+                kv_capacity=int(body.get("kvCapacityTokens") or 0),
+                healthy=bool(body.get("healthy")) and reply.status_code == 200,
+            )
+
+        self.pods = list(await asyncio.gather(*(one(v) for v in views)))
+
+    def demand(self) -> tuple[float, float] | None:
+        a = metric_sum(self.metrics, "prorsa_demand_instances", role="prefill")
+        b = metric_sum(self.metrics, "prorsa_demand_instances", role="decode")
+        if "prorsa_demand_instances" not in self.metrics:
+            return None
+        return a, b
+
+    def _sample(self) -> None:
+        d = self.decision
+        target = (int(d["target"]["prefill"]), int(d["target"]["decode"])) if d else None
+        self.samples.append(
+            Sample(
+                t=self.clock(),
+                labels=self.directory.counts(),
+                target=target,
+                demand=self.demand(),
+                kv_used_decode=sum(p.kv_used for p in self.pods if p.engine_role == "decode"),
+                waiting_prefill_tokens=sum(
+                    p.waiting_tokens for p in self.pods if p.engine_role == "prefill"
+                ),
+                waiting_prefill_requests=sum(
+                    p.waiting for p in self.pods if p.engine_role == "prefill"
+                ),
+                events_total=metric_sum(self.metrics, "prorsa_webhook_events_total"),
+                mode=d.get("mode") if d else None,
+            )
+        )
+
+    # -- the numbers of the summary -----------------------------------------------------------
+
+    def switch_counts(self) -> dict[str, float]:
+        """Switches by result, from the operator's counter (every switch, not the last 5)."""
+        out: dict[str, float] = {}
+        for labels, value in self.metrics.get("prorsa_switches_total", []):
+            if labels.get("cluster") == self.cluster and value:
+                out[labels["result"]] = out.get(labels["result"], 0.0) + value
+        return out
+
+    def switch_directions(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for labels, value in self.metrics.get("prorsa_switches_total", []):
+            if labels.get("cluster") == self.cluster and value:
+                key = f"{labels['from_role']}->{labels['to_role']}"
+                out[key] = out.get(key, 0.0) + value
+        return out
+
+    def switch_mean_seconds(self) -> float | None:
+        total = metric_sum(self.metrics, "prorsa_switch_duration_seconds_sum", cluster=self.cluster)
+        count = metric_sum(
+            self.metrics, "prorsa_switch_duration_seconds_count", cluster=self.cluster
+        )
+        return total / count if count else None

@@ -1,0 +1,547 @@
+"""``prorsa demo``: start everything, run the trainer, watch, summarise, plot.
+
+What runs, all in this process on loopback: the Kubernetes API emulator (its own thread),
+the operator (kopf with the real handlers, webhook and ``/metrics``), the fake kubelet
+with one engine pod per instance (engine double + real agent), and the simulated trainer
+with its client-side PD router. Files go to ``--out``: ``kubeconfig`` (valid while the
+demo runs), ``demo.log`` (every component's log), ``summary.json``, ``timeline.png``.
+
+The engine doubles are given a timing model and a KV pool, and the RolloutCluster states
+the same figures as its profiled capacity (``prefillTokensPerSecond``, ``decodeKvTokens``),
+as an operator would after profiling real engines; θ_P is then re-measured online from
+the agents' busy-time counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from prorsa_agent.config import Timeouts
+from prorsa_lab.demo.demo_trainer import DemoTrainer, TrainerStats
+from prorsa_lab.demo.monitor import Monitor
+from prorsa_lab.demo.phases import (
+    PhaseBacklog,
+    PhaseChange,
+    phase_changes,
+    prefill_backlogs,
+    split_timeline,
+    summary_line,
+)
+from prorsa_lab.demo.router import PdRouter, PodDirectory
+from prorsa_lab.demo.view import LiveView, PlainView
+from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_seconds
+from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
+from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
+from prorsa_sdk import AsyncEventEmitter
+
+log = logging.getLogger("prorsa_lab.demo")
+
+CLUSTER = "demo"
+GPUS_PER_INSTANCE = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineModel:
+    """The simulated hardware, and the control settings that fit its time scale.
+
+    The demo runs about ten times faster than a real rollout, so the horizon, the control
+    period, the cooldown and the drain timeout are scaled down alike.
+    """
+
+    prefill_tokens_per_second: float = 40_000.0
+    kv_tokens: int = 120_000
+    decode_step_seconds: float = 0.004
+    decode_step_seconds_per_request: float = 0.0001
+    switch_seconds: float = 0.3
+    graph_capture_seconds: float = 0.2
+    horizon_seconds: float = 1.0
+    tick_seconds: float = 1.0
+    cooldown_seconds: float = 3.0
+    drain_timeout_seconds: float = 1.0
+    hysteresis: float = 0.1
+    # Five horizons (the 900 s default would never follow a 25 s phase). Measured on 25 s
+    # phases: the split settled 11.6 and 19.9 s after the phase changes at 5 s, 7.5 and
+    # 9.2 s at 2 s; but at 2 s a 20 s run (5 s phases) held 2P:2D throughout, and
+    # tests/test_demo.py wants a switch each way. See docs/demo.md, "Phase lag".
+    smoothing_seconds: float = 5.0
+
+    def agent_timeouts(self) -> Timeouts:
+        """The agent's defaults (5 s health checks, 30 s probes...) at the demo's scale."""
+        return Timeouts(
+            request=5.0,
+            switch=30.0,
+            verify=10.0,
+            abort_settle=5.0,
+            retry_drain=0.5,
+            poll=0.05,
+            health_interval=1.0,
+            health_probe=10.0,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            role="decode",
+            kv_capacity_tokens=self.kv_tokens,
+            context_length=self.kv_tokens,
+            max_running_requests=256,
+            timing=TimingModel(
+                prefill_tokens_per_second=self.prefill_tokens_per_second,
+                decode_step_seconds=self.decode_step_seconds,
+                decode_step_seconds_per_request=self.decode_step_seconds_per_request,
+                switch_seconds=self.switch_seconds,
+                graph_capture_seconds=self.graph_capture_seconds,
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    duration: float = 150.0
+    task: str = "coding"
+    instances: int = 4
+    out: Path = Path("bench-out/demo")
+    live: bool = True
+    seed: int = 0
+    phase_seconds: float | None = None  # default: default_phase_seconds(duration)
+    concurrency: int | None = None  # live trajectories; default 8 per instance
+    model: EngineModel = field(default_factory=EngineModel)
+
+    def __post_init__(self) -> None:
+        if not (self.duration > 0 and math.isfinite(self.duration)):
+            raise ValueError("duration must be a positive number of seconds")
+        if self.task not in DEMO_TASKS:
+            raise ValueError(f"unknown task {self.task!r} (known: {', '.join(DEMO_TASKS)})")
+        if not 2 <= self.instances <= 64:
+            raise ValueError("instances must be between 2 and 64 (one prefill, one decode)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+
+    @property
+    def trajectories(self) -> int:
+        return self.concurrency or 8 * self.instances
+
+    @property
+    def phases(self) -> PhaseSchedule:
+        return PhaseSchedule(seconds=self.phase_seconds or default_phase_seconds(self.duration))
+
+
+def demo_manifest(options: DemoOptions) -> dict[str, Any]:
+    """The RolloutCluster the demo applies (capacity figures match the engine doubles)."""
+    m = options.model
+    return cluster_manifest(
+        CLUSTER,
+        engine={
+            "image": "prorsa/engine-double:demo",
+            "gpusPerInstance": GPUS_PER_INSTANCE,
+            "tensorParallelSize": GPUS_PER_INSTANCE,
+        },
+        gpuBudget=options.instances * GPUS_PER_INSTANCE,
+        roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        forecast={
+            "horizonSeconds": m.horizon_seconds,
+            "injection": {"policy": "replaceOnReward", "groupSize": 1},
+        },
+        capacity={
+            "prefillTokensPerSecond": m.prefill_tokens_per_second,
+            "decodeKvTokens": m.kv_tokens,
+            "prefillCacheTokens": 0,  # the engine doubles keep no prefix cache
+        },
+        switching={
+            "mode": "Auto",
+            "cooldownSeconds": m.cooldown_seconds,
+            "maxConcurrent": 1,
+            "drainTimeoutSeconds": m.drain_timeout_seconds,
+            "hysteresis": m.hysteresis,
+            "smoothingSeconds": m.smoothing_seconds,
+            # The default 300 s is 30 horizons; the demo runs ten times faster.
+            "payoffSeconds": 30 * m.horizon_seconds,
+        },
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSummary:
+    task: str
+    instances: int
+    gpus: int
+    seconds: float  # of dispatching new requests
+    finish_seconds: float  # then, until the last request was answered
+    switches: int
+    switch_results: dict[str, int]
+    switch_directions: dict[str, int]
+    switch_mean_seconds: float | None
+    prefill_wape: float | None
+    decode_wape: float | None
+    requests_sent: int
+    requests_completed: int
+    requests_failed: int
+    requests_resumed: int
+    resumes: int
+    tokens_lost: int
+    tokens_generated: int
+    prefill_aborts: int
+    decode_aborts: int
+    misrouted: int
+    trajectories_started: int
+    trajectories_finished: int
+    trajectories_dropped: int
+    events_emitted: int
+    events_delivered: int
+    events_dropped: int
+    anomalies: dict[str, int]
+    timeline: str | None
+    # One per phase change: seconds until the split settled (None: still switching at
+    # the phase end); phase_changes has the splits, prefill_backlog_at_phase_end the
+    # backlog left when each phase ended. See prorsa_lab.demo.phases and docs/demo.md.
+    phase_lag_seconds: list[float | None] = field(default_factory=list)
+    phase_changes: list[PhaseChange] = field(default_factory=list)
+    prefill_backlog_at_phase_end: list[PhaseBacklog] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Nothing lost: every request answered in full, every event delivered."""
+        return (
+            self.tokens_lost == 0
+            and self.requests_failed == 0
+            and self.requests_completed == self.requests_sent
+            and self.events_dropped == 0
+        )
+
+    def lines(self) -> list[str]:
+        results = ", ".join(f"{n} {r}" for r, n in sorted(self.switch_results.items())) or "none"
+        directions = ", ".join(f"{d} {n}" for d, n in sorted(self.switch_directions.items()))
+        mean = f"mean {self.switch_mean_seconds:.2f} s" if self.switch_mean_seconds else "-"
+        anomalies = sum(self.anomalies.values())
+        return [
+            f"prorsa demo summary: task {self.task}, {self.instances} instances "
+            f"({self.gpus} GPUs), {self.seconds:.0f} s of rollout "
+            f"(+{self.finish_seconds:.0f} s for the last requests)",
+            f"  switches      {self.switches} ({results}); {directions or 'no direction'}; {mean}",
+            f"  forecast WAPE prefill {_fmt(self.prefill_wape)}, decode {_fmt(self.decode_wape)}"
+            " (Controller, scored horizon windows)",
+            f"  requests      {self.requests_sent} sent, {self.requests_completed} completed, "
+            f"{self.requests_failed} failed; {self.requests_resumed} resumed after aborts "
+            f"({self.resumes} resumes; aborts seen: {self.prefill_aborts} in prefill, "
+            f"{self.decode_aborts} in decode)",
+            f"  tokens lost   {self.tokens_lost} (of {self.tokens_generated:,} generated; "
+            "each answer checked against the tokens asked)",
+            f"  trajectories  {self.trajectories_started} started, "
+            f"{self.trajectories_finished} finished, {self.trajectories_dropped} cut at the end",
+            f"  events        {self.events_emitted:,} emitted, {self.events_delivered:,} "
+            f"delivered, {self.events_dropped} dropped; {anomalies} anomalies",
+            summary_line(self.phase_changes, self.prefill_backlog_at_phase_end),
+            f"  timeline      {self.timeline or 'not written'}",
+        ]
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+@contextlib.contextmanager
+def _log_to(path: Path) -> Iterator[None]:
+    """Every log record to ``path`` and none to the terminal, for the run's duration."""
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers = [handler]
+    root.setLevel(logging.INFO)
+    chatty = logging.getLogger("httpx")  # one line per request: thousands a minute
+    chatty_level = chatty.level
+    chatty.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        handler.close()
+        root.handlers = saved[1]
+        root.setLevel(saved[0])
+        chatty.setLevel(chatty_level)
+
+
+async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> None:
+    """Until every engine pod runs and the operator has made its first prefill engine."""
+
+    async def ready() -> bool:
+        if stop.is_set():
+            raise DemoInterrupted("interrupted while the engines were starting")
+        counts = await env.count_roles(CLUSTER)
+        return counts.get("prefill", 0) >= 1 and sum(counts.values()) == options.instances
+
+    await env.wait_for(ready, timeout=120, what="the engine pods and the first prefill engine")
+
+
+class DemoInterrupted(Exception):
+    """Ctrl-C before the rollout started, or a second Ctrl-C: nothing to summarise."""
+
+
+async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> DemoSummary:
+    """Run the whole demo; returns the summary (also written to ``out/summary.json``).
+
+    The first SIGINT/SIGTERM ends the rollout early (in-flight requests finish, the
+    summary and the PNG are written); a second one stops at once (:class:`DemoInterrupted`).
+    """
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def on_signal() -> None:
+        if stop.is_set() and main is not None:
+            main.cancel()
+        stop.set()
+
+    def take_signals() -> None:
+        # kopf installs its own handlers when the operator starts; a signal there would
+        # stop the operator and cancel every task created after it, the trainer's included.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal)
+
+    take_signals()
+    try:
+        with _log_to(out / "demo.log"):
+            return await _run(options, stream=stream, stop=stop, operator_started=take_signals)
+    except asyncio.CancelledError:
+        if stop.is_set():
+            raise DemoInterrupted("interrupted twice: stopped without a summary") from None
+        raise
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def _run(
+    options: DemoOptions,
+    *,
+    stream: TextIO,
+    stop: asyncio.Event,
+    operator_started: Callable[[], None],
+) -> DemoSummary:
+    out = options.out
+    model = options.model
+    task = DEMO_TASKS[options.task]
+    kubeconfig = (out / "kubeconfig").resolve()
+    print(
+        f"prorsa demo: starting the API emulator, the operator and {options.instances} engine "
+        f"pods (task {task.name}, {options.duration:.0f} s of rollout)...",
+        file=stream,
+        flush=True,
+    )
+    config = model.engine_config()
+    async with stack(
+        engine_config=lambda _name: config,
+        tick_seconds=model.tick_seconds,
+        kubeconfig_path=kubeconfig,
+        agent_timeouts=model.agent_timeouts(),
+    ) as env:
+        operator_started()
+        await env.create_cluster(demo_manifest(options))
+        print(
+            f"  API server {env.server.url}, webhook and /metrics {env.webhook}\n"
+            "  While it runs, from another shell:\n"
+            f"    export KUBECONFIG={kubeconfig}\n"
+            "    kubectl get rolloutclusters -A\n"
+            "    kubectl get pods -n rl -L prorsa.io/role -w\n"
+            f"    curl -s {env.webhook}/metrics | grep ^prorsa_instances\n"
+            "  (kubectl apply/create need --validate=false against the emulator)\n"
+            f"  Logs: {out / 'demo.log'}",
+            file=stream,
+            flush=True,
+        )
+        await _warm_up(env, options, stop)
+
+        def resolve(name: str, uid: str) -> str | None:
+            runtime = env.kubelet.pods.get(name)
+            if runtime is None or (uid and runtime.uid != uid):
+                return None
+            return runtime.pod.engine_url
+
+        async with contextlib.AsyncExitStack() as stack_:
+            directory = await stack_.enter_async_context(
+                PodDirectory(
+                    api_url=env.server.url,
+                    namespace=env.namespace,
+                    cluster=CLUSTER,
+                    resolve=resolve,
+                    token=env.server.token,
+                )
+            )
+            emitter = await stack_.enter_async_context(
+                AsyncEventEmitter(
+                    url=env.webhook,
+                    namespace=env.namespace,
+                    name=CLUSTER,
+                    token=env.token,
+                    track=True,
+                )
+            )
+            router = PdRouter(directory=directory, emitter=emitter)
+            stack_.push_async_callback(router.aclose)
+            http = await stack_.enter_async_context(
+                httpx.AsyncClient(transport=router, base_url="http://pd-router", timeout=600)
+            )
+            monitor = await stack_.enter_async_context(
+                Monitor(
+                    webhook=env.webhook,
+                    cluster_path=env.cluster_path(CLUSTER),
+                    api_url=env.server.url,
+                    namespace=env.namespace,
+                    cluster=CLUSTER,
+                    token=env.token,
+                    agent_port=env.kubelet.agent_port,
+                    directory=directory,
+                )
+            )
+            trainer = DemoTrainer(
+                task=task,
+                schedule=options.phases,
+                emitter=emitter,
+                router=http,
+                concurrency=options.trajectories,
+                seed=options.seed,
+            )
+            view = (LiveView if options.live else PlainView)(
+                options=options,
+                monitor=monitor,
+                trainer=trainer,
+                router=router,
+                directory=directory,
+                stream=stream,
+            )
+
+            async def interrupt() -> None:
+                await stop.wait()
+                trainer.stop()
+
+            watcher = asyncio.create_task(interrupt())
+            try:
+                async with view:
+                    await trainer.run(duration=options.duration)
+                    view.note("rollout over: waiting for the last events and one more tick")
+                    await emitter.flush(timeout=15)
+                    await asyncio.sleep(model.tick_seconds * 1.5)
+                    await monitor.poll()
+            finally:
+                watcher.cancel()
+            ended = trainer.stopped_at or time.time()
+            seconds, finish = ended - trainer.t0, time.time() - ended
+            stats = await emitter.aclose(timeout=15)
+
+        summary = _summarise(
+            options, monitor=monitor, trainer=trainer.stats, router=router,
+            trainer_t0=trainer.t0, seconds=seconds, finish_seconds=finish, emitter=stats,
+        )  # fmt: skip
+        timeline = out / "timeline.png"
+        try:
+            from prorsa_lab.demo.timeline_plot import plot_timeline
+
+            plot_timeline(
+                timeline,
+                options=options,
+                t0=trainer.t0,
+                stopped=(trainer.stopped_at or time.time()) - trainer.t0,
+                monitor=monitor,
+                trainer=trainer.stats,
+                router=router,
+                directory=directory,
+            )
+            summary = _with_timeline(summary, str(timeline))
+        except ImportError as exc:  # matplotlib is in the bench/demo extras
+            print(f"  no timeline: {exc}", file=stream)
+    kubeconfig.unlink(missing_ok=True)  # it pointed at the emulator, gone now
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    with (out / "requests.jsonl").open("w", encoding="utf-8") as f:
+        for record in trainer.stats.requests:
+            f.write(json.dumps(record.wire()) + "\n")
+    for line in summary.lines():
+        print(line, file=stream)
+    stream.flush()
+    return summary
+
+
+def _with_timeline(summary: DemoSummary, path: str) -> DemoSummary:
+    return replace(summary, timeline=path)
+
+
+def _summarise(
+    options: DemoOptions,
+    *,
+    monitor: Monitor,
+    trainer: TrainerStats,
+    router: PdRouter,
+    trainer_t0: float,
+    seconds: float,
+    finish_seconds: float,
+    emitter: Any,
+) -> DemoSummary:
+    accuracy = monitor.status.get("accuracy") or {}
+    results = {k: int(v) for k, v in monitor.switch_counts().items()}
+    anomalies = {
+        labels["kind"]: int(value)
+        for labels, value in monitor.metrics.get("prorsa_event_anomalies", [])
+        if labels.get("cluster") == CLUSTER and value
+    }
+    # The phases of the rollout as asked; a stop a few ms late makes no extra phase.
+    spans = options.phases.spans(min(seconds, options.duration))
+    changes = phase_changes(split_timeline(monitor.directory.changes), spans, t0=trainer_t0)
+    backlogs = prefill_backlogs(router.jobs, monitor.samples, spans, t0=trainer_t0)
+    return DemoSummary(
+        task=options.task,
+        instances=options.instances,
+        gpus=options.instances * GPUS_PER_INSTANCE,
+        seconds=seconds,
+        finish_seconds=finish_seconds,
+        switches=sum(results.values()),
+        switch_results=results,
+        switch_directions={k: int(v) for k, v in monitor.switch_directions().items()},
+        switch_mean_seconds=monitor.switch_mean_seconds(),
+        prefill_wape=accuracy.get("prefillWape"),
+        decode_wape=accuracy.get("decodeWape"),
+        requests_sent=len(trainer.requests),
+        requests_completed=trainer.completed,
+        requests_failed=trainer.failed,
+        requests_resumed=trainer.resumed,
+        resumes=trainer.resumes,
+        tokens_lost=trainer.tokens_lost,
+        tokens_generated=trainer.tokens_generated,
+        prefill_aborts=router.counters.prefill_aborts,
+        decode_aborts=router.counters.decode_aborts,
+        misrouted=router.counters.misrouted,
+        trajectories_started=trainer.started,
+        trajectories_finished=trainer.finished,
+        trajectories_dropped=trainer.dropped,
+        events_emitted=int(emitter.emitted),
+        events_delivered=int(emitter.sent),
+        events_dropped=int(emitter.dropped),
+        anomalies=anomalies,
+        timeline=None,
+        phase_lag_seconds=[c.lag_seconds for c in changes],
+        phase_changes=changes,
+        prefill_backlog_at_phase_end=backlogs,
+    )
+
+
+__all__ = [
+    "DemoInterrupted",
+    "DemoOptions",
+    "DemoSummary",
+    "EngineModel",
+    "demo_manifest",
+    "run_demo",
+]

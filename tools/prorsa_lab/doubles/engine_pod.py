@@ -1,0 +1,115 @@
+"""One simulated engine pod: an SGLang double and its in-pod agent, both on loopback.
+
+For the operator's end-to-end tests and the demo::
+
+    async with EnginePod(instance="demo-engine-0", token="t") as pod:
+        pod.agent_url   # the agent CONTRACT (GET /v1/state, POST /v1/role, ...)
+        pod.engine_url  # SGLang's endpoints (/generate, /v1/loads, ...)
+        pod.double      # the EngineDouble: faults, counters, crash(), restart()
+
+With ``engine_api_key`` the double requires that admin key (as SGLang launched with
+``--admin-api-key``) and the agent reads it from a file, as in an engine pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+from prorsa_agent.config import AgentConfig, Timeouts
+from prorsa_agent.server import Agent
+from prorsa_lab.doubles.engine_model import EngineConfig, Faults
+from prorsa_lab.doubles.engine_server import EngineDouble
+
+FAST_TIMEOUTS = Timeouts(
+    request=2.0,
+    switch=10.0,
+    verify=5.0,
+    abort_settle=5.0,
+    retry_drain=0.5,
+    poll=0.02,
+    health_interval=0.1,
+    health_probe=2.0,
+)
+"""Agent timeouts scaled for a double: a whole switch takes tens of milliseconds."""
+
+
+class EnginePod:
+    def __init__(
+        self,
+        *,
+        instance: str,
+        token: str,
+        engine: EngineConfig | None = None,
+        faults: Faults | None = None,
+        timeouts: Timeouts = FAST_TIMEOUTS,
+        decode_cuda_graph_memory_gb: float | None = None,
+        agent_host: str = "127.0.0.1",
+        agent_port: int = 0,
+        engine_api_key: str | None = None,
+    ) -> None:
+        if not token:
+            raise ValueError("the agent token must not be empty")
+        self.instance = instance
+        self.token = token
+        self.engine_api_key = engine_api_key
+        config = engine or EngineConfig()
+        if engine_api_key is not None:
+            # As `prorsa agent --launch` would start SGLang: --admin-api-key from the file.
+            config = dataclasses.replace(config, admin_api_key=engine_api_key)
+        self.double = EngineDouble(config, faults=faults)
+        self._timeouts = timeouts
+        self._graph_gb = decode_cuda_graph_memory_gb
+        self._agent_host = agent_host
+        self._agent_port = agent_port
+        self._dir: Path | None = None
+        self.agent: Agent | None = None
+
+    @property
+    def engine_url(self) -> str:
+        return self.double.url
+
+    @property
+    def agent_url(self) -> str:
+        if self.agent is None:
+            raise RuntimeError("the pod is not started")
+        return self.agent.url
+
+    async def start(self) -> EnginePod:
+        await self.double.start()
+        self._dir = Path(tempfile.mkdtemp(prefix="prorsa-pod-"))
+        token_file = self._dir / "token"
+        token_file.write_text(self.token)
+        key_file = None
+        if self.engine_api_key is not None:
+            key_file = self._dir / "engine-admin-key"
+            key_file.write_text(self.engine_api_key)
+        self.agent = Agent(
+            AgentConfig(
+                engine_url=self.double.url,
+                token_file=token_file,
+                engine_api_key_file=key_file,
+                instance=self.instance,
+                listen_host=self._agent_host,
+                listen_port=self._agent_port,
+                decode_cuda_graph_memory_gb=self._graph_gb,
+                timeouts=self._timeouts,
+            )
+        )
+        await self.agent.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
+        await self.double.stop()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def __aenter__(self) -> EnginePod:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,355 @@
+"""A whole Prorsa deployment on loopback: the Kubernetes API emulator, the operator (kopf,
+real webhook, real ``/metrics``) and engine pods run by a fake kubelet (engine double + the
+real in-pod agent each).
+
+One implementation for the operator's end-to-end tests and for ``prorsa demo``, so what
+the demo shows is what the tests check::
+
+    async with stack() as env:
+        await env.create_cluster(cluster_manifest(gpuBudget=32))
+        await env.wait_for(lambda: env.count_roles(), what="engine pods")
+        env.webhook, env.kubeconfig, env.kubelet.pods
+
+The emulator serves from its own thread (so the synchronous ``kubernetes`` client, kopf and
+``kubectl`` can all use it); kopf runs in the caller's event loop with a registry of its
+own, logging in as a user of its own (:data:`OPERATOR_USER`, whose calls the emulator's
+audit log keeps apart). The namespace and the trainer's token Secret exist before the
+operator starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kopf
+import kubernetes
+
+from prorsa.core.spec import GROUP, PLURAL, VERSION
+from prorsa.k8s import crd_manifest as crd
+from prorsa.k8s.kube import Kube
+from prorsa.k8s.runtime import OperatorOptions
+from prorsa.kopf_handlers import OperatorConfig, build_registry
+from prorsa_agent.config import Timeouts
+from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
+from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube_resources import PODS_KEY
+from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
+from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
+
+NAMESPACE = "rl"
+TOKEN = "trainer-secret-token"
+TOKEN_SECRET = "trainer-token"
+OPERATOR_USER = "system:serviceaccount:prorsa-system:prorsa"
+"""Who the operator is to the API emulator (its audit log: ``server.emulator.api_calls``)."""
+
+
+def cluster_manifest(
+    name: str = "demo", *, namespace: str = NAMESPACE, **spec: Any
+) -> dict[str, Any]:
+    """A RolloutCluster for engine doubles; keyword arguments override spec sections.
+
+    A dict value is merged one level deep into the default section of that name
+    (``switching={"mode": "Recommend"}`` keeps the other switching settings).
+    """
+    body: dict[str, Any] = {
+        "model": {"path": "/models/double"},
+        "engine": {
+            "image": "prorsa/engine-double:test",
+            "gpusPerInstance": 8,
+            "tensorParallelSize": 8,
+        },
+        "gpuBudget": 32,
+        "roles": {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        # The engine double keeps no prefix cache: no prefix-cache floor on prefill.
+        "capacity": {
+            "prefillTokensPerSecond": 10_000,
+            "decodeKvTokens": 20_000,
+            "prefillCacheTokens": 0,
+        },
+        "switching": {
+            "mode": "Auto",
+            "cooldownSeconds": 0,
+            "maxConcurrent": 1,
+            "drainTimeoutSeconds": 1,
+            "hysteresis": 0.05,
+            "smoothingSeconds": 0,  # the tests check each horizon's decision
+        },
+        "router": {"enabled": False},
+        "trainer": {"tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"}},
+    }
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(body.get(key), dict):
+            body[key] = {**body[key], **value}
+        else:
+            body[key] = value
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RolloutCluster",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
+
+
+@dataclass
+class Stack:
+    """A running deployment and the calls a test or the demo makes against it."""
+
+    kube: Kube
+    server: KubeEmulatorServer
+    kubelet: FakeKubelet
+    webhook_port: int
+    kubeconfig: str
+    operator_kubeconfig: str
+    namespace: str = NAMESPACE
+    token: str = TOKEN
+    tick_seconds: float | None = 0.3
+    watch_timeout: float = 2.0
+    watch_namespaces: tuple[str, ...] = ()  # empty: every namespace
+    operator_namespace: str | None = None
+    router_settle_timeout: float = 30.0
+    operator_task: asyncio.Task[None] | None = None
+    stop_flag: asyncio.Event | None = None
+    _ids: int = 0
+
+    # -- the operator -------------------------------------------------------------------------
+
+    async def start_operator(self) -> None:
+        """Run kopf with the operator's handlers in this loop; return once it serves."""
+        config = OperatorConfig(
+            listen_host="127.0.0.1",
+            listen_port=self.webhook_port,
+            login_kubeconfig=self.operator_kubeconfig,
+            watch_timeout=self.watch_timeout,
+            namespaced=bool(self.watch_namespaces),
+            operator_namespace=self.operator_namespace,
+            options=OperatorOptions(
+                agent_port=self.kubelet.agent_port,
+                tick_seconds=self.tick_seconds,
+                router_settle_timeout=self.router_settle_timeout,
+            ),
+        )
+        self.stop_flag = asyncio.Event()
+        ready = asyncio.Event()
+        self.operator_task = asyncio.create_task(
+            kopf.operator(
+                registry=build_registry(config),
+                clusterwide=not self.watch_namespaces,
+                namespaces=list(self.watch_namespaces),
+                standalone=True,
+                stop_flag=self.stop_flag,
+                ready_flag=ready,
+            )
+        )
+        await asyncio.wait_for(ready.wait(), 30)
+        await self.wait_for(self._webhook_up, timeout=15, what="the webhook listener")
+
+    async def stop_operator(self) -> None:
+        if self.operator_task is None or self.stop_flag is None:
+            return
+        self.stop_flag.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.operator_task, 60)
+        self.operator_task = None
+
+    async def _webhook_up(self) -> bool:
+        try:
+            async with httpx.AsyncClient() as client:
+                reply = await client.get(f"{self.webhook}/healthz", timeout=1)
+            return reply.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @property
+    def webhook(self) -> str:
+        return f"http://127.0.0.1:{self.webhook_port}"
+
+    def cluster_path(self, cluster: str = "demo") -> str:
+        """The webhook path prefix of one RolloutCluster (``.../events``, ``/forecast``)."""
+        return f"/v1/namespaces/{self.namespace}/rolloutclusters/{cluster}"
+
+    # -- the API -----------------------------------------------------------------------------
+
+    async def create_cluster(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return await self.kube._call(
+            self.kube.custom.create_namespaced_custom_object,
+            GROUP, VERSION, self.namespace, PLURAL, copy.deepcopy(manifest),
+        )  # fmt: skip
+
+    async def get_cluster(self, name: str = "demo") -> dict[str, Any]:
+        return await self.kube._call(
+            self.kube.custom.get_namespaced_custom_object,
+            GROUP, VERSION, self.namespace, PLURAL, name,
+        )  # fmt: skip
+
+    async def patch_cluster(self, name: str, patch: dict[str, Any]) -> None:
+        await self.kube._call(
+            self.kube.custom.patch_namespaced_custom_object,
+            GROUP, VERSION, self.namespace, PLURAL, name, patch,
+        )  # fmt: skip
+
+    async def pods(self, cluster: str = "demo") -> list[dict[str, Any]]:
+        selector = f"{CLUSTER_LABEL}={cluster},{COMPONENT_LABEL}=engine"
+        return await self.kube.list_pods(self.namespace, selector)
+
+    async def roles(self, cluster: str = "demo") -> dict[str, str]:
+        """Each engine pod's role label now."""
+        return {
+            pod["metadata"]["name"]: pod["metadata"]["labels"].get(ROLE_LABEL, "")
+            for pod in await self.pods(cluster)
+        }
+
+    @property
+    def label_history(self) -> dict[str, list[str]]:
+        """Each engine pod's role labels in the order written, read from the API server's
+        write log: a ``draining`` hop of a few milliseconds is there too."""
+        out: dict[str, list[str]] = {}
+        for e in self.server.emulator.writes(PODS_KEY):
+            meta = e.obj["metadata"]
+            labels = meta.get("labels") or {}
+            if labels.get(COMPONENT_LABEL) != "engine" or e.type == "DELETED":
+                continue
+            history = out.setdefault(meta["name"], [])
+            role = labels.get(ROLE_LABEL, "")
+            if not history or history[-1] != role:
+                history.append(role)
+        return out
+
+    async def count_roles(self, cluster: str = "demo") -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for role in (await self.roles(cluster)).values():
+            counts[role] = counts.get(role, 0) + 1
+        return counts
+
+    async def events(self) -> list[dict[str, Any]]:
+        result = await self.kube._call(self.kube.core.list_namespaced_event, self.namespace)
+        return [self.kube._plain(e) for e in result.items]
+
+    async def wait_for(
+        self, check: Callable[[], Awaitable[Any]], *, timeout: float = 30, what: str = "condition"
+    ) -> Any:
+        """Poll ``check`` every 0.1 s until it returns something truthy; return that."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            last = await check()
+            if last:
+                return last
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+    # -- the trainer ------------------------------------------------------------------------------
+
+    def event(self, kind: str, trajectory: str, **fields: Any) -> dict[str, Any]:
+        """One webhook event (CONTRACT field names) with a fresh id, stamped now."""
+        self._ids += 1
+        return {
+            "id": f"ev-{self._ids}",
+            "ts": time.time(),
+            "trajectory": trajectory,
+            "type": kind,
+        } | fields
+
+    async def post(self, events: list[dict[str, Any]], cluster: str = "demo") -> httpx.Response:
+        async with httpx.AsyncClient() as client:
+            return await client.post(
+                f"{self.webhook}{self.cluster_path(cluster)}/events",
+                json={"events": events},
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=10,
+            )
+
+    async def metrics(self) -> str:
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"{self.webhook}/metrics", timeout=5)).text
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    *,
+    namespace: str = NAMESPACE,
+    token: str = TOKEN,
+    engine_config: Callable[[str], EngineConfig] | None = None,
+    tick_seconds: float | None = 0.3,
+    watch_timeout: float = 2.0,
+    kubeconfig_path: str | Path | None = None,
+    webhook_port: int | None = None,
+    agent_timeouts: Timeouts | None = None,
+    watch_namespaces: tuple[str, ...] = (),
+    operator_namespace: str | None = None,
+    router_settle_timeout: float = 30.0,
+) -> AsyncIterator[Stack]:
+    """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
+    the operator, running until the block ends.
+
+    ``tick_seconds`` is the operator's control period (None: each cluster's horizon);
+    ``kubeconfig_path`` puts the emulator's kubeconfig where a user can find it;
+    ``agent_timeouts`` replaces the agents' test timeouts (a whole switch in tens of ms);
+    ``watch_namespaces`` runs the operator for those namespaces only (as ``--namespace``),
+    ``operator_namespace`` is where it puts the webhook Service (which must exist).
+    The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
+    the emulator's admin, so the emulator's audit log tells the operator's calls apart.
+    """
+    server = KubeEmulatorServer(kubeconfig_path=kubeconfig_path)
+    server.emulator.add_crd(crd.crd())
+    with server, tempfile.TemporaryDirectory(prefix="prorsa-operator-") as private:
+        assert server.kubeconfig_path is not None
+        kubeconfig = str(server.kubeconfig_path)
+        operator_kubeconfig = str(server.kubeconfig_for(OPERATOR_USER, Path(private) / "config"))
+        api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
+        kube = Kube(api)
+        for name in dict.fromkeys((namespace, *watch_namespaces, operator_namespace)):
+            if name is None or name == "default":
+                continue
+            await kube._call(
+                kube.core.create_namespace,
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+            )
+        await kube._call(
+            kube.core.create_namespaced_secret,
+            namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": TOKEN_SECRET},
+                "stringData": {"token": token},
+            },
+        )
+        kubelet = FakeKubelet(
+            kube=kube,
+            namespace=namespace,
+            engine_config=engine_config or (lambda _name: EngineConfig()),
+            timeouts=agent_timeouts or FAST_TIMEOUTS,
+        )
+        try:
+            async with kubelet:
+                env = Stack(
+                    kube=kube,
+                    server=server,
+                    kubelet=kubelet,
+                    webhook_port=webhook_port or free_port(),
+                    kubeconfig=kubeconfig,
+                    operator_kubeconfig=operator_kubeconfig,
+                    namespace=namespace,
+                    token=token,
+                    tick_seconds=tick_seconds,
+                    watch_timeout=watch_timeout,
+                    watch_namespaces=tuple(watch_namespaces),
+                    operator_namespace=operator_namespace,
+                    router_settle_timeout=router_settle_timeout,
+                )
+                await env.start_operator()
+                try:
+                    yield env
+                finally:
+                    await env.stop_operator()
+        finally:
+            api.close()

@@ -1,0 +1,254 @@
+"""The benchmark grid: every model x task x staleness, every policy, in parallel processes.
+
+Each (setting, policy) pair is one deterministic simulation; the static sweep is one run per
+split. Jobs run in a process pool (one worker per CPU by default) and come back as plain
+dicts, so that the table, the JSON and the picture are all built from the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa_lab.sim.policies import baseline
+from prorsa_lab.sim.simulator import Scenario, SimResult, simulate
+
+DYNAMIC = ("reactive", "throughput", "prorsa", "oracle")
+REPORTED = ("colocation", "best-static", *DYNAMIC)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GridConfig:
+    # Role-switch-capable deployments first, then the EP references SGLang cannot flip.
+    models: tuple[str, ...] = (
+        "qwen3-tp8",
+        "qwen3-dp2",
+        "deepseek-v3-tp16",
+        "qwen3-235b",
+        "deepseek-v3",
+    )
+    tasks: tuple[str, ...] = ("math", "coding", "general")
+    staleness: tuple[int, ...] = (0, 2, 8)
+    steps: int = 3
+    seed: int = 1
+    instances: int = 8
+    scale: float = 1.0  # multiplies every task's groups per step (at least one group)
+    hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
+    weight_update_events: bool = True  # the trainer announces weight updates
+    smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
+    static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1
+    policies: tuple[str, ...] = ("colocation", "static", *DYNAMIC)
+
+    def scenarios(self) -> list[Scenario]:
+        from prorsa_lab.sim.workloads import get_task
+
+        out = []
+        for model in self.models:
+            for task in self.tasks:
+                groups = max(1, round(get_task(task).groups_per_step * self.scale))
+                for s in self.staleness:
+                    out.append(
+                        Scenario(
+                            model=model,
+                            task=task,
+                            staleness=s,
+                            steps=self.steps,
+                            seed=self.seed,
+                            instances=self.instances,
+                            groups_per_step=groups,
+                            hicache_ratio=self.hicache_ratio,
+                            weight_update_events=self.weight_update_events,
+                            smoothing=self.smoothing,
+                        )
+                    )
+        return out
+
+    def static_splits(self) -> tuple[int, ...]:
+        return self.static or tuple(range(1, self.instances))
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    scenario: Scenario
+    policy: str
+    detail: bool  # keep windows and timeline (for the picture)
+
+
+def _cost(job: Job) -> float:
+    """A rough relative cost, to start the longest jobs first."""
+    sc = job.scenario
+    task = {"coding": 4.0, "general": 1.5, "math": 1.0}.get(sc.task, 1.0)
+    model = 1.5 if sc.model.startswith("deepseek") else 1.0
+    policy = 2.0 if job.policy in ("colocation", "prorsa") else 1.0
+    return task * model * policy * (1 + sc.staleness) * sc.steps
+
+
+def jobs(config: GridConfig) -> list[Job]:
+    out: list[Job] = []
+    for sc in config.scenarios():
+        for name in config.policies:
+            if name == "static":
+                out.extend(Job(sc, f"static-{p}", False) for p in config.static_splits())
+            else:
+                out.append(Job(sc, name, name in ("prorsa", "oracle")))
+    return out
+
+
+def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
+    sc = result.scenario
+    out: dict[str, Any] = {
+        "model": sc.model,
+        "task": sc.task,
+        "staleness": sc.staleness,
+        "policy": result.policy,
+        "makespan": result.makespan,
+        "idleRatio": result.idle_ratio,
+        "switches": result.switches,
+        "aborted": result.aborted,
+        "dropped": result.dropped,
+        "trajectories": result.trajectories,
+        "meanCompletion": result.mean_completion,
+        "wapePrefill": result.wape_prefill,
+        "wapeDecode": result.wape_decode,
+        "decodeKvUtilisation": result.decode_kv_utilisation,
+        "admissionQueue": result.admission_queue,
+        "controllerAccuracy": result.controller_accuracy,
+        "wall": result.wall_seconds,
+        "extra": result.extra,
+    }
+    if detail:
+        out["windows"] = result.windows
+        out["timeline"] = result.timeline
+    return out
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    result = simulate(job.scenario, baseline(job.policy))  # type: ignore[arg-type]
+    return summarize(result, detail=job.detail)
+
+
+def run_jobs(
+    todo: Sequence[Job],
+    *,
+    workers: int | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    ordered = sorted(todo, key=_cost, reverse=True)
+    workers = workers or os.cpu_count() or 1
+    results: list[dict[str, Any]] = []
+    if workers <= 1:
+        for job in ordered:
+            r = run_job(job)
+            results.append(r)
+            if progress:
+                progress(r)
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for r in pool.map(run_job, ordered, chunksize=1):
+            results.append(r)
+            if progress:
+                progress(r)
+    return results
+
+
+@dataclass
+class SettingRow:
+    model: str
+    task: str
+    staleness: int
+    makespan: dict[str, float] = field(default_factory=dict)  # REPORTED policy -> seconds
+    best_static: int = 0  # prefill instances of the best static split
+    task_static: int = 0  # prefill instances of the task's one split (paper §5.4 baseline)
+    instances: int = 8
+    colocation_idle: float | None = None
+    wape_prefill: float | None = None
+    wape_decode: float | None = None
+    details: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def role_switch_capable(self) -> bool:
+        from prorsa_lab.sim.costmodel import load_profile
+
+        return load_profile(self.model).role_switch_capable
+
+    @property
+    def regime(self) -> str:
+        """``kv-bound`` when the best static split's decode side runs out of KV.
+
+        That is, requests wait for decode admission (more than one per decode instance on
+        average) or decode KV averages 80% full or more; otherwise ``latency-bound``: every
+        decode fits and the split only trades step times.
+        """
+        best = self.details.get("best-static")
+        if best is None:
+            return "latency-bound"
+        kv_full = best["decodeKvUtilisation"] >= 0.8 or best["admissionQueue"] > 1.0
+        return "kv-bound" if kv_full else "latency-bound"
+
+    def speedup(self, policy: str, *, over: str) -> float | None:
+        base = self.makespan.get(over)
+        mine = self.makespan.get(policy)
+        if base is None or mine is None or mine <= 0:
+            return None
+        return base / mine
+
+
+def aggregate(results: Iterable[dict[str, Any]], *, instances: int) -> list[SettingRow]:
+    rows: dict[tuple[str, str, int], SettingRow] = {}
+    statics: dict[tuple[str, str, int], dict[int, dict[str, Any]]] = {}
+    for r in results:
+        key = (r["model"], r["task"], r["staleness"])
+        row = rows.setdefault(key, SettingRow(*key, instances=instances))
+        name = r["policy"]
+        if name.startswith("static-"):
+            n_p = int(name.removeprefix("static-").removesuffix("P"))
+            statics.setdefault(key, {})[n_p] = r
+            continue
+        row.makespan[name] = r["makespan"]
+        if name == "colocation":
+            row.colocation_idle = r["idleRatio"]
+        if name == "prorsa":
+            row.wape_prefill = r["wapePrefill"]
+            row.wape_decode = r["wapeDecode"]
+        row.details[name] = r
+    for key, found in statics.items():
+        n_p = min(found, key=lambda n: (found[n]["makespan"], n))
+        rows[key].makespan["best-static"] = found[n_p]["makespan"]
+        rows[key].best_static = n_p
+        rows[key].details["best-static"] = found[n_p]
+    _task_statics(rows, statics)
+    order = {"math": 0, "coding": 1, "general": 2}
+    return sorted(rows.values(), key=lambda r: (r.model, order.get(r.task, 9), r.task, r.staleness))
+
+
+def _task_statics(
+    rows: dict[tuple[str, str, int], SettingRow],
+    statics: dict[tuple[str, str, int], dict[int, dict[str, Any]]],
+) -> None:
+    """The paper's static baseline (§5.4): one split per task for every setting of it.
+
+    The paper picks the best ratio per task (4:4 math, 5:3 coding, 3:5 general) and keeps
+    it across models and staleness. Here that is the split with the smallest geometric
+    mean of makespan over the best static one, across every setting of the task.
+    """
+    tasks = {key[1] for key in statics}
+    for task in tasks:
+        keys = [k for k in statics if k[1] == task]
+        common = set.intersection(*(set(statics[k]) for k in keys))
+        scores: dict[int, float] = {}
+        for n_p in common:
+            logs = []
+            for k in keys:
+                mine, best = statics[k][n_p]["makespan"], rows[k].makespan["best-static"]
+                logs.append(math.log(mine / best) if math.isfinite(mine) else math.inf)
+            scores[n_p] = sum(logs) / len(logs)
+        if not scores:
+            continue
+        pick = min(scores, key=lambda n: (scores[n], n))
+        for k in keys:
+            rows[k].task_static = pick
+            rows[k].makespan["task-static"] = statics[k][pick]["makespan"]
