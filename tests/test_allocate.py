@@ -109,6 +109,7 @@ def test_prefill_speed_busy_intervals() -> None:
     assert theta.add_interval(tokens=10_000, seconds=2.0)
     assert theta.value == pytest.approx(40_000 / 4.0)  # ratio of sums, not mean of ratios
     assert not theta.add_interval(tokens=0, seconds=5.0)  # idle: not zero speed
+    assert not theta.add_interval(tokens=35, seconds=1.0)  # a probe: overheads, not speed
     assert theta.value == pytest.approx(10_000.0)
 
 

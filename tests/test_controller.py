@@ -74,9 +74,9 @@ def test_decision_has_exactly_the_contract_keys(log) -> None:
 
 def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> None:
     c = Controller(spec8())
-    # 12M tokens queued by the trainer and not yet at any prefill engine: 1,200 instance-
-    # seconds of work, four times what two instances prefill over the 300 s payoff horizon.
-    queue(log, 1200, 10_000, 1.0)
+    # 600k tokens queued that no prefill engine holds yet (a router-side queue, which forms
+    # only when prefill cannot keep up): 600k / (10 s · 10k tok/s) = 6 instances of demand.
+    queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     busy = {f"c-engine-{i}": {"runningRequests": 50} for i in range(2, 8)}
     busy["c-engine-6"] = {"runningRequests": 1}
@@ -92,7 +92,7 @@ def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> Non
 
 def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> None:
     c = Controller(spec8())
-    queue(log, 1200, 10_000, 1.0)
+    queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     first = c.tick(2.0).switches[0].instance
@@ -109,7 +109,7 @@ def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> 
 
 def test_cooldown_excludes_recently_switched_instances(log) -> None:
     c = Controller(spec8(cooldownSeconds=100))
-    queue(log, 1200, 10_000, 1.0)
+    queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(7, 1))
     # Demand now wants decode; the only flippable prefill instances all just switched.
@@ -185,7 +185,7 @@ def test_no_inputs_at_all_holds_the_initial_split() -> None:
 
 def test_unhealthy_and_missing_engines_are_unavailable(log) -> None:
     c = Controller(spec8(maxConcurrent=8))
-    queue(log, 1200, 10_000, 1.0)
+    queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     states = engines(2, 6, **{"c-engine-5": {"healthy": False}})[:-1]  # engine-7 missing
     c.observe_engines(states)
@@ -488,7 +488,7 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
 
 def test_switch_durations_and_aborts_are_measured(log) -> None:
     c = Controller(spec8(maxConcurrent=1))
-    queue(log, 1200, 10_000, 1.0)
+    queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
     (sw,) = c.tick(2.0).switches

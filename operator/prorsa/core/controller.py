@@ -136,6 +136,7 @@ class Controller:
         self._prefilled_seen = 0.0
         self.last_miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
+        self.share_smoother = DemandSmoother(seconds=spec.switching.payoff_seconds)
         self._expected_seen = 0.0
         self.last_calibration: float | None = None
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
@@ -320,9 +321,13 @@ class Controller:
         rate_now = (work - queued - backlog) / self.horizon
         conc = self.spec.capacity.decode_concurrency
         knees_now = demand.decoding / conc if conc else 0.0
-        a, b, cache, rate, knees, share = self.smoother.update(
-            now, demand.a, demand.b, cache_now, rate_now, knees_now, self._decode_share_now()
+        a, b, cache, rate, knees = self.smoother.update(
+            now, demand.a, demand.b, cache_now, rate_now, knees_now
         )
+        # The share of a turn spent decoding describes the workload, not this minute: it
+        # is averaged over the payoff horizon, so a burst of queued prompts does not turn
+        # long reasoning decodes into prefill-bound turns just when a move is priced.
+        (share,) = self.share_smoother.update(now, self._decode_share_now())
         self.last_decode_share = share
         self.last_cache_demand = cache
         a = max(a, cache)
@@ -596,8 +601,10 @@ class Controller:
             )
             # W_P / θ_P with θ_P of this horizon's prompts: each is charged its own g
             # (the tokens it computes and what attention makes them cost).
+            # Prompts queued that no engine holds yet wait in a router or trainer-side
+            # queue, which forms only when the engines cannot keep up: a rate.
             queued = f.queued_seconds * pinned
-            burst = f.reprefill_seconds + f.queued_seconds * (1.0 - pinned)
+            burst = f.reprefill_seconds
             # Prompts that kept arriving lately as fast as a standing queue suggests are a
             # rate, not work drained once: what the forecast did not predict comes off
             # the one-off parts, the unrouted ones first.

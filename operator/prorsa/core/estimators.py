@@ -17,17 +17,29 @@ class PrefillSpeed:
     work drains; tokens and seconds then cover the same requests. The estimate is the
     ratio of sums over the last ``window`` intervals. With none yet it keeps the last valid
     value, and before any, the profiled one: idle time is never read as zero speed.
+    Intervals of fewer than ``min_tokens`` (a health probe, a warm-up request) measure a
+    request's fixed overheads, not prefill speed, and are left out.
     """
 
-    def __init__(self, *, profiled: float, window: int = 64, min_seconds: float = 0.05) -> None:
+    def __init__(
+        self,
+        *,
+        profiled: float,
+        window: int = 64,
+        min_seconds: float = 0.05,
+        min_tokens: float = 256.0,
+    ) -> None:
         self.profiled = profiled
         self._intervals: deque[tuple[float, float]] = deque(maxlen=window)
         self._min_seconds = min_seconds
+        self._min_tokens = min_tokens
         self._last_valid: float | None = None
 
     def add_interval(self, *, tokens: float, seconds: float) -> bool:
         """Record one completed busy interval; returns whether it was usable."""
-        if not (seconds >= self._min_seconds and tokens > 0 and math.isfinite(tokens)):
+        if not (
+            seconds >= self._min_seconds and tokens >= self._min_tokens and math.isfinite(tokens)
+        ):
             return False
         self._intervals.append((tokens, seconds))
         total_s = sum(s for _, s in self._intervals)

@@ -9,6 +9,7 @@ window is scored and feeds the multiplicative bias correction.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -135,17 +136,18 @@ class AccuracyTracker:
         return min(max(observed / predicted, lo), hi)
 
     def arrival_rate(self, windows: int) -> float | None:
-        """Prompt tokens that arrived per second over the last ``windows`` scored windows.
+        """Prompt tokens that arrived per second, the median over the last ``windows``.
 
         What the trainer actually sent, whatever the forecast made of it: a queue that
         stays full because it is refilled as fast as it is served shows here as a rate,
-        where the ready queue alone looks like work drained once. None before any window.
+        where the ready queue alone looks like work drained once. The median, so that one
+        burst (every interrupted trajectory resent after a weight update) is not taken
+        for a rate. None before any window.
         """
-        recent = list(self._observed)[-windows:]
-        seconds = sum(s for _, s in recent)
-        if not recent or seconds <= 0:
+        recent = [t / s for t, s in list(self._observed)[-windows:] if s > 0]
+        if not recent:
             return None
-        return sum(t for t, _ in recent) / seconds
+        return float(statistics.median(recent))
 
     @property
     def arrival_factor(self) -> float:
