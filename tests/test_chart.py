@@ -43,6 +43,7 @@ from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import objects
 from prorsa.k8s.kube import Kube
+from prorsa_contract.labels import DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
 from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 from prorsa_lab.doubles.stack import OPERATOR_USER, cluster_manifest, stack
@@ -805,7 +806,7 @@ def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_por
         "stranger": (stranger, False, False, True),
         "elsewhere": (elsewhere, False, False, True),
     }
-    for role in ("prefill", "decode", objects.DRAINING):
+    for role in ("prefill", "decode", DRAINING):
         target = Pod(namespace="rl", labels=engine_pod_labels(role))
         for name, (source, to_agent, to_http, to_bootstrap) in expected.items():
             got = tuple(reachable(fences, source, target, p) for p in (agent, http, bootstrap))

@@ -530,13 +530,13 @@ class Controller:
         so what the engines report queued (plus what they are prefilling) stays there.
         Prompts the trainer counts as queued that no engine holds yet (a router or
         trainer-side queue) go wherever capacity is when they are sent. Without engine
-        states, all of it is taken as held.
+        states nothing says an engine holds them: none is taken as held.
         """
         if waiting_tokens <= 0:
             return 1.0
         prefill = [s for s in self._engines.values() if s.role == "prefill" and s.healthy]
         if not self._engines:
-            return 1.0
+            return 0.0
         held = inflight + sum(s.waiting_tokens for s in prefill)
         return min(held / waiting_tokens, 1.0)
 
