@@ -125,6 +125,8 @@ def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
         enable_pd_role_switch=args.enable_pd_role_switch,
         transfer_backend=args.disaggregation_transfer_backend,
         bootstrap_port=args.disaggregation_bootstrap_port,
+        # SGLang serves the bootstrap port in either PD role.
+        serve_bootstrap=args.disaggregation_mode != "null",
         model_path=args.model_path,
         served_model_name=args.served_model_name,
         tp_size=args.tp_size,
@@ -170,7 +172,7 @@ async def serve(engine: EngineDouble) -> None:
     try:
         await stop.wait()
     finally:
-        await engine.stop()
+        await engine.close()
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
