@@ -162,9 +162,7 @@ async def test_draining_leaves_smg_before_the_flip_and_returns_with_the_new_type
         assert (await env.post(events)).status_code == 200
 
         def switched() -> str | None:
-            done = [
-                n for n, m in seen.items() if {"flipped", "registered_prefill"} <= set(m)
-            ]
+            done = [n for n, m in seen.items() if {"flipped", "registered_prefill"} <= set(m)]
             return done[0] if done else None
 
         async def check() -> str | None:
