@@ -27,7 +27,8 @@ from prorsa_lab.demo.phases import (
     split_timeline,
     summary_line,
 )
-from prorsa_lab.demo.router import LabelChange, PrefillJob
+from prorsa_lab.demo.pod_directory import LabelChange
+from prorsa_lab.demo.smg_client import PrefillJob
 from prorsa_lab.demo.workload import PhaseSchedule, default_phase_seconds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
-from prorsa_lab.demo.router import PodDirectory
+from prorsa_lab.demo.pod_directory import PodDirectory
 
 log = logging.getLogger("prorsa_lab.demo.monitor")
 
