@@ -101,6 +101,8 @@ class EngineModel:
             kv_capacity_tokens=self.kv_tokens,
             context_length=self.kv_tokens,
             max_running_requests=256,
+            # The trainer streams through smg; whole-output chunks would cost O(n²).
+            incremental_streaming_output=True,
             timing=TimingModel(
                 prefill_tokens_per_second=self.prefill_tokens_per_second,
                 decode_step_seconds=self.decode_step_seconds,
@@ -431,7 +433,9 @@ async def _run(
                     track=True,
                 )
             )
-            router = SmgClient(url=env.router_url, model=served_model, emitter=emitter)
+            router = SmgClient(
+                url=env.router_url, model=served_model, emitter=emitter, incremental=True
+            )
             stack_.push_async_callback(router.aclose)
             http = await stack_.enter_async_context(
                 httpx.AsyncClient(transport=router, base_url=env.router_url, timeout=600)

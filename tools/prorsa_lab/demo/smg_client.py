@@ -12,9 +12,12 @@ prefill engine served a request; what it can observe, it reports:
 
 :class:`SmgClient` is an ``httpx`` transport, so :class:`prorsa_sdk.ResumableGeneration`
 posts non-streaming bodies to it as to a router URL: it adds ``model`` (smg serves models by
-name under Kubernetes discovery), asks smg for a stream and returns the last chunk (the
-engines stream cumulative output), which is the non-streaming reply. The request id
-carries the trajectory: ``rid = "<trajectory>@<turn>"`` (a resume appends ``-resumeN``).
+name under Kubernetes discovery), asks smg for a stream and returns what a non-streaming
+call would: the last chunk when the engines stream the whole output so far (SGLang's
+default), or every chunk's tokens joined with ``incremental=True`` (engines launched with
+``--incremental-streaming-output``, which the demo uses: whole-output chunks cost O(n²)).
+The request id carries the trajectory: ``rid = "<trajectory>@<turn>"`` (a resume appends
+``-resumeN``).
 """
 
 from __future__ import annotations
@@ -79,12 +82,14 @@ class SmgClient(httpx.AsyncBaseTransport):
         url: str,
         model: str,
         emitter: _Emitter | None = None,
+        incremental: bool = False,
         timeout: float = 600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.emitter = emitter
+        self.incremental = incremental
         self.clock = clock
         self.counters = SmgCounters()
         self.jobs: list[PrefillJob] = []
@@ -117,6 +122,8 @@ class SmgClient(httpx.AsyncBaseTransport):
         if self.emitter is not None and trajectory is not None:
             self.emitter.prefill_started(trajectory, request=rid or None)
         last: dict[str, Any] | None = None
+        ids: list[Any] = []
+        text: list[str] = []
         try:
             async with self._http.stream(
                 "POST", f"{self.url}/generate", json={**body, "model": self.model, "stream": True}
@@ -135,6 +142,8 @@ class SmgClient(httpx.AsyncBaseTransport):
                     if last is None:
                         self._first_chunk(job, chunk, trajectory, rid)
                     last = chunk
+                    ids.extend(chunk.get("output_ids") or [])
+                    text.append(str(chunk.get("text") or ""))
         except (httpx.HTTPError, ValueError) as exc:
             self.counters.errors += 1
             job.done, job.aborted = job.done or self.clock(), job.done is None
@@ -142,6 +151,8 @@ class SmgClient(httpx.AsyncBaseTransport):
         if last is None:
             self.counters.errors += 1
             return httpx.Response(502, json={"error": "smg sent no data"})
+        if self.incremental:
+            last = {**last, "output_ids": ids, "text": "".join(text)}
         if _finish(last).get("type") == "abort":
             if last.get("output_ids"):
                 self.counters.decode_aborts += 1

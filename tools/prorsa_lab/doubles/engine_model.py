@@ -183,6 +183,9 @@ class EngineConfig:
     vocab_size: int = 32_000
     accelerator: str | None = "engine-double"
     launch_command: str = ""
+    incremental_streaming_output: bool = False
+    """SGLang's ``--incremental-streaming-output``: each streamed chunk carries only the new
+    tokens (by default every chunk repeats the whole output so far)."""
     serve_bootstrap: bool = False
     """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.kv_handoff`) on
     ``host:bootstrap_port``, as SGLang's prefill side does; a PD router needs it."""
@@ -304,10 +307,13 @@ class Request:
             meta["e2e_latency"] = self.finished_at - self.created
         return meta
 
-    def output(self) -> dict[str, Any]:
+    def output(self, since: int = 0) -> dict[str, Any]:
+        """The reply; ``since`` > 0 leaves out the first ``since`` tokens (a chunk of
+        SGLang's ``--incremental-streaming-output``)."""
+        ids = self.output_ids[since:]
         return {
-            "text": self.text,
-            "output_ids": list(self.output_ids),
+            "text": "".join(token_text(t) for t in ids),
+            "output_ids": list(ids),
             "meta_info": self.meta_info(),
         }
 

@@ -568,7 +568,7 @@ class EngineDouble:
             "disaggregation_bootstrap_port": c.bootstrap_port,
             "enable_metrics": c.enable_metrics,
             "weight_version": "default",
-            "incremental_streaming_output": False,
+            "incremental_streaming_output": c.incremental_streaming_output,
         }
 
     def _internal_state(self, core: EngineCore) -> dict[str, Any]:
@@ -720,14 +720,16 @@ class EngineDouble:
         )
         await response.prepare(request)
         sent = 0
+        incremental = self.config.incremental_streaming_output
         try:
             while True:
                 req.updated.clear()
                 if req.crashed:
                     return await self._dead(request)
                 if req.finish_reason is not None or len(req.output_ids) > sent:
+                    chunk = req.output(since=sent if incremental else 0)
                     sent = len(req.output_ids)
-                    await response.write(b"data: " + _dumps(req.output()) + b"\n\n")
+                    await response.write(b"data: " + _dumps(chunk) + b"\n\n")
                     if req.finish_reason is not None:
                         break
                 await req.updated.wait()
