@@ -27,10 +27,12 @@ class Recorder:
         return "id"
 
 
-@pytest.mark.parametrize("incremental", [False, True])
-async def test_a_streamed_call_returns_the_whole_answer(incremental: bool) -> None:
+@pytest.mark.parametrize(("incremental", "interval"), [(False, 1), (True, 1), (True, 4)])
+async def test_a_streamed_call_returns_the_whole_answer(incremental: bool, interval: int) -> None:
     # A unified engine stands in for smg: same /generate, same stream format.
-    config = EngineConfig(role="null", incremental_streaming_output=incremental)
+    config = EngineConfig(
+        role="null", incremental_streaming_output=incremental, stream_interval=interval
+    )
     events = Recorder()
     async with EngineDouble(config) as engine:
         client = SmgClient(url=engine.url, model="m", emitter=events, incremental=incremental)

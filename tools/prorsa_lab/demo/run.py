@@ -101,8 +101,10 @@ class EngineModel:
             kv_capacity_tokens=self.kv_tokens,
             context_length=self.kv_tokens,
             max_running_requests=256,
-            # The trainer streams through smg; whole-output chunks would cost O(n²).
+            # The trainer streams through smg only to see its first token: incremental
+            # chunks (whole-output ones cost O(n²)), and few of them.
             incremental_streaming_output=True,
+            stream_interval=256,
             timing=TimingModel(
                 prefill_tokens_per_second=self.prefill_tokens_per_second,
                 decode_step_seconds=self.decode_step_seconds,

@@ -186,6 +186,9 @@ class EngineConfig:
     incremental_streaming_output: bool = False
     """SGLang's ``--incremental-streaming-output``: each streamed chunk carries only the new
     tokens (by default every chunk repeats the whole output so far)."""
+    stream_interval: int = 1
+    """SGLang's ``--stream-interval``: a stream sends the first token, then a chunk every
+    this many tokens, and the last one."""
     serve_bootstrap: bool = False
     """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.kv_handoff`) on
     ``host:bootstrap_port``, as SGLang's prefill side does; a PD router needs it."""
@@ -193,7 +196,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "null"):
             raise ValueError(f"role must be prefill, decode or null, got {self.role!r}")
-        for name in ("tp_size", "dp_size", "kv_capacity_tokens", "max_running_requests"):
+        for name in (
+            "tp_size",
+            "dp_size",
+            "kv_capacity_tokens",
+            "max_running_requests",
+            "stream_interval",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.port < 65536:

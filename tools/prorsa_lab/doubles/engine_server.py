@@ -726,7 +726,9 @@ class EngineDouble:
                 req.updated.clear()
                 if req.crashed:
                     return await self._dead(request)
-                if req.finish_reason is not None or len(req.output_ids) > sent:
+                new = len(req.output_ids) - sent
+                due = new > 0 and (sent == 0 or new >= self.config.stream_interval)
+                if req.finish_reason is not None or due:
                     chunk = req.output(since=sent if incremental else 0)
                     sent = len(req.output_ids)
                     await response.write(b"data: " + _dumps(chunk) + b"\n\n")
