@@ -5,7 +5,7 @@ times, so two questions have exact answers after a run:
 
 * **Phase lag**: after each phase change, how long until the prefill:decode split
   *settled*. The split is read from the pods' ``prorsa.io/role`` labels, which is what
-  routes traffic (the router sends no work to a pod labelled ``draining``). The split
+  routes traffic (smg sends no new work to a pod labelled ``draining``). The split
   settled at the last moment within the phase at which it changed, i.e. when it reached
   the value it then held until the next phase change (or the end of the rollout); a
   phase in which the split never changed has lag 0 (it kept the split it came in with).
