@@ -27,8 +27,10 @@ from prorsa_lab.demo.phases import (
     split_timeline,
     summary_line,
 )
-from prorsa_lab.demo.router import LabelChange, PrefillJob
+from prorsa_lab.demo.pod_directory import LabelChange
+from prorsa_lab.demo.smg_client import PrefillJob
 from prorsa_lab.demo.workload import PhaseSchedule, default_phase_seconds
+from prorsa_lab.doubles.smg_router import smg_binary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 Run = tuple[subprocess.CompletedProcess[str], Path]
@@ -53,6 +55,8 @@ sys.exit(main(sys.argv[2:]))
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    if smg_binary() is None:
+        pytest.skip("the smg router is not installed (pip install smg==1.13.0)")
     out = tmp_path_factory.mktemp("demo")
     blocked = modules_outside("demo")
     assert {"pytest", "hypothesis", "schemathesis"} <= set(blocked)  # test tooling is hidden
@@ -96,6 +100,10 @@ def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
     assert summary["resumes"] <= summary["prefill_aborts"] + summary["decode_aborts"]
     assert summary["requests_resumed"] <= summary["resumes"]
     assert summary["events_dropped"] == 0 and summary["events_delivered"] > 100
+    # Every model call went through smg, each resend after an abort too.
+    router = summary["router"]
+    assert router["name"] == "smg" and router["version"] == "1.13.0", router
+    assert router["requests"] == summary["requests_sent"] + summary["resumes"], summary
 
     # Every answer, re-checked: exactly the tokens asked, however many resumes it took.
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]

@@ -22,9 +22,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Before any switch was measured: SGLang's flip (~5 s, Appendix C), smg's fixed 5 s drain
-# of a worker and a few seconds for the instance's own queue to drain.
-PRIOR_SWITCH_SECONDS = 15.0
+# Before any switch was measured, about 13 s: smg 1.13.0 (measured against the real binary,
+# tests/test_smg_router.py) drops a worker relabelled ``draining`` ~6 s after the relabel
+# (~1 s to see it, then a fixed 5 s drain) and the executor sees it gone within its 0.5 s
+# poll; SGLang's flip takes ~5 s (Appendix C); smg registers the flipped worker ~2 s after
+# the relabel back. The instance's own queue drains inside smg's drain: smg sends it no new
+# request ~1 s after the relabel.
+PRIOR_SWITCH_SECONDS = 13.0
 # Before any decode -> prefill switch was measured: the share of the instance's decode KV
 # still running at the drain timeout, aborted and prefilled again. Agentic turns of a few
 # hundred tokens rarely outlast a 30 s drain (the simulator measures 2-5%); long reasoning

@@ -3,7 +3,7 @@
 Every ``interval`` seconds, concurrently: the latest Decision (``GET .../forecast`` on the
 webhook), the operator's ``/metrics``, the RolloutCluster's status from the API server, and
 each engine pod's agent (``GET /v1/state``). The samples feed the live view, the summary
-and the timeline PNG; label changes come from the router's :class:`PodDirectory`.
+and the timeline PNG; label changes come from the demo's :class:`PodDirectory`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
-from prorsa_lab.demo.router import PodDirectory
+from prorsa_lab.demo.pod_directory import PodDirectory
 
 log = logging.getLogger("prorsa_lab.demo.monitor")
 

@@ -5,13 +5,13 @@ times, so two questions have exact answers after a run:
 
 * **Phase lag**: after each phase change, how long until the prefill:decode split
   *settled*. The split is read from the pods' ``prorsa.io/role`` labels, which is what
-  routes traffic (the router sends no work to a pod labelled ``draining``). The split
+  routes traffic (smg sends no new work to a pod labelled ``draining``). The split
   settled at the last moment within the phase at which it changed, i.e. when it reached
   the value it then held until the next phase change (or the end of the rollout); a
   phase in which the split never changed has lag 0 (it kept the split it came in with).
   A phase that ends with a pod still ``draining`` did not settle: its lag is ``None``.
 * **Prefill backlog at each phase end**: the prompts in the prefill stage at that moment,
-  from the router's own record (sent to a prefill engine, KV not ready yet: waiting or
+  from the trainer's own record (sent through smg, first token not back yet: waiting or
   being prefilled), and the engines' prefill wait queues as their agents last reported
   them (``/v1/state``, polled about once a second).
 
@@ -25,7 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prorsa_lab.demo.monitor import Sample
-from prorsa_lab.demo.router import LabelChange, PrefillJob
+from prorsa_lab.demo.pod_directory import LabelChange
+from prorsa_lab.demo.smg_client import PrefillJob
 from prorsa_lab.demo.workload import PhaseName
 
 ROLES = ("prefill", "decode", "draining")
@@ -61,7 +62,7 @@ class PhaseBacklog:
 
     phase: PhaseName
     end: float  # seconds since the rollout start
-    prompt_tokens: int  # router: prompts sent to prefill whose KV was not ready
+    prompt_tokens: int  # trainer: prompts sent whose first token had not come back
     requests: int
     engine_waiting_tokens: int | None  # agents: prefill wait queues; None before any poll
     engine_waiting_requests: int | None

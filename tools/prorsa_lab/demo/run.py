@@ -2,9 +2,11 @@
 
 What runs, all in this process on loopback: the Kubernetes API emulator (its own thread),
 the operator (kopf with the real handlers, webhook and ``/metrics``), the fake kubelet
-with one engine pod per instance (engine double + real agent), and the simulated trainer
-with its client-side PD router. Files go to ``--out``: ``kubeconfig`` (valid while the
-demo runs), ``demo.log`` (every component's log), ``summary.json``, ``timeline.png``.
+with one engine pod per instance (engine double + real agent) and the router Deployment
+as the real smg binary (PyPI ``smg``, in the ``demo`` extra), and the simulated trainer,
+which sends every request through smg. Files go to ``--out``: ``kubeconfig`` (valid while
+the demo runs), ``demo.log`` (every component's log), ``demo-router.log`` (smg's),
+``summary.json``, ``timeline.png``.
 
 The engine doubles are given a timing model and a KV pool, and the RolloutCluster states
 the same figures as its profiled capacity (``prefillTokensPerSecond``, ``decodeKvTokens``),
@@ -40,10 +42,12 @@ from prorsa_lab.demo.phases import (
     split_timeline,
     summary_line,
 )
-from prorsa_lab.demo.router import PdRouter, PodDirectory
+from prorsa_lab.demo.pod_directory import PodDirectory
+from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.demo.view import LiveView, PlainView
 from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_seconds
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
+from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, smg_version
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 from prorsa_sdk import AsyncEventEmitter
 
@@ -97,6 +101,10 @@ class EngineModel:
             kv_capacity_tokens=self.kv_tokens,
             context_length=self.kv_tokens,
             max_running_requests=256,
+            # The trainer streams through smg only to see its first token: incremental
+            # chunks (whole-output ones cost O(n²)), and few of them.
+            incremental_streaming_output=True,
+            stream_interval=256,
             timing=TimingModel(
                 prefill_tokens_per_second=self.prefill_tokens_per_second,
                 decode_step_seconds=self.decode_step_seconds,
@@ -150,6 +158,9 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
         },
         gpuBudget=options.instances * GPUS_PER_INSTANCE,
         roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        # smg with Kubernetes discovery, run by the fake kubelet. Round robin: the demo's
+        # prompts share one prefix ("w w w ..."), on which cache_aware would pick one engine.
+        router={"enabled": True, "policy": "round_robin"},
         forecast={
             "horizonSeconds": m.horizon_seconds,
             "injection": {"policy": "replaceOnReward", "groupSize": 1},
@@ -194,7 +205,7 @@ class DemoSummary:
     tokens_generated: int
     prefill_aborts: int
     decode_aborts: int
-    misrouted: int
+    router: dict[str, Any]  # {"name": "smg", "version": ..., "requests": N}
     trajectories_started: int
     trajectories_finished: int
     trajectories_dropped: int
@@ -236,6 +247,8 @@ class DemoSummary:
             f"{self.requests_failed} failed; {self.requests_resumed} resumed after aborts "
             f"({self.resumes} resumes; aborts seen: {self.prefill_aborts} in prefill, "
             f"{self.decode_aborts} in decode)",
+            f"  router        {self.router['name']} {self.router['version']}, "
+            f"{self.router['requests']} requests",
             f"  tokens lost   {self.tokens_lost} (of {self.tokens_generated:,} generated; "
             "each answer checked against the tokens asked)",
             f"  trajectories  {self.trajectories_started} started, "
@@ -282,6 +295,33 @@ async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> Non
         return counts.get("prefill", 0) >= 1 and sum(counts.values()) == options.instances
 
     await env.wait_for(ready, timeout=120, what="the engine pods and the first prefill engine")
+    router = env.kubelet.router
+    if router is None:
+        raise RuntimeError("the fake kubelet did not start smg for the router Deployment")
+
+    async def routed() -> bool:
+        if stop.is_set():
+            raise DemoInterrupted("interrupted while smg was discovering the engines")
+        return await _smg_lists_every_engine(env, router)
+
+    await env.wait_for(routed, timeout=120, what="smg listing every engine with its role")
+
+
+async def _smg_lists_every_engine(env: Stack, router: SmgRouter) -> bool:
+    """smg's workers are the engine pods, each with the type of its role label."""
+    pods = await env.pods(CLUSTER)
+    want = {
+        p["status"]["podIP"]: p["metadata"]["labels"].get("prorsa.io/role")
+        for p in pods
+        if (p.get("status") or {}).get("podIP")
+    }
+    async with httpx.AsyncClient(trust_env=False) as client:
+        workers = await router.workers(client)
+    got = {
+        str(w.get("url", "")).split("://", 1)[-1].rsplit(":", 1)[0]: w.get("worker_type")
+        for w in workers or []
+    }
+    return bool(want) and got == want
 
 
 class DemoInterrupted(Exception):
@@ -344,16 +384,24 @@ async def _run(
         flush=True,
     )
     config = model.engine_config()
+    binary = smg_binary()
+    if binary is None:
+        raise DemoInterrupted(
+            "the smg router is not installed: pip install 'smg==1.13.0' (the demo extra has it)"
+        )
     async with stack(
         engine_config=lambda _name: config,
         tick_seconds=model.tick_seconds,
         kubeconfig_path=kubeconfig,
         agent_timeouts=model.agent_timeouts(),
+        run_router=True,
+        log_dir=out,
     ) as env:
         operator_started()
         await env.create_cluster(demo_manifest(options))
         print(
-            f"  API server {env.server.url}, webhook and /metrics {env.webhook}\n"
+            f"  API server {env.server.url}, webhook and /metrics {env.webhook}, "
+            f"smg router {env.router_url}\n"
             "  While it runs, from another shell:\n"
             f"    export KUBECONFIG={kubeconfig}\n"
             "    kubectl get rolloutclusters -A\n"
@@ -365,12 +413,9 @@ async def _run(
             flush=True,
         )
         await _warm_up(env, options, stop)
-
-        def resolve(name: str, uid: str) -> str | None:
-            runtime = env.kubelet.pods.get(name)
-            if runtime is None or (uid and runtime.uid != uid):
-                return None
-            return runtime.pod.engine_url
+        assert env.router_url is not None
+        served = demo_manifest(options)["spec"]["model"]
+        served_model = served.get("servedName") or served["path"]
 
         async with contextlib.AsyncExitStack() as stack_:
             directory = await stack_.enter_async_context(
@@ -378,7 +423,6 @@ async def _run(
                     api_url=env.server.url,
                     namespace=env.namespace,
                     cluster=CLUSTER,
-                    resolve=resolve,
                     token=env.server.token,
                 )
             )
@@ -391,10 +435,12 @@ async def _run(
                     track=True,
                 )
             )
-            router = PdRouter(directory=directory, emitter=emitter)
+            router = SmgClient(
+                url=env.router_url, model=served_model, emitter=emitter, incremental=True
+            )
             stack_.push_async_callback(router.aclose)
             http = await stack_.enter_async_context(
-                httpx.AsyncClient(transport=router, base_url="http://pd-router", timeout=600)
+                httpx.AsyncClient(transport=router, base_url=env.router_url, timeout=600)
             )
             monitor = await stack_.enter_async_context(
                 Monitor(
@@ -445,7 +491,8 @@ async def _run(
 
         summary = _summarise(
             options, monitor=monitor, trainer=trainer.stats, router=router,
-            trainer_t0=trainer.t0, seconds=seconds, finish_seconds=finish, emitter=stats,
+            router_version=smg_version(binary) or "unknown", trainer_t0=trainer.t0,
+            seconds=seconds, finish_seconds=finish, emitter=stats,
         )  # fmt: skip
         timeline = out / "timeline.png"
         try:
@@ -484,7 +531,8 @@ def _summarise(
     *,
     monitor: Monitor,
     trainer: TrainerStats,
-    router: PdRouter,
+    router: SmgClient,
+    router_version: str,
     trainer_t0: float,
     seconds: float,
     finish_seconds: float,
@@ -522,7 +570,7 @@ def _summarise(
         tokens_generated=trainer.tokens_generated,
         prefill_aborts=router.counters.prefill_aborts,
         decode_aborts=router.counters.decode_aborts,
-        misrouted=router.counters.misrouted,
+        router={"name": "smg", "version": router_version, "requests": router.counters.requests},
         trajectories_started=trainer.started,
         trajectories_finished=trainer.finished,
         trajectories_dropped=trainer.dropped,

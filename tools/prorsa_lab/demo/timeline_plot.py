@@ -18,7 +18,8 @@ from typing import Any
 
 from prorsa_lab.demo.demo_trainer import TrainerStats
 from prorsa_lab.demo.monitor import Monitor
-from prorsa_lab.demo.router import PdRouter, PodDirectory, PrefillJob
+from prorsa_lab.demo.pod_directory import PodDirectory
+from prorsa_lab.demo.smg_client import PrefillJob, SmgClient
 
 PREFILL_COLOUR = "#b0479a"
 DECODE_COLOUR = "#2b8cbe"
@@ -75,7 +76,7 @@ def plot_timeline(
     stopped: float,
     monitor: Monitor,
     trainer: TrainerStats,
-    router: PdRouter,
+    router: SmgClient,
     directory: PodDirectory,
 ) -> Path:
     import matplotlib

@@ -18,7 +18,8 @@ from typing import Any, TextIO
 
 from prorsa_lab.demo.demo_trainer import DemoTrainer
 from prorsa_lab.demo.monitor import Monitor, SwitchRecord
-from prorsa_lab.demo.router import PdRouter, PodDirectory
+from prorsa_lab.demo.pod_directory import PodDirectory
+from prorsa_lab.demo.smg_client import SmgClient
 
 PHASE_TEXT = {"tools": "tools (prefill-heavy)", "reasoning": "reasoning (decode-heavy)"}
 
@@ -67,10 +68,9 @@ class Frame:
     lost: int
     live: int
     events_per_second: float
-    misrouted: int
 
 
-def frame(*, options: Any, monitor: Monitor, trainer: DemoTrainer, router: PdRouter) -> Frame:
+def frame(*, options: Any, monitor: Monitor, trainer: DemoTrainer, router: SmgClient) -> Frame:
     d = monitor.decision or {}
     target = (d["target"]["prefill"], d["target"]["decode"]) if d.get("target") else None
     acc = monitor.status.get("accuracy") or {}
@@ -105,7 +105,6 @@ def frame(*, options: Any, monitor: Monitor, trainer: DemoTrainer, router: PdRou
         lost=stats.tokens_lost,
         live=live,
         events_per_second=monitor.event_rate,
-        misrouted=router.counters.misrouted,
     )
 
 
@@ -124,7 +123,7 @@ class _View(ABC):
         options: Any,
         monitor: Monitor,
         trainer: DemoTrainer,
-        router: PdRouter,
+        router: SmgClient,
         directory: PodDirectory,
         stream: TextIO,
         interval: float = 1.0,

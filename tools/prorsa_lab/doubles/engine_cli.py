@@ -45,6 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--context-length", type=int, default=131_072)
     sg.add_argument("--chunked-prefill-size", type=int, default=16_384)
     sg.add_argument("--api-key", default=None)
+    sg.add_argument("--incremental-streaming-output", action="store_true")
+    sg.add_argument("--stream-interval", type=int, default=1)
     sg.add_argument("--admin-api-key", default=None)
     # Prefix-cache flags the agent adds (prorsa_agent.config.prefix_cache_flags): the double
     # keeps no prefix cache, but it accepts them and refuses what SGLang refuses, so a test
@@ -125,6 +127,10 @@ def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
         enable_pd_role_switch=args.enable_pd_role_switch,
         transfer_backend=args.disaggregation_transfer_backend,
         bootstrap_port=args.disaggregation_bootstrap_port,
+        # SGLang serves the bootstrap port in either PD role.
+        serve_bootstrap=args.disaggregation_mode != "null",
+        incremental_streaming_output=args.incremental_streaming_output,
+        stream_interval=args.stream_interval,
         model_path=args.model_path,
         served_model_name=args.served_model_name,
         tp_size=args.tp_size,
@@ -170,7 +176,7 @@ async def serve(engine: EngineDouble) -> None:
     try:
         await stop.wait()
     finally:
-        await engine.stop()
+        await engine.close()
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from prorsa_lab.doubles.kv_handoff import Bootstrap, KvRooms
+
 SGLANG_VERSION = "0.5.23"
 Mode = Literal["prefill", "decode", "null"]
 SwitchFailure = Literal["safe", "unsafe"]
@@ -51,6 +53,14 @@ GRAPH_PHASES = (
 NOT_IDLE = "instance is not idle; drain all requests before switching"
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+KV_FAILED = {
+    "type": "abort",
+    "message": "KV transfer failed: the prefill of this bootstrap room was aborted",
+    "status_code": None,
+    "err_type": None,
+}
+KvFetch = Callable[[Bootstrap], Awaitable[bool]]
+"""The decode side of the hand-off: True once the room's KV has arrived."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,11 +183,26 @@ class EngineConfig:
     vocab_size: int = 32_000
     accelerator: str | None = "engine-double"
     launch_command: str = ""
+    incremental_streaming_output: bool = False
+    """SGLang's ``--incremental-streaming-output``: each streamed chunk carries only the new
+    tokens (by default every chunk repeats the whole output so far)."""
+    stream_interval: int = 1
+    """SGLang's ``--stream-interval``: a stream sends the first token, then a chunk every
+    this many tokens, and the last one."""
+    serve_bootstrap: bool = False
+    """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.kv_handoff`) on
+    ``host:bootstrap_port``, as SGLang's prefill side does; a PD router needs it."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "null"):
             raise ValueError(f"role must be prefill, decode or null, got {self.role!r}")
-        for name in ("tp_size", "dp_size", "kv_capacity_tokens", "max_running_requests"):
+        for name in (
+            "tp_size",
+            "dp_size",
+            "kv_capacity_tokens",
+            "max_running_requests",
+            "stream_interval",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.port < 65536:
@@ -262,6 +287,9 @@ class Request:
     kv_reserved: int = 0
     ready_at: float = 0.0
     crashed: bool = False
+    bootstrap: Bootstrap | None = None
+    prefill_side: bool = False  # submitted in the prefill role: its end resolves the room
+    kv_wait: asyncio.Task[None] | None = None
     updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -288,10 +316,13 @@ class Request:
             meta["e2e_latency"] = self.finished_at - self.created
         return meta
 
-    def output(self) -> dict[str, Any]:
+    def output(self, since: int = 0) -> dict[str, Any]:
+        """The reply; ``since`` > 0 leaves out the first ``since`` tokens (a chunk of
+        SGLang's ``--incremental-streaming-output``)."""
+        ids = self.output_ids[since:]
         return {
-            "text": self.text,
-            "output_ids": list(self.output_ids),
+            "text": "".join(token_text(t) for t in ids),
+            "output_ids": list(ids),
             "meta_info": self.meta_info(),
         }
 
@@ -432,7 +463,11 @@ class Rank:
             elif self.running:
                 await self._decode_step()
             else:
-                due = [r.ready_at for r in (*self.inflight, *self.transfer)]
+                due = [
+                    r.ready_at
+                    for r in (*self.inflight, *self.transfer)
+                    if r.ready_at != math.inf  # still waiting for its prefill's KV
+                ]
                 await self._sleep_until_woken(max(0.0, min(due) - now) if due else None)
 
     async def _sleep_until_woken(self, timeout: float | None) -> None:
@@ -483,7 +518,14 @@ class Rank:
             req.kv_held = req.prompt_tokens
             self.kv_reserved += need
             self.kv_used += req.prompt_tokens
-            req.ready_at = now + (0.0 if req.health else timing.transfer_seconds(req.prompt_tokens))
+            fetch = self.core.fetch_kv
+            if req.bootstrap is not None and fetch is not None and not req.health:
+                # The KV comes from the prefill peer of the same room (prefill + transfer).
+                req.ready_at = math.inf
+                req.kv_wait = asyncio.create_task(self.core.await_kv(req, fetch))
+            else:
+                delay = 0.0 if req.health else timing.transfer_seconds(req.prompt_tokens)
+                req.ready_at = now + delay
             self.transfer.append(req)
 
     def _complete_transfers(self, now: float) -> None:
@@ -620,6 +662,8 @@ class EngineCore:
         self.mode: Mode = config.role
         self.ranks = [Rank(self, i) for i in range(config.dp_size)]
         self.requests: dict[str, Request] = {}
+        self.rooms = KvRooms()  # prefill side of the KV hand-off, by bootstrap room
+        self.fetch_kv: KvFetch | None = None  # decode side; None: the KV just arrives
         self.switching = False
         self.unhealthy = False  # SGLang's _pd_role_switch_unhealthy: restart required
         self.broken = False  # generation stopped (injected unhealthy_after_switch)
@@ -653,7 +697,15 @@ class EngineCore:
         for req in list(self.requests.values()):
             req.crashed = True
             req.updated.set()
+            self._lost(req)
         self.requests.clear()
+
+    def _lost(self, req: Request) -> None:
+        """A request the engine will never finish: its KV never comes, nor leaves."""
+        if req.kv_wait is not None and not req.kv_wait.done():
+            req.kv_wait.cancel()
+        if req.bootstrap is not None and req.prefill_side:
+            self.rooms.resolve(req.bootstrap.room, "aborted")
 
     @property
     def starting(self) -> bool:
@@ -692,6 +744,7 @@ class EngineCore:
         rid: str | None = None,
         stream: bool = False,
         health: bool = False,
+        bootstrap: Bootstrap | None = None,
     ) -> Request:
         if self.crashed:
             raise EngineCrashed("engine crashed")
@@ -719,6 +772,8 @@ class EngineCore:
             stream=stream,
             health=health,
             rank=rank.index,
+            bootstrap=bootstrap,
+            prefill_side=self.mode == "prefill",
         )
         self.requests[rid] = req
         rank.waiting.append(req)
@@ -735,6 +790,11 @@ class EngineCore:
         req.phase = "done"
         req.finished_at = time.monotonic()
         self.requests.pop(req.rid, None)
+        if req.kv_wait is not None and not req.kv_wait.done():
+            req.kv_wait.cancel()
+        if req.bootstrap is not None and req.prefill_side:
+            aborted = reason.get("type") == "abort"
+            self.rooms.resolve(req.bootstrap.room, "aborted" if aborted else "done")
         if not req.health:
             aborted = reason.get("type") == "abort"
             self._count(
@@ -759,6 +819,18 @@ class EngineCore:
             return abort_all or req.rid.startswith(rid)
 
         return sum(len(rank.abort(match)) for rank in self.ranks)
+
+    async def await_kv(self, req: Request, fetch: KvFetch) -> None:
+        """Wait for the prefill peer's KV; on a failed transfer the request is aborted."""
+        assert req.bootstrap is not None
+        arrived = await fetch(req.bootstrap)
+        if req.finished:
+            return
+        if arrived:
+            req.ready_at = time.monotonic()
+            self.ranks[req.rank].notify()
+        else:
+            self.finish(req, dict(KV_FAILED))
 
     def drop(self, req: Request) -> None:
         """The client went away: SGLang aborts the request (``create_abort_task``)."""
@@ -940,5 +1012,6 @@ class EngineCore:
         for req in list(self.requests.values()):
             req.crashed = True
             req.updated.set()
+            self._lost(req)
         if self._on_crash is not None:
             await self._on_crash()

@@ -104,7 +104,7 @@ class EnginePod:
     async def stop(self) -> None:
         if self.agent is not None:
             await self.agent.stop()
-        await self.double.stop()
+        await self.double.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -35,6 +35,7 @@ from prorsa_lab.doubles.engine_model import (
     MetricsSink,
     Request,
 )
+from prorsa_lab.doubles.kv_handoff import Bootstrap, KvFetcher, bootstrap_app
 
 log = logging.getLogger("prorsa_lab.doubles.sglang_double")
 
@@ -355,6 +356,8 @@ class EngineDouble:
         self._dying: asyncio.Task[None] | None = None
         self._counters = Counters()
         self._background: set[asyncio.Task[None]] = set()
+        self._bootstrap: web.AppRunner | None = None
+        self._fetch_kv = KvFetcher()
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -393,6 +396,7 @@ class EngineDouble:
         self.core = EngineCore(
             self.config, self.faults, metrics=self._metrics, on_crash=self._on_crash
         )
+        self.core.fetch_kv = self._fetch_kv
         self.core.start()
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
         self._routes(app)
@@ -410,8 +414,26 @@ class EngineDouble:
         self._runner, self._site = runner, site
         if self._port == 0:
             self._port = int(runner.addresses[0][1])
+        if self.config.serve_bootstrap and self._bootstrap is None:
+            await self._serve_bootstrap()
         log.info("engine double (%s) listening on %s", self.core.mode, self.url)
         return self.url
+
+    async def _serve_bootstrap(self) -> None:
+        """The bootstrap port lives as long as the double (a restart keeps it, as the
+        pod's network does); it answers for whichever core runs now."""
+        app = bootstrap_app(lambda: self._core().rooms)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.bootstrap_port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            # A router then only warns; a decode peer's hand-off from here aborts.
+            log.warning("bootstrap port %s unavailable: %s", self.config.bootstrap_port, exc)
+            await runner.cleanup()
+            return
+        self._bootstrap = runner
 
     async def stop(self) -> None:
         if self.core is not None:
@@ -421,12 +443,20 @@ class EngineDouble:
             await self._runner.cleanup()
         self._runner = self._site = None
 
+    async def close(self) -> None:
+        """Stop for good: also the bootstrap port and the KV client."""
+        await self.stop()
+        if self._bootstrap is not None:
+            await self._bootstrap.cleanup()
+            self._bootstrap = None
+        await self._fetch_kv.close()
+
     async def __aenter__(self) -> EngineDouble:
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+        await self.close()
 
     async def crash(self) -> None:
         """Stop answering at once: the listener closes and open connections are reset."""
@@ -538,7 +568,7 @@ class EngineDouble:
             "disaggregation_bootstrap_port": c.bootstrap_port,
             "enable_metrics": c.enable_metrics,
             "weight_version": "default",
-            "incremental_streaming_output": False,
+            "incremental_streaming_output": c.incremental_streaming_output,
         }
 
     def _internal_state(self, core: EngineCore) -> dict[str, Any]:
@@ -650,11 +680,16 @@ class EngineDouble:
             if batch and stream:
                 raise GenerateError("the engine double does not stream batched requests")
             reqs: list[Request] = []
+            bootstrap = None if batch else Bootstrap.from_body(body)
             try:
                 for rid, prompt, max_new in specs:
                     reqs.append(
                         core.submit(
-                            rid=rid, prompt_tokens=prompt, max_new_tokens=max_new, stream=stream
+                            rid=rid,
+                            prompt_tokens=prompt,
+                            max_new_tokens=max_new,
+                            stream=stream,
+                            bootstrap=bootstrap,
                         )
                     )
             except GenerateError:
@@ -685,14 +720,18 @@ class EngineDouble:
         )
         await response.prepare(request)
         sent = 0
+        incremental = self.config.incremental_streaming_output
         try:
             while True:
                 req.updated.clear()
                 if req.crashed:
                     return await self._dead(request)
-                if req.finish_reason is not None or len(req.output_ids) > sent:
+                new = len(req.output_ids) - sent
+                due = new > 0 and (sent == 0 or new >= self.config.stream_interval)
+                if req.finish_reason is not None or due:
+                    chunk = req.output(since=sent if incremental else 0)
                     sent = len(req.output_ids)
-                    await response.write(b"data: " + _dumps(req.output()) + b"\n\n")
+                    await response.write(b"data: " + _dumps(chunk) + b"\n\n")
                     if req.finish_reason is not None:
                         break
                 await req.updated.wait()

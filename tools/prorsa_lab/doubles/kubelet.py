@@ -1,10 +1,15 @@
 """A stand-in kubelet: runs the engine pods of a Kubernetes API (real or emulated) as an
-SGLang engine double plus a real in-pod agent each, on loopback.
+SGLang engine double plus a real in-pod agent each, on loopback, and with
+``run_routers`` the router Deployment as the real smg binary
+(:mod:`prorsa_lab.doubles.smg_router`).
 
-Each pod gets its own loopback address (127.0.0.N), so every agent listens on the same
-port as in a real cluster and the operator reaches it at ``http://<podIP>:<agent port>``.
-When the pod is deleted its engine and agent stop; a failed pod can be simulated by
-:meth:`FakeKubelet.fail`. Used by the operator's end-to-end tests and by ``make demo``.
+Each pod gets its own loopback address (127.A.B.N, with A.B drawn per kubelet so that two
+test processes on one machine do not meet), so every agent listens on the same port, every
+engine on one shared port and its bootstrap server on the pod's ``sglang.ai/bootstrap-port``,
+as in a real cluster: the operator reaches an agent at ``http://<podIP>:<agent port>`` and
+smg an engine at ``<podIP>:<engine port>``. When the pod is deleted its engine and agent
+stop; a failed pod can be simulated by :meth:`FakeKubelet.fail`. Used by the operator's
+end-to-end tests and by ``make demo``.
 """
 
 from __future__ import annotations
@@ -13,17 +18,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
-from prorsa_contract.labels import COMPONENT_LABEL, MANAGED_BY
+from prorsa_contract.labels import BOOTSTRAP_ANNOTATION, BOOTSTRAP_PORT, COMPONENT_LABEL, MANAGED_BY
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
+from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
 
 log = logging.getLogger("prorsa.kubelet")
 
@@ -56,10 +64,21 @@ class FakeKubelet:
     engine_config: Callable[[str], EngineConfig] = lambda _name: EngineConfig()
     poll_interval: float = 0.2
     timeouts: Timeouts = FAST_TIMEOUTS
+    engine_port: int = field(default_factory=free_port)
+    run_routers: bool = False
+    """Run each router Deployment (``app.kubernetes.io/component: router``) as smg."""
+    kubeconfig: str | None = None  # what smg's discovery reads
+    router_port: int = field(default_factory=free_port)  # the first router's port
+    log_dir: Path | None = None  # smg's log goes to <log_dir>/<deployment>.log
     pods: dict[str, PodRuntime] = field(default_factory=dict)
+    routers: dict[str, tuple[str, SmgRouter]] = field(default_factory=dict)  # name: (uid, smg)
+    ip_prefix: str = field(
+        default_factory=lambda: f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
+    )
     _next_ip: int = 10
     _free_ips: list[str] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
+    _warned: bool = False
 
     async def __aenter__(self) -> FakeKubelet:
         self._task = asyncio.create_task(self._loop(), name="fake-kubelet")
@@ -72,6 +91,14 @@ class FakeKubelet:
                 await self._task
         for name in list(self.pods):
             await self._stop(name)
+        for name in list(self.routers):
+            self._stop_router(name)
+
+    @property
+    def router(self) -> SmgRouter | None:
+        """The first router running (the one at :attr:`router_port`)."""
+        running = [smg for _, smg in self.routers.values() if smg.port == self.router_port]
+        return running[0] if running else None
 
     async def wait_running(self, count: int, *, timeout: float = 30.0) -> None:
         """Until ``count`` engine pods run with a healthy engine."""
@@ -112,6 +139,8 @@ class FakeKubelet:
                 for name in list(self.pods):
                     if name not in seen:
                         await self._stop(name)
+                if self.run_routers:
+                    await self._sync_routers()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -121,7 +150,7 @@ class FakeKubelet:
     def _ip(self) -> str:
         if self._free_ips:
             return self._free_ips.pop()
-        ip = f"127.0.0.{self._next_ip}"
+        ip = f"{self.ip_prefix}.{self._next_ip}"
         self._next_ip += 1
         return ip
 
@@ -133,8 +162,19 @@ class FakeKubelet:
         if token is None or key is None:
             return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
-        # Only the agent talks to its engine, so any free port will do for the engine.
-        config = dataclasses.replace(self.engine_config(name), host=ip, port=0)
+        # One engine port for every pod, as in a cluster: the router reaches podIP:port.
+        config = self.engine_config(name)
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+        served = env.get("PRORSA_SERVED_MODEL_NAME") or env.get("PRORSA_MODEL_PATH")
+        bootstrap = (meta.get("annotations") or {}).get(BOOTSTRAP_ANNOTATION)
+        config = dataclasses.replace(
+            config,
+            host=ip,
+            port=self.engine_port,
+            serve_bootstrap=True,
+            bootstrap_port=int(bootstrap) if bootstrap else BOOTSTRAP_PORT,
+            served_model_name=config.served_model_name or served,
+        )
         pod = EnginePod(
             instance=name,
             token=token,
@@ -181,6 +221,62 @@ class FakeKubelet:
                     self.namespace, secret["secretName"], path.removeprefix(prefix)
                 )
         raise ValueError(f"{variable}={path} is on no Secret volume the pod mounts")
+
+    async def _sync_routers(self) -> None:
+        selector = f"{MANAGED_BY}=prorsa,{COMPONENT_LABEL}=router"
+        listed = await self.kube._call(
+            self.kube.apps.list_namespaced_deployment, self.namespace, label_selector=selector
+        )
+        seen = set()
+        for item in listed.items:
+            d = self.kube._plain(item)
+            name, uid = d["metadata"]["name"], d["metadata"].get("uid", "")
+            seen.add(name)
+            current = self.routers.get(name)
+            if current is not None and (current[0] != uid or not current[1].alive()):
+                self._stop_router(name)  # replaced, or the process died: start it again
+                current = None
+            if current is None:
+                self._start_router(name, uid, d)
+        for name in list(self.routers):
+            if name not in seen:
+                self._stop_router(name)
+
+    def _start_router(self, name: str, uid: str, deployment: dict[str, Any]) -> None:
+        binary = smg_binary()
+        if binary is None or self.kubeconfig is None:
+            if not self._warned:
+                log.warning("router %s not started: no smg binary or no kubeconfig", name)
+                self._warned = True
+            return
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        if not command or Path(command[0]).name != "smg":
+            log.warning("router %s runs %r, not smg: not started", name, command[:1])
+            return
+        taken = {smg.port for _, smg in self.routers.values()}
+        port = self.router_port if self.router_port not in taken else free_port()
+        args = local_args(
+            command[1:],
+            host="127.0.0.1",
+            port=port,
+            engine_port=self.engine_port,
+            prometheus_port=free_port(),
+        )
+        smg = SmgRouter(
+            binary=binary,
+            args=args,
+            kubeconfig=self.kubeconfig,
+            port=port,
+            log_path=self.log_dir / f"{name}.log" if self.log_dir else None,
+        )
+        smg.start()
+        self.routers[name] = (uid, smg)
+
+    def _stop_router(self, name: str) -> None:
+        entry = self.routers.pop(name, None)
+        if entry is not None:
+            entry[1].stop()
 
     async def _stop(self, name: str) -> None:
         pod = self.pods.pop(name, None)

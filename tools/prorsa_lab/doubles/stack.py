@@ -116,6 +116,7 @@ class Stack:
     watch_namespaces: tuple[str, ...] = ()  # empty: every namespace
     operator_namespace: str | None = None
     router_settle_timeout: float = 30.0
+    router_url: str | None = None  # the smg the kubelet runs; None: the default template
     operator_task: asyncio.Task[None] | None = None
     stop_flag: asyncio.Event | None = None
     _ids: int = 0
@@ -135,6 +136,7 @@ class Stack:
                 agent_port=self.kubelet.agent_port,
                 tick_seconds=self.tick_seconds,
                 router_settle_timeout=self.router_settle_timeout,
+                **({"router_url_template": self.router_url} if self.router_url else {}),
             ),
         )
         self.stop_flag = asyncio.Event()
@@ -286,6 +288,8 @@ async def stack(
     watch_namespaces: tuple[str, ...] = (),
     operator_namespace: str | None = None,
     router_settle_timeout: float = 30.0,
+    run_router: bool = False,
+    log_dir: Path | None = None,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
@@ -294,7 +298,9 @@ async def stack(
     ``kubeconfig_path`` puts the emulator's kubeconfig where a user can find it;
     ``agent_timeouts`` replaces the agents' test timeouts (a whole switch in tens of ms);
     ``watch_namespaces`` runs the operator for those namespaces only (as ``--namespace``),
-    ``operator_namespace`` is where it puts the webhook Service (which must exist).
+    ``operator_namespace`` is where it puts the webhook Service (which must exist);
+    ``run_router`` runs a cluster's router Deployment (``router.enabled``) as the real smg
+    binary (its log in ``log_dir``) and points the operator's switch executor at it.
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
     the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
@@ -328,6 +334,9 @@ async def stack(
             namespace=namespace,
             engine_config=engine_config or (lambda _name: EngineConfig()),
             timeouts=agent_timeouts or FAST_TIMEOUTS,
+            run_routers=run_router,
+            kubeconfig=kubeconfig,
+            log_dir=log_dir,
         )
         try:
             async with kubelet:
@@ -345,6 +354,7 @@ async def stack(
                     watch_namespaces=tuple(watch_namespaces),
                     operator_namespace=operator_namespace,
                     router_settle_timeout=router_settle_timeout,
+                    router_url=f"http://127.0.0.1:{kubelet.router_port}" if run_router else None,
                 )
                 await env.start_operator()
                 try:

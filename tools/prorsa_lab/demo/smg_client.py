@@ -1,0 +1,171 @@
+"""The demo trainer's way to the smg router: every ``/generate`` goes through smg, streamed.
+
+smg picks a prefill and a decode engine, sends both the request with the bootstrap fields,
+and answers with the decode engine's reply. The trainer therefore never learns which
+prefill engine served a request; what it can observe, it reports:
+
+* ``prefill_started`` (no ``instance``) when it sends the request: from then on the
+  request is queued at a prefill engine or being prefilled;
+* ``prefill_finished`` (no ``instance``) when the first streamed chunk arrives: the first
+  token comes from the decode engine once the KV has arrived, so it marks the end of
+  prefill plus transfer.
+
+:class:`SmgClient` is an ``httpx`` transport, so :class:`prorsa_sdk.ResumableGeneration`
+posts non-streaming bodies to it as to a router URL: it adds ``model`` (smg serves models by
+name under Kubernetes discovery), asks smg for a stream and returns what a non-streaming
+call would: the last chunk when the engines stream the whole output so far (SGLang's
+default), or every chunk's tokens joined with ``incremental=True`` (engines launched with
+``--incremental-streaming-output``, which the demo uses: whole-output chunks cost O(n²)).
+The request id carries the trajectory: ``rid = "<trajectory>@<turn>"`` (a resume appends
+``-resumeN``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+
+class _Emitter(Protocol):
+    def prefill_started(
+        self, trajectory: str, *, request: str | None = None, instance: str | None = None
+    ) -> str: ...
+
+    def prefill_finished(
+        self, trajectory: str, *, request: str | None = None, instance: str | None = None
+    ) -> str: ...
+
+
+@dataclass(slots=True)
+class PrefillJob:
+    """One prompt's stay in the prefill stage (sent, until its first token or an abort)."""
+
+    queued: float
+    tokens: int
+    done: float | None = None
+    aborted: bool = False
+
+
+@dataclass(slots=True)
+class SmgCounters:
+    requests: int = 0  # /generate posted to smg, resends after an abort included
+    prefill_aborts: int = 0  # aborted before any token (in prefill or in the KV transfer)
+    decode_aborts: int = 0  # aborted while decoding (partial output returned)
+    errors: int = 0  # smg answered an HTTP error or could not be reached
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """Tokens of the prompt as the engine counts them (ids, or whitespace-split words)."""
+    ids = body.get("input_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    text = body.get("text")
+    return len(text.split()) if isinstance(text, str) else 0
+
+
+def _finish(reply: dict[str, Any]) -> dict[str, Any]:
+    finish = (reply.get("meta_info") or {}).get("finish_reason")
+    return finish if isinstance(finish, dict) else {}
+
+
+class SmgClient(httpx.AsyncBaseTransport):
+    """``POST /generate`` through smg (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        model: str,
+        emitter: _Emitter | None = None,
+        incremental: bool = False,
+        timeout: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.emitter = emitter
+        self.incremental = incremental
+        self.clock = clock
+        self.counters = SmgCounters()
+        self.jobs: list[PrefillJob] = []
+        self._http = httpx.AsyncClient(
+            timeout=timeout,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method != "POST" or request.url.path != "/generate":
+            return httpx.Response(404, json={"error": f"no route for {request.url.path}"})
+        try:
+            body = json.loads(await request.aread())
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return httpx.Response(400, json={"error": str(exc)})
+        return await self.generate(body)
+
+    async def generate(self, body: dict[str, Any]) -> httpx.Response:
+        self.counters.requests += 1
+        rid = str(body.get("rid") or "")
+        trajectory = rid.split("@", 1)[0] if "@" in rid else None
+        job = PrefillJob(queued=self.clock(), tokens=prompt_tokens(body))
+        self.jobs.append(job)
+        if self.emitter is not None and trajectory is not None:
+            self.emitter.prefill_started(trajectory, request=rid or None)
+        last: dict[str, Any] | None = None
+        ids: list[Any] = []
+        text: list[str] = []
+        try:
+            async with self._http.stream(
+                "POST", f"{self.url}/generate", json={**body, "model": self.model, "stream": True}
+            ) as reply:
+                if reply.status_code != 200:
+                    self.counters.errors += 1
+                    job.done, job.aborted = self.clock(), True
+                    content = await reply.aread()
+                    return httpx.Response(reply.status_code, content=content)
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line.removeprefix("data:"))
+                    if not isinstance(chunk, dict):
+                        continue
+                    if last is None:
+                        self._first_chunk(job, chunk, trajectory, rid)
+                    last = chunk
+                    ids.extend(chunk.get("output_ids") or [])
+                    text.append(str(chunk.get("text") or ""))
+        except (httpx.HTTPError, ValueError) as exc:
+            self.counters.errors += 1
+            job.done, job.aborted = job.done or self.clock(), job.done is None
+            return httpx.Response(502, json={"error": f"smg: {exc}"})
+        if last is None:
+            self.counters.errors += 1
+            return httpx.Response(502, json={"error": "smg sent no data"})
+        if self.incremental:
+            last = {**last, "output_ids": ids, "text": "".join(text)}
+        if _finish(last).get("type") == "abort":
+            if last.get("output_ids"):
+                self.counters.decode_aborts += 1
+            else:
+                self.counters.prefill_aborts += 1
+        return httpx.Response(200, json=last)
+
+    def _first_chunk(
+        self, job: PrefillJob, chunk: dict[str, Any], trajectory: str | None, rid: str
+    ) -> None:
+        job.done = self.clock()
+        if _finish(chunk).get("type") == "abort" and not chunk.get("output_ids"):
+            job.aborted = True  # aborted before its KV arrived: no prefill to report
+            return
+        if self.emitter is not None and trajectory is not None:
+            self.emitter.prefill_finished(trajectory, request=rid or None)
