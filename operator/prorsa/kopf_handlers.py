@@ -12,7 +12,8 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import kopf
 from aiohttp import web
@@ -66,7 +67,7 @@ class OperatorContext:
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
 
 
-def parse_spec(spec: dict[str, Any]) -> RolloutClusterSpec:
+def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
     try:
         return RolloutClusterSpec.model_validate(dict(spec))
     except ValidationError as exc:
@@ -175,7 +176,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def control(
         stopped: kopf.DaemonStopped,
         name: str,
-        namespace: str,
+        namespace: str | None,
         spec: kopf.Spec,
         uid: str,
         meta: kopf.Meta,
@@ -185,6 +186,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         **_: Any,
     ) -> None:
         ctx: OperatorContext = memo.prorsa
+        namespace = _namespaced(namespace)
         try:
             cluster = parse_spec(spec)
         except ValueError as exc:
@@ -194,11 +196,15 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         handle = ctx.registry.add(
             namespace=namespace, name=name, token=token, controller=Controller(cluster)
         )
-        ref = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "RolloutCluster",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        }
+        # kopf posts Events for raw bodies too; its annotation names only its Body view.
+        ref = cast(
+            kopf.Body,
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "RolloutCluster",
+                "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            },
+        )
 
         async def post_event(kind: str, reason: str, message: str) -> None:
             try:
@@ -235,10 +241,10 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.update(*resource, registry=registry, field="spec", id="spec-update")
     async def update(
-        name: str, namespace: str, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+        name: str, namespace: str | None, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
     ) -> None:
         ctx: OperatorContext = memo.prorsa
-        runtime = ctx.runtimes.get((namespace, name))
+        runtime = ctx.runtimes.get((_namespaced(namespace), name))
         if runtime is None:
             return
         try:
@@ -250,8 +256,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         runtime.wake()
 
     @kopf.on.delete(*resource, registry=registry, id="forget")
-    async def delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    async def delete(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
         ctx: OperatorContext = memo.prorsa
+        namespace = _namespaced(namespace)
         runtime = ctx.runtimes.get((namespace, name))
         if runtime is not None:
             runtime.stop()
@@ -260,11 +267,15 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.event("", "v1", "pods", registry=registry, labels={MANAGED_BY: "prorsa"})
     async def pod_event(
-        event: dict[str, Any], labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
+        event: kopf.RawEvent,
+        labels: kopf.Labels,
+        namespace: str | None,
+        memo: kopf.Memo,
+        **_: Any,
     ) -> None:
         ctx: OperatorContext | None = getattr(memo, "prorsa", None)
         cluster = labels.get(CLUSTER_LABEL)
-        if ctx is None or cluster is None:
+        if ctx is None or cluster is None or namespace is None:
             return
         runtime = ctx.runtimes.get((namespace, cluster))
         phase = ((event.get("object") or {}).get("status") or {}).get("phase")
@@ -272,6 +283,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             runtime.wake()
 
     return registry
+
+
+def _namespaced(namespace: str | None) -> str:
+    """RolloutClusters and engine pods are namespaced: kopf always names the namespace."""
+    if namespace is None:
+        raise kopf.PermanentError("a RolloutCluster or engine pod without a namespace")
+    return namespace
 
 
 async def _trainer_token(

@@ -562,7 +562,7 @@ def _as_snapshot(rows: SnapshotRows, *, ts: float) -> Snapshot:
     if isinstance(rows, Snapshot):
         return rows
     items = [r if isinstance(r, BaseModel) else SnapshotTrajectory.model_validate(r) for r in rows]
-    return Snapshot(ts=ts, trajectories=items)  # type: ignore[arg-type]
+    return Snapshot(ts=ts, trajectories=items)
 
 
 # -- typed helpers, shared by both flavours -------------------------------------------------
@@ -818,7 +818,8 @@ class EventEmitter(_Helpers):
         if n == 1 or n == core.batch_size:
             with self._wake:
                 self._wake.notify()
-        return event["id"]
+        ident: str = event["id"]
+        return ident
 
     def emit_event(self, event: BaseModel | Mapping[str, Any]) -> str:
         """Buffer a pre-built event (a :mod:`prorsa_contract.events` model or a wire dict)."""
@@ -1046,7 +1047,8 @@ class AsyncEventEmitter(_Helpers):
         n = core.push(event)
         if n == 1 or n == core.batch_size:
             self._kick()
-        return event["id"]
+        ident: str = event["id"]
+        return ident
 
     def emit_event(self, event: BaseModel | Mapping[str, Any]) -> str:
         data = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else dict(event)
@@ -1189,6 +1191,6 @@ class AsyncEventEmitter(_Helpers):
             rows = self._snapshot()
             if inspect.isawaitable(rows):
                 rows = await rows
-            return _as_snapshot(rows, ts=ts)  # type: ignore[arg-type]
+            return _as_snapshot(rows, ts=ts)
         except Exception as exc:
             return exc

@@ -135,7 +135,7 @@ class FakeKubelet:
         ip = self._ip()
         # Only the agent talks to its engine, so any free port will do for the engine.
         config = dataclasses.replace(self.engine_config(name), host=ip, port=0)
-        pod = EnginePod(
+        engine_pod = EnginePod(
             instance=name,
             token=token,
             engine=config,
@@ -144,8 +144,8 @@ class FakeKubelet:
             agent_port=self.agent_port,
             engine_api_key=key or None,
         )
-        await pod.start()
-        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
+        await engine_pod.start()
+        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
