@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
