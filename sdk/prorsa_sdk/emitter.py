@@ -50,6 +50,7 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from prorsa_contract import __version__
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.events import Snapshot, SnapshotTrajectory
 from prorsa_sdk.tracker import TrajectoryTracker
 
@@ -1106,9 +1107,7 @@ class AsyncEventEmitter(_Helpers):
                 self._stop.set()
                 await asyncio.wait({self._task}, timeout=2.0)
             if not self._task.done():
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+                await cancel_and_wait(self._task)
         with core.lock:
             core.closed = True
             left = len(core.buffer)

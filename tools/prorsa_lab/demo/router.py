@@ -31,7 +31,6 @@ appends ``-resumeN``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
     CLUSTER_LABEL,
     COMPONENT_LABEL,
@@ -118,10 +118,7 @@ class PodDirectory:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._http.aclose()
 
     async def _loop(self) -> None:

@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import pathlib
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -48,6 +46,7 @@ import aiohttp.web
 import attrs
 import yaml
 
+from prorsa_contract.aio import stop_requested
 from prorsa_lab.doubles.kube_errors import ApiError
 from prorsa_lab.doubles.kube_http import HttpApi
 from prorsa_lab.doubles.kube_resources import (
@@ -347,15 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = KubeEmulatorServer(
             emulator, port=args.port, kubeconfig_path=args.kubeconfig, crds=args.crd
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(signum, stop.set)
-        async with server:
-            print(f"serving {server.url}", flush=True)
-            print(f"export KUBECONFIG={server.kubeconfig_path}", flush=True)
-            await stop.wait()
+        with stop_requested() as stop:
+            async with server:
+                print(f"serving {server.url}", flush=True)
+                print(f"export KUBECONFIG={server.kubeconfig_path}", flush=True)
+                await stop.wait()
 
     asyncio.run(serve())
     return 0

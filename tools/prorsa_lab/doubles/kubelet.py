@@ -21,6 +21,7 @@ from typing import Any
 
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import COMPONENT_LABEL, MANAGED_BY
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
@@ -66,10 +67,7 @@ class FakeKubelet:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for name in list(self.pods):
             await self._stop(name)
 
