@@ -426,20 +426,19 @@ class Forecaster:
         st = np.flatnonzero(v.state == STARTING)
         if not len(st):
             return 0.0
-        col, n = v.col, v.n
-        launched = col["launched"][:n][st]
-        dispatched = col["dispatched"][:n][st]
+        launched = v.at("launched", st)
+        dispatched = v.at("dispatched", st)
         has_launch = ~np.isnan(launched)
         origin = np.where(
             has_launch, launched, np.where(np.isnan(dispatched), v.since[st], dispatched)
         )
         codes = np.where(
             has_launch,
-            pack(col["mode"][:n][st], col["image"][:n][st] + 1, col["node"][:n][st] + 1),
+            pack(v.at("mode", st), v.at("image", st) + 1, v.at("node", st) + 1),
             -1,
         )
         q, res = self._conditional(self.startup, codes, _startup_key, v.now - origin, v.horizon)
-        fp = col["first_prompt"][:n][st]
+        fp = v.at("first_prompt", st)
         xs = np.where(np.isnan(fp), self._first_prompts(v.task[st].astype(np.int64)), fp)
         arrivals.add(u=v.now + res, x=xs, w=q, work=prefill_work(xs, 0.0, v.doubling))
         return float(np.dot(q, xs))
@@ -461,15 +460,14 @@ class Forecaster:
         tl = np.flatnonzero(v.state == TOOL)
         if not len(tl):
             return 0.0
-        col, n = v.col, v.n
-        done = col["tool_done"][:n][tl]
+        done = v.at("tool_done", tl)
         t_task = v.task[tl].astype(np.int64) + 1
-        t_tool = col["tool"][:n][tl].astype(np.int64) + 1
-        load = col["tool_load"][:n][tl]
+        t_tool = v.at("tool", tl).astype(np.int64) + 1
+        load = v.at("tool_load", tl)
         tau = self._ema(self.tool, pack(t_task, t_tool, _turn_bucket(v, tl), load), _tool_key)
         r = np.where(done, 0.0, np.maximum(0.0, tau - (v.now - v.since[tl])))
         soon = r < v.horizon
-        result = col["result"][:n][tl]
+        result = v.at("result", tl)
         known = result >= 0
         pair = pack(t_task, t_tool)
         grow = np.where(
@@ -551,7 +549,7 @@ class Forecaster:
     ) -> Admissions:
         """Decode admissions, Eq. 13–14, on the current prefill instances."""
         pre = inflight.idx
-        inst_codes = v.col["instance"][: v.n][pre]
+        inst_codes = v.at("instance", pre)
         inst_map = np.full(len(v.table.instances.names) + 1, -1, dtype=np.int64)
         for i, name in enumerate(site.names):
             code = v.table.instances.get(name)
@@ -602,7 +600,7 @@ class Forecaster:
         """Eq. 4 with f = group replenishment: a group whose live members are all in reward
         ends within the horizon with probability Π q_i (members independent; known group
         state held fixed), and then brings groupSize new samples."""
-        groups = v.col["group"][: v.n][rew]
+        groups = v.at("group", rew)
         member = groups >= 0
         if not member.any():
             return 0.0, 0.0
@@ -633,7 +631,7 @@ class Forecaster:
 
 def _turn_bucket(v: _TableView, idx: np.ndarray) -> np.ndarray:
     """Vectorised :func:`turn_bucket` of the trajectories at ``idx``."""
-    turns = v.col["turn"][: v.n][idx]
+    turns = v.at("turn", idx)
     buckets: np.ndarray = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
     return buckets
 
@@ -653,6 +651,11 @@ class _TableView:
     x: np.ndarray
     task: np.ndarray
     cached: np.ndarray
+
+    def at(self, column: str, idx: np.ndarray) -> np.ndarray:
+        """The values of ``column`` at the used slots ``idx``."""
+        values: np.ndarray = self.col[column][: self.n][idx]
+        return values
 
     @classmethod
     def of(
