@@ -23,10 +23,12 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(TEST_STAMP)
 
-# ruff, then the import-layer contracts of pyproject.toml ([tool.importlinter]).
+# ruff, mypy (strict, with the pydantic plugin: [tool.mypy]), then the import-layer
+# contracts of pyproject.toml ([tool.importlinter]).
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 
 test: lint

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import shlex
-import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -33,6 +31,7 @@ from prorsa_agent.config import (
     parse_listen,
 )
 from prorsa_agent.redact import redact_argv
+from prorsa_contract.aio import stop_requested
 
 HELP = "run the in-pod agent: supervise SGLang, report its state, flip its PD role"
 
@@ -190,21 +189,17 @@ async def serve(config: AgentConfig) -> None:
     """Run until SIGINT/SIGTERM; the engine (if launched) is stopped on the way out."""
     from prorsa_agent.server import Agent
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    agent = Agent(config)
-    url = await agent.start()
-    if config.launch is not None:
-        shown = redact_argv(config.launch.argv, config.launch.secrets)
-        print(f"prorsa agent: engine command: {shlex.join(shown)}", flush=True)
-    print(f"prorsa agent listening on {url} (engine {config.engine_url})", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await agent.stop()
+    with stop_requested() as stop:
+        agent = Agent(config)
+        url = await agent.start()
+        if config.launch is not None:
+            shown = redact_argv(config.launch.argv, config.launch.secrets)
+            print(f"prorsa agent: engine command: {shlex.join(shown)}", flush=True)
+        print(f"prorsa agent listening on {url} (engine {config.engine_url})", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await agent.stop()
 
 
 def run(args: argparse.Namespace) -> int:

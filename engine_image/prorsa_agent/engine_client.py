@@ -152,7 +152,7 @@ class EngineClient:
         return Loads.parse(await self._json("GET", "/v1/loads", params=LOADS_QUERY))
 
     async def server_info(self, *, timeout: float | None = None) -> dict[str, Any]:
-        info = await self._json("GET", "/server_info", timeout=timeout)
+        info: dict[str, Any] = await self._json("GET", "/server_info", timeout=timeout)
         internal_states(info)
         return info
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from aiohttp import web
@@ -27,7 +28,7 @@ from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+from prorsa.k8s.runtime import ClusterRuntime, EventPoster, OperatorOptions
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
 
@@ -66,7 +67,7 @@ class OperatorContext:
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
 
 
-def parse_spec(spec: dict[str, Any]) -> RolloutClusterSpec:
+def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
     try:
         return RolloutClusterSpec.model_validate(dict(spec))
     except ValidationError as exc:
@@ -74,9 +75,21 @@ def parse_spec(spec: dict[str, Any]) -> RolloutClusterSpec:
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    """The kopf handlers of ``prorsa operator``, registered on a registry of their own."""
     registry = kopf.OperatorRegistry()
-    resource = (GROUP, VERSION, PLURAL)
+    _register_lifecycle(registry, config)
+    if config.admission:
+        _register_admission(registry)
+    _register_clusters(registry)
+    _register_pods(registry)
+    return registry
 
+
+_RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Log-in, start-up (settings, webhook listener), clean-up and the liveness probe."""
     if config.login_kubeconfig:
 
         @kopf.on.login(registry=registry)
@@ -85,65 +98,9 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        settings.posting.level = logging.INFO
-        settings.persistence.finalizer = "prorsa.io/finalizer"
-        if config.namespaced:
-            # The namespaces are named exactly (no globs) and the chart installs the CRD
-            # before the operator starts: nothing to discover at run time, and the operator's
-            # Roles grant nothing cluster-wide (charts/prorsa/templates/rbac.yaml).
-            settings.scanning.disabled = True
-        if config.watch_timeout:
-            settings.watching.server_timeout = config.watch_timeout
-            settings.watching.client_timeout = config.watch_timeout + 5
-            settings.watching.reconnect_backoff = 0.2
-        if config.admission:
-            # The API server calls the admission webhook through the operator's Service.
-            host = (
-                f"prorsa-webhook.{config.operator_namespace}.svc"
-                if config.operator_namespace
-                else None
-            )
-            tls = config.admission_tls_dir
-            settings.admission.server = kopf.WebhookServer(
-                addr="0.0.0.0",
-                port=9443,
-                host=host,
-                certfile=f"{tls}/tls.crt" if tls else None,
-                pkeyfile=f"{tls}/tls.key" if tls else None,
-                cafile=f"{tls}/ca.crt" if tls and Path(f"{tls}/ca.crt").exists() else None,
-            )
-            settings.admission.managed = "prorsa.io"
-        if config.login_kubeconfig:
-            import kubernetes
-
-            kubernetes.config.load_kube_config(config_file=config.login_kubeconfig)
-        else:
-            _load_kube_config()
-        prom = CollectorRegistry()
-        registry_ = ClusterRegistry()
-        ctx = OperatorContext(
-            config=config,
-            kube=Kube(),
-            agents=AgentClient(),
-            registry=registry_,
-            server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
-            metrics=OperatorMetrics(prom),
-        )
-        app = web.Application()
-        ctx.server.add_routes(app)
-        ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
-        await ctx.runner.setup()
-        site = web.TCPSite(ctx.runner, config.listen_host, config.listen_port)
-        await site.start()
-        addresses = ctx.runner.addresses
-        ctx.port = addresses[0][1] if addresses else config.listen_port
-        log.info("webhook and metrics on %s:%d", config.listen_host, ctx.port)
-        if config.operator_namespace:
-            try:
-                await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
-            except Exception:
-                log.exception("could not create the shared webhook Service")
-        memo.prorsa = ctx
+        _configure(settings, config)
+        _load_credentials(config)
+        memo.prorsa = await _start_context(config)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -162,20 +119,94 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         ctx: OperatorContext = memo.prorsa
         return len(ctx.runtimes)
 
+
+def _configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    settings.posting.level = logging.INFO
+    settings.persistence.finalizer = "prorsa.io/finalizer"
+    if config.namespaced:
+        # The namespaces are named exactly (no globs) and the chart installs the CRD
+        # before the operator starts: nothing to discover at run time, and the operator's
+        # Roles grant nothing cluster-wide (charts/prorsa/templates/rbac.yaml).
+        settings.scanning.disabled = True
+    if config.watch_timeout:
+        settings.watching.server_timeout = config.watch_timeout
+        settings.watching.client_timeout = config.watch_timeout + 5
+        settings.watching.reconnect_backoff = 0.2
     if config.admission:
+        settings.admission.server = _admission_server(config)
+        settings.admission.managed = "prorsa.io"
 
-        @kopf.on.validate(*resource, registry=registry, id="spec")
-        def validate(spec: kopf.Spec, **_: Any) -> None:
-            try:
-                parse_spec(spec)
-            except ValueError as exc:
-                raise kopf.AdmissionError(str(exc), code=422) from None
 
-    @kopf.daemon(*resource, registry=registry, id="control", cancellation_timeout=30.0)
+def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
+    """The API server calls the admission webhook through the operator's Service."""
+    host = f"prorsa-webhook.{config.operator_namespace}.svc" if config.operator_namespace else None
+    tls = config.admission_tls_dir
+    return kopf.WebhookServer(
+        addr="0.0.0.0",
+        port=9443,
+        host=host,
+        certfile=f"{tls}/tls.crt" if tls else None,
+        pkeyfile=f"{tls}/tls.key" if tls else None,
+        cafile=f"{tls}/ca.crt" if tls and Path(f"{tls}/ca.crt").exists() else None,
+    )
+
+
+def _load_credentials(config: OperatorConfig) -> None:
+    """The kubernetes client's credentials, for the Kubernetes adapter's own calls."""
+    if config.login_kubeconfig:
+        import kubernetes
+
+        kubernetes.config.load_kube_config(config_file=config.login_kubeconfig)
+    else:
+        _load_kube_config()
+
+
+async def _start_context(config: OperatorConfig) -> OperatorContext:
+    """The process-wide state, with the webhook and metrics listener already serving."""
+    prom = CollectorRegistry()
+    registry_ = ClusterRegistry()
+    ctx = OperatorContext(
+        config=config,
+        kube=Kube(),
+        agents=AgentClient(),
+        registry=registry_,
+        server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
+        metrics=OperatorMetrics(prom),
+    )
+    app = web.Application()
+    ctx.server.add_routes(app)
+    ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
+    await ctx.runner.setup()
+    site = web.TCPSite(ctx.runner, config.listen_host, config.listen_port)
+    await site.start()
+    addresses = ctx.runner.addresses
+    ctx.port = addresses[0][1] if addresses else config.listen_port
+    log.info("webhook and metrics on %s:%d", config.listen_host, ctx.port)
+    if config.operator_namespace:
+        try:
+            await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
+        except Exception:
+            log.exception("could not create the shared webhook Service")
+    return ctx
+
+
+def _register_admission(registry: kopf.OperatorRegistry) -> None:
+    @kopf.on.validate(*_RESOURCE, registry=registry, id="spec")
+    def validate(spec: kopf.Spec, **_: Any) -> None:
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            raise kopf.AdmissionError(str(exc), code=422) from None
+
+
+def _register_clusters(registry: kopf.OperatorRegistry) -> None:
+    """Per RolloutCluster: the control loop (a daemon), spec updates and deletion."""
+
+    @kopf.daemon(*_RESOURCE, registry=registry, id="control", cancellation_timeout=30.0)
     async def control(
         stopped: kopf.DaemonStopped,
         name: str,
-        namespace: str,
+        namespace: str | None,
         spec: kopf.Spec,
         uid: str,
         meta: kopf.Meta,
@@ -185,6 +216,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         **_: Any,
     ) -> None:
         ctx: OperatorContext = memo.prorsa
+        namespace = _namespaced(namespace)
         try:
             cluster = parse_spec(spec)
         except ValueError as exc:
@@ -194,18 +226,6 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         handle = ctx.registry.add(
             namespace=namespace, name=name, token=token, controller=Controller(cluster)
         )
-        ref = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "RolloutCluster",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
-        }
-
-        async def post_event(kind: str, reason: str, message: str) -> None:
-            try:
-                (kopf.info if kind == "Normal" else kopf.warn)(ref, reason=reason, message=message)
-            except Exception:  # events are best effort
-                log.debug("event not posted", exc_info=True)
-
         runtime = ClusterRuntime(
             namespace=namespace,
             name=name,
@@ -216,7 +236,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             agents=ctx.agents,
             metrics=ctx.metrics,
             options=ctx.config.options,
-            post_event=post_event,
+            post_event=_event_poster(namespace=namespace, name=name, uid=uid),
             generation=int(meta.get("generation") or 0),
         )
         ctx.runtimes[(namespace, name)] = runtime
@@ -233,12 +253,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             if ctx.registry.get(namespace, name) is handle:
                 ctx.registry.remove(namespace=namespace, name=name)
 
-    @kopf.on.update(*resource, registry=registry, field="spec", id="spec-update")
+    @kopf.on.update(*_RESOURCE, registry=registry, field="spec", id="spec-update")
     async def update(
-        name: str, namespace: str, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+        name: str, namespace: str | None, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
     ) -> None:
         ctx: OperatorContext = memo.prorsa
-        runtime = ctx.runtimes.get((namespace, name))
+        runtime = ctx.runtimes.get((_namespaced(namespace), name))
         if runtime is None:
             return
         try:
@@ -249,29 +269,64 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         runtime.generation = int(meta.get("generation") or 0)
         runtime.wake()
 
-    @kopf.on.delete(*resource, registry=registry, id="forget")
-    async def delete(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    @kopf.on.delete(*_RESOURCE, registry=registry, id="forget")
+    async def delete(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
         ctx: OperatorContext = memo.prorsa
+        namespace = _namespaced(namespace)
         runtime = ctx.runtimes.get((namespace, name))
         if runtime is not None:
             runtime.stop()
         ctx.registry.remove(namespace=namespace, name=name)
         ctx.metrics.forget(namespace, name)
 
+
+def _event_poster(*, namespace: str, name: str, uid: str) -> EventPoster:
+    """Posts Kubernetes Events about one RolloutCluster, best effort."""
+    # kopf posts Events for raw bodies too; its annotation names only its Body view.
+    ref = cast(
+        kopf.Body,
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "RolloutCluster",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        },
+    )
+
+    async def post_event(kind: str, reason: str, message: str) -> None:
+        try:
+            (kopf.info if kind == "Normal" else kopf.warn)(ref, reason=reason, message=message)
+        except Exception:  # events are best effort
+            log.debug("event not posted", exc_info=True)
+
+    return post_event
+
+
+def _register_pods(registry: kopf.OperatorRegistry) -> None:
+    """An engine pod deleted or failed wakes its cluster's control loop at once."""
+
     @kopf.on.event("", "v1", "pods", registry=registry, labels={MANAGED_BY: "prorsa"})
     async def pod_event(
-        event: dict[str, Any], labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any
+        event: kopf.RawEvent,
+        labels: kopf.Labels,
+        namespace: str | None,
+        memo: kopf.Memo,
+        **_: Any,
     ) -> None:
         ctx: OperatorContext | None = getattr(memo, "prorsa", None)
         cluster = labels.get(CLUSTER_LABEL)
-        if ctx is None or cluster is None:
+        if ctx is None or cluster is None or namespace is None:
             return
         runtime = ctx.runtimes.get((namespace, cluster))
         phase = ((event.get("object") or {}).get("status") or {}).get("phase")
         if runtime is not None and (event.get("type") == "DELETED" or phase == "Failed"):
             runtime.wake()
 
-    return registry
+
+def _namespaced(namespace: str | None) -> str:
+    """RolloutClusters and engine pods are namespaced: kopf always names the namespace."""
+    if namespace is None:
+        raise kopf.PermanentError("a RolloutCluster or engine pod without a namespace")
+    return namespace
 
 
 async def _trainer_token(

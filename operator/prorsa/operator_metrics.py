@@ -212,6 +212,6 @@ class OperatorMetrics:
             self.wape, self.switches, self.switch_seconds, self.tick_seconds, self.trajectories,
             self.anomalies, self.agent_errors, self.forecast_age,
         ):  # fmt: skip
-            for labels in list(metric._metrics):  # type: ignore[attr-defined]
+            for labels in list(metric._metrics):
                 if labels[:2] == (namespace, cluster):
                     metric.remove(*labels)

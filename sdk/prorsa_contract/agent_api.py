@@ -18,7 +18,7 @@ NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 class EngineState(BaseModel):
     """One engine instance as its agent reports it (sums over the engine's DP ranks)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, validate_by_name=True)
 
     instance: Annotated[str, Field(min_length=1, max_length=253)]
     role: Role
@@ -43,7 +43,7 @@ class EngineState(BaseModel):
 class RoleRequest(BaseModel):
     """``POST /v1/role`` body."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
     role: Role
     drain_timeout_seconds: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
@@ -54,7 +54,7 @@ class RoleRequest(BaseModel):
 class RoleResult(BaseModel):
     """``POST /v1/role`` reply."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
     ok: bool
     old_role: Role | None = Field(None, alias="oldRole")

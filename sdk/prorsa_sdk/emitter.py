@@ -43,13 +43,14 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict, Unpack
 
 import httpx
 from pydantic import BaseModel
 from pydantic_core import to_json
 
 from prorsa_contract import __version__
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.events import Snapshot, SnapshotTrajectory
 from prorsa_sdk.tracker import TrajectoryTracker
 
@@ -206,14 +207,14 @@ class _Core:
         namespace: str,
         name: str,
         token: str,
-        batch_size: int,
-        flush_interval: float,
-        max_buffer: int,
-        give_up_after: float,
-        backoff: Backoff,
-        clock: Callable[[], float],
-        track: bool,
-        has_snapshot: bool,
+        batch_size: int = 500,
+        flush_interval: float = 0.2,
+        max_buffer: int = 100_000,
+        give_up_after: float = 60.0,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.time,
+        track: bool = False,
+        has_snapshot: bool = False,
     ) -> None:
         if batch_size < 1 or max_buffer < batch_size:
             raise ValueError("need batch_size >= 1 and max_buffer >= batch_size")
@@ -232,7 +233,7 @@ class _Core:
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
         self.give_up_after = give_up_after
-        self.backoff = backoff
+        self.backoff = backoff or Backoff()
         self.clock = clock
         self.lock = threading.Lock()
         self.buffer: deque[bytes] = deque()  # events already encoded as JSON objects
@@ -335,6 +336,40 @@ class _Core:
 
     def idle(self) -> bool:
         return not self.buffer and not self.in_flight
+
+    def next_step(self, *, now: float, flushing: bool, closing: bool) -> list[bytes] | float | None:
+        """The sender's next step, the caller holding ``lock``: a batch to deliver now,
+        seconds to wait for one, or None once closing has nothing left to send."""
+        if self.due(now=now, flushing=flushing or closing):
+            return self.take()
+        if closing and not self.buffer:
+            return None
+        if self.buffer:
+            return max(self.first_at + self.flush_interval - now, 0.001)
+        return 1.0
+
+    def lost(self, batch: list[bytes]) -> None:
+        """A bug broke the delivery of ``batch``: count it dropped so nothing hides it."""
+        log.exception("prorsa emitter: unexpected error delivering a batch")
+        self._drop(len(batch), "undeliverable", "internal error", cause="bug")
+        with self.lock:
+            self.in_flight = 0
+
+    def close_out(self) -> EmitterStats:
+        """Closed: what is still buffered is counted as dropped; the final stats."""
+        with self.lock:
+            self.closed = True
+            left = len(self.buffer)
+            self.buffer.clear()
+        if left:
+            self._drop(
+                left, "undeliverable", "emitter closed before they could be sent", cause="close"
+            )
+        self.drops.flush()
+        stats = self.stats()
+        if stats.dropped:
+            log.warning("prorsa emitter closed: %s", stats)
+        return stats
 
     def stats(self) -> EmitterStats:
         with self.lock:
@@ -562,7 +597,7 @@ def _as_snapshot(rows: SnapshotRows, *, ts: float) -> Snapshot:
     if isinstance(rows, Snapshot):
         return rows
     items = [r if isinstance(r, BaseModel) else SnapshotTrajectory.model_validate(r) for r in rows]
-    return Snapshot(ts=ts, trajectories=items)  # type: ignore[arg-type]
+    return Snapshot(ts=ts, trajectories=items)
 
 
 # -- typed helpers, shared by both flavours -------------------------------------------------
@@ -730,64 +765,32 @@ class _Helpers(ABC):
         )
 
 
-# -- the threaded flavour -------------------------------------------------------------------
+# -- what both flavours share ---------------------------------------------------------------
 
 
-class EventEmitter(_Helpers):
-    """Thread-based emitter for synchronous trainers (safe to call from any thread).
+class EmitterOptions(TypedDict, total=False):
+    """The settings both emitters take by keyword (defaults in brackets)."""
 
-    >>> em = EventEmitter(url="http://127.0.0.1:8787", namespace="rl", name="qwen3",
-    ...                   token=open("token").read(), track=True)
-    >>> em.request_queued("traj-1", prompt_tokens=2048, turn=0)
-    >>> em.close()
-    """
+    url: Required[str]  # the webhook's base URL
+    namespace: Required[str]  # the RolloutCluster's namespace
+    name: Required[str]  # and name
+    token: Required[str]  # the trainer's bearer token
+    track: bool  # [False] snapshots from the built-in tracker (one emitter sees all)
+    batch_size: int  # [500] events per request
+    flush_interval: float  # [0.2] seconds an event may wait for a fuller batch
+    max_buffer: int  # [100_000] events buffered before the oldest are dropped
+    give_up_after: float  # [60] seconds 401/404 are retried before a batch is dropped
+    backoff: Backoff | None  # [Backoff()] retry delays
+    clock: Callable[[], float]  # [time.time] the trainer clock events are stamped with
 
-    def __init__(
-        self,
-        *,
-        url: str,
-        namespace: str,
-        name: str,
-        token: str,
-        snapshot: SnapshotSource | None = None,
-        track: bool = False,
-        batch_size: int = 500,
-        flush_interval: float = 0.2,
-        max_buffer: int = 100_000,
-        timeout: float = 10.0,
-        give_up_after: float = 60.0,
-        backoff: Backoff | None = None,
-        clock: Callable[[], float] = time.time,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self._core = _Core(
-            url=url,
-            namespace=namespace,
-            name=name,
-            token=token,
-            batch_size=batch_size,
-            flush_interval=flush_interval,
-            max_buffer=max_buffer,
-            give_up_after=give_up_after,
-            backoff=backoff or Backoff(),
-            clock=clock,
-            track=track,
-            has_snapshot=snapshot is not None,
-        )
-        self._snapshot = snapshot
-        self._client = httpx.Client(base_url=self._core.url, timeout=timeout, transport=transport)
-        self._wake = threading.Condition(self._core.lock)
-        self._stop = threading.Event()  # interrupts backoff sleeps on close
+
+class _Emitter(_Helpers):
+    """Buffering and the public surface both flavours share; the sender is theirs."""
+
+    def __init__(self, *, has_snapshot: bool, options: EmitterOptions) -> None:
+        self._core = _Core(has_snapshot=has_snapshot, **options)
         self._flushing = 0
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="prorsa-emitter", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> EventEmitter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def stats(self) -> EmitterStats:
@@ -808,26 +811,73 @@ class EventEmitter(_Helpers):
         id: str | None = None,
         **fields: Any,
     ) -> str:
-        """Buffer one event (never blocks on I/O); returns its id.
+        """Buffer one event (never blocks on I/O, never awaits); returns its id. Thread-safe.
 
         ``trajectory`` is None for the cluster events (weight updates), which name none.
         """
-        core = self._core
-        event = core.make(type, trajectory, ts, id, fields)
-        n = core.push(event)
-        if n == 1 or n == core.batch_size:
-            with self._wake:
-                self._wake.notify()
-        return event["id"]
+        event = self._core.make(type, trajectory, ts, id, fields)
+        self._pushed(self._core.push(event))
+        ident: str = event["id"]
+        return ident
 
     def emit_event(self, event: BaseModel | Mapping[str, Any]) -> str:
         """Buffer a pre-built event (a :mod:`prorsa_contract.events` model or a wire dict)."""
         data = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else dict(event)
-        n = self._core.push(data)
-        if n == 1 or n == self._core.batch_size:
-            with self._wake:
-                self._wake.notify()
+        self._pushed(self._core.push(data))
         return str(data["id"])
+
+    def _pushed(self, n: int) -> None:
+        """The buffer holds ``n`` events: a first one starts the flush timer, a full batch
+        is due; either way the sender must look."""
+        if n == 1 or n == self._core.batch_size:
+            self._kick()
+
+    @abstractmethod
+    def _kick(self) -> None:
+        """Wake the sender."""
+
+
+def _reply(response: httpx.Response) -> _Reply:
+    return _Reply(status=response.status_code, headers=response.headers, body=response.content)
+
+
+# -- the threaded flavour -------------------------------------------------------------------
+
+
+class EventEmitter(_Emitter):
+    """Thread-based emitter for synchronous trainers (safe to call from any thread).
+
+    >>> em = EventEmitter(url="http://127.0.0.1:8787", namespace="rl", name="qwen3",
+    ...                   token=open("token").read(), track=True)
+    >>> em.request_queued("traj-1", prompt_tokens=2048, turn=0)
+    >>> em.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        snapshot: SnapshotSource | None = None,
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+        **options: Unpack[EmitterOptions],
+    ) -> None:
+        super().__init__(has_snapshot=snapshot is not None, options=options)
+        self._snapshot = snapshot
+        self._client = httpx.Client(base_url=self._core.url, timeout=timeout, transport=transport)
+        self._wake = threading.Condition(self._core.lock)
+        self._stop = threading.Event()  # interrupts backoff sleeps on close
+        self._thread = threading.Thread(target=self._run, name="prorsa-emitter", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> EventEmitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Block until everything emitted so far was delivered (or dropped); False on timeout."""
@@ -857,22 +907,8 @@ class EventEmitter(_Helpers):
         self._thread.join(timeout + 1.0)
         self._stop.set()
         self._thread.join(2.0)
-        with self._wake:
-            core.closed = True
-            left = len(core.buffer)
-            core.buffer.clear()
-        if left:
-            core._drop(
-                left, "undeliverable", "emitter closed before they could be sent", cause="close"
-            )
+        stats = core.close_out()
         self._client.close()
-        return self._final_stats()
-
-    def _final_stats(self) -> EmitterStats:
-        self._core.drops.flush()
-        stats = self._core.stats()
-        if stats.dropped:
-            log.warning("prorsa emitter closed: %s", stats)
         return stats
 
     # -- sender thread -------------------------------------------------------------------
@@ -882,24 +918,19 @@ class EventEmitter(_Helpers):
         while True:
             with self._wake:
                 while True:
-                    flushing = self._flushing > 0 or self._closing
-                    if core.due(now=time.monotonic(), flushing=flushing):
-                        break
-                    if self._closing and not core.buffer:
+                    step = core.next_step(
+                        now=time.monotonic(), flushing=self._flushing > 0, closing=self._closing
+                    )
+                    if step is None:
                         return
-                    if core.buffer:
-                        wait = core.first_at + core.flush_interval - time.monotonic()
-                        self._wake.wait(max(wait, 0.001))
-                    else:
-                        self._wake.wait(1.0)
-                batch = core.take()
+                    if isinstance(step, list):
+                        batch = step
+                        break
+                    self._wake.wait(step)
             try:
                 self._drive(core.deliver(batch))
             except Exception:  # a bug must not kill delivery silently
-                log.exception("prorsa emitter: unexpected error delivering a batch")
-                core._drop(len(batch), "undeliverable", "internal error", cause="bug")
-                with self._wake:
-                    core.in_flight = 0
+                core.lost(batch)
             with self._wake:
                 self._wake.notify_all()
 
@@ -926,7 +957,7 @@ class EventEmitter(_Helpers):
             )
         except httpx.HTTPError as exc:
             return exc
-        return _Reply(status=r.status_code, headers=r.headers, body=r.content)
+        return _reply(r)
 
     def _build_snapshot(self) -> Snapshot | BaseException:
         core = self._core
@@ -942,7 +973,7 @@ class EventEmitter(_Helpers):
 # -- the asyncio flavour --------------------------------------------------------------------
 
 
-class AsyncEventEmitter(_Helpers):
+class AsyncEventEmitter(_Emitter):
     """asyncio emitter: ``emit()`` is a plain (non-async) call that never blocks the loop.
 
     >>> async with AsyncEventEmitter(url=..., namespace="rl", name="qwen3", token=t) as em:
@@ -952,35 +983,12 @@ class AsyncEventEmitter(_Helpers):
     def __init__(
         self,
         *,
-        url: str,
-        namespace: str,
-        name: str,
-        token: str,
         snapshot: AsyncSnapshotSource | None = None,
-        track: bool = False,
-        batch_size: int = 500,
-        flush_interval: float = 0.2,
-        max_buffer: int = 100_000,
         timeout: float = 10.0,
-        give_up_after: float = 60.0,
-        backoff: Backoff | None = None,
-        clock: Callable[[], float] = time.time,
         transport: httpx.AsyncBaseTransport | None = None,
+        **options: Unpack[EmitterOptions],
     ) -> None:
-        self._core = _Core(
-            url=url,
-            namespace=namespace,
-            name=name,
-            token=token,
-            batch_size=batch_size,
-            flush_interval=flush_interval,
-            max_buffer=max_buffer,
-            give_up_after=give_up_after,
-            backoff=backoff or Backoff(),
-            clock=clock,
-            track=track,
-            has_snapshot=snapshot is not None,
-        )
+        super().__init__(has_snapshot=snapshot is not None, options=options)
         self._snapshot = snapshot
         self._timeout = timeout
         self._transport = transport
@@ -991,8 +999,6 @@ class AsyncEventEmitter(_Helpers):
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
-        self._flushing = 0
-        self._closing = False
 
     async def __aenter__(self) -> AsyncEventEmitter:
         await self.start()
@@ -1000,15 +1006,6 @@ class AsyncEventEmitter(_Helpers):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    @property
-    def stats(self) -> EmitterStats:
-        return self._core.stats()
-
-    def snapshot_now(self) -> Snapshot:
-        if self._core.tracker is None:
-            raise RuntimeError("snapshot_now() needs track=True")
-        return self._core.tracked_snapshot()
 
     async def start(self) -> None:
         """Start the sender in the running loop (``emit()`` also starts it lazily)."""
@@ -1027,33 +1024,6 @@ class AsyncEventEmitter(_Helpers):
             base_url=self._core.url, timeout=self._timeout, transport=self._transport
         )
         self._task = loop.create_task(self._run(), name="prorsa-emitter")
-
-    def emit(
-        self,
-        type: str,
-        trajectory: str | None,
-        *,
-        ts: float | None = None,
-        id: str | None = None,
-        **fields: Any,
-    ) -> str:
-        """Buffer one event (no I/O, no await); returns its id. Thread-safe.
-
-        ``trajectory`` is None for the cluster events (weight updates), which name none.
-        """
-        core = self._core
-        event = core.make(type, trajectory, ts, id, fields)
-        n = core.push(event)
-        if n == 1 or n == core.batch_size:
-            self._kick()
-        return event["id"]
-
-    def emit_event(self, event: BaseModel | Mapping[str, Any]) -> str:
-        data = event.model_dump(exclude_none=True) if isinstance(event, BaseModel) else dict(event)
-        n = self._core.push(data)
-        if n == 1 or n == self._core.batch_size:
-            self._kick()
-        return str(data["id"])
 
     def _kick(self) -> None:
         """Wake the sender: a first event starts the flush timer, a full batch is due."""
@@ -1104,23 +1074,10 @@ class AsyncEventEmitter(_Helpers):
                 self._stop.set()
                 await asyncio.wait({self._task}, timeout=2.0)
             if not self._task.done():
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
-        with core.lock:
-            core.closed = True
-            left = len(core.buffer)
-            core.buffer.clear()
-        if left:
-            core._drop(
-                left, "undeliverable", "emitter closed before they could be sent", cause="close"
-            )
+                await cancel_and_wait(self._task)
+        stats = core.close_out()
         if self._client is not None:
             await self._client.aclose()
-        core.drops.flush()
-        stats = core.stats()
-        if stats.dropped:
-            log.warning("prorsa emitter closed: %s", stats)
         return stats
 
     async def _run(self) -> None:
@@ -1129,27 +1086,21 @@ class AsyncEventEmitter(_Helpers):
         while True:
             while True:
                 with core.lock:
-                    flushing = self._flushing > 0 or self._closing
-                    if core.due(now=time.monotonic(), flushing=flushing):
-                        batch = core.take()
-                        break
-                    if self._closing and not core.buffer:
-                        return
-                    wait = (
-                        core.first_at + core.flush_interval - time.monotonic()
-                        if core.buffer
-                        else 1.0
+                    step = core.next_step(
+                        now=time.monotonic(), flushing=self._flushing > 0, closing=self._closing
                     )
+                if step is None:
+                    return
+                if isinstance(step, list):
+                    batch = step
+                    break
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(wait, 0.001))
+                    await asyncio.wait_for(self._wake.wait(), step)
             try:
                 await self._drive(core.deliver(batch))
             except Exception:
-                log.exception("prorsa emitter: unexpected error delivering a batch")
-                core._drop(len(batch), "undeliverable", "internal error", cause="bug")
-                with core.lock:
-                    core.in_flight = 0
+                core.lost(batch)
             self._changed.set()
 
     async def _drive(self, gen: Delivery) -> None:
@@ -1178,7 +1129,7 @@ class AsyncEventEmitter(_Helpers):
             )
         except httpx.HTTPError as exc:
             return exc
-        return _Reply(status=r.status_code, headers=r.headers, body=r.content)
+        return _reply(r)
 
     async def _build_snapshot(self) -> Snapshot | BaseException:
         core = self._core
@@ -1189,6 +1140,6 @@ class AsyncEventEmitter(_Helpers):
             rows = self._snapshot()
             if inspect.isawaitable(rows):
                 rows = await rows
-            return _as_snapshot(rows, ts=ts)  # type: ignore[arg-type]
+            return _as_snapshot(rows, ts=ts)
         except Exception as exc:
             return exc

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prorsa_contract.aio import drop_stop_signals, on_stop_signals
+
 if TYPE_CHECKING:
     from prorsa.clusters import ClusterHandle
     from prorsa.core.decision import Decision
@@ -112,7 +114,6 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
     import asyncio
     import contextlib
     import json
-    import signal
 
     from prorsa.clusters import ClusterRegistry
     from prorsa.core.controller import Controller
@@ -127,8 +128,7 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
     running = await server.start(host=host, port=port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(stop.set)
     interval = args.tick or spec.forecast.horizon_seconds
     base = f"{running.url}/v1/namespaces/{meta.namespace}/rolloutclusters/{meta.name}"
     print(
@@ -161,8 +161,7 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, next_tick - loop.time()))
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        drop_stop_signals()
         await running.stop()
         await handle.idle()
     print(

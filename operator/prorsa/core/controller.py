@@ -87,6 +87,16 @@ class DemandInputs:
     prefill_names: tuple[str, ...]  # prefill instances serving now (routing targets)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoleCounts:
+    """Usable instances by role now; a switching instance counts as its destination."""
+
+    prefill: int
+    decode: int
+    unavailable: int
+    names: tuple[str, ...]  # prefill instances serving now (not switching), by name
+
+
 class DemandSource(Protocol):
     """Where the demand of the next horizon comes from.
 
@@ -194,8 +204,8 @@ class Controller:
             self._count_computed(s)
         self._engines = fresh
         for name in list(self._issued):
-            s = fresh.get(name)
-            if s is None or not s.switching:
+            now_state = fresh.get(name)
+            if now_state is None or not now_state.switching:
                 del self._issued[name]
 
     def _now_hint(self) -> float:
@@ -293,14 +303,14 @@ class Controller:
         spec = self.spec
         m_p, m_d = spec.engine.m_prefill, spec.engine.m_decode
         roles = self._current_roles()
-        cur_p, cur_d = roles["prefill"], roles["decode"]
-        budget = spec.gpu_budget - m_d * roles["unavailable"]
+        cur_p, cur_d = roles.prefill, roles.decode
+        budget = spec.gpu_budget - m_d * roles.unavailable
         theta = self._theta_now(now)
         c_kv = self._kv_capacity()
         capacity = Capacity(prefill_tokens_per_second=round(theta, 3), decode_kv_tokens=c_kv)
         self.last_kv_now = k_d = self._decode_kv_now()
         inputs = DemandInputs(
-            now=now, kv_now=k_d, theta=theta, kv_capacity=c_kv, prefill_names=roles["names"]
+            now=now, kv_now=k_d, theta=theta, kv_capacity=c_kv, prefill_names=roles.names
         )
         demand = self.demand_source(self, inputs)
         demand = replace(
@@ -406,13 +416,13 @@ class Controller:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _current_roles(self) -> dict[str, object]:
+    def _current_roles(self) -> RoleCounts:
         """Counts by role of usable instances; a switching one counts as its destination."""
         if not self._engines:
             n = self.spec.instances
             p = min(self._assumed_prefill, n)
-            names = tuple(f"prefill-{i}" for i in range(p))
-            return {"prefill": p, "decode": n - p, "unavailable": 0, "names": names}
+            assumed = tuple(f"prefill-{i}" for i in range(p))
+            return RoleCounts(prefill=p, decode=n - p, unavailable=0, names=assumed)
         p = d = unavailable = 0
         names: list[str] = []
         for s in sorted(self._engines.values(), key=lambda s: s.instance):
@@ -433,7 +443,7 @@ class Controller:
                 d += 1
         # Instances the spec owns that no agent answered for are unavailable too.
         unavailable += max(0, self.spec.instances - len(self._engines))
-        return {"prefill": p, "decode": d, "unavailable": unavailable, "names": tuple(names)}
+        return RoleCounts(prefill=p, decode=d, unavailable=unavailable, names=tuple(names))
 
     def _kv_capacity(self) -> int:
         if self.spec.capacity.decode_kv_tokens:

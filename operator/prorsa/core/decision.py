@@ -14,7 +14,7 @@ from prorsa_contract.agent_api import Role
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
 
 class Target(_Wire):

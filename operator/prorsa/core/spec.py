@@ -35,7 +35,7 @@ def flag_values(args: Sequence[str], *names: str) -> list[str]:
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
 
 class ModelSpec(_Spec):
@@ -335,7 +335,7 @@ class Metadata(BaseModel):
 class RolloutCluster(BaseModel):
     """A whole manifest, as ``kubectl apply`` would take it."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", validate_by_name=True)
 
     api_version: Literal["prorsa.io/v1alpha1"] = Field(alias="apiVersion")
     kind: Literal["RolloutCluster"]
@@ -381,7 +381,7 @@ def load_cluster(path: str | Path) -> RolloutCluster:
 
 
 class _Status(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", validate_by_name=True)
 
 
 class InstanceCounts(_Status):

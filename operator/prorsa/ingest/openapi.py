@@ -139,7 +139,7 @@ def openapi_document() -> dict[str, Any]:
         ],
         ref_template=_REF,
     )
-    secured = [{"bearerAuth": []}]
+    secured: list[dict[str, list[str]]] = [{"bearerAuth": []}]
     events_op = {
         "operationId": "postEvents",
         "summary": "Post a batch of trajectory lifecycle events.",

@@ -102,7 +102,7 @@ class AgentClient:
             except ValidationError:
                 return RoleResult(
                     ok=False,
-                    safeToRestore=True,
+                    safe_to_restore=True,
                     message=f"agent answered {reply.status_code}: {reply.text[:200]}",
                 )
         if last_reply is not None:
@@ -110,7 +110,7 @@ class AgentClient:
                 return RoleResult.model_validate_json(last_reply.content)
             except ValidationError:
                 pass
-        return RoleResult(ok=False, safeToRestore=True, message=last_error)
+        return RoleResult(ok=False, safe_to_restore=True, message=last_error)
 
 
 class RouterClient:

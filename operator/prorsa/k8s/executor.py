@@ -171,7 +171,7 @@ class SwitchExecutor:
             fresh = await self.kube.get_pod(ns, name)
             url = agent_url(fresh, port=s.agent_port) if fresh else None
         if url is None:
-            result = RoleResult(ok=False, safeToRestore=True, message="pod has no IP")
+            result = RoleResult(ok=False, safe_to_restore=True, message="pod has no IP")
         else:
             phase = switch_intent(to=to, phase="switching", started=started, origin=origin)
             await self.kube.patch_pod(

@@ -155,7 +155,8 @@ def engine_pod(
 
 def _copy(value: dict[str, Any]) -> dict[str, Any]:
     """A deep copy, so a manifest never shares a dict with the spec or a default."""
-    return json.loads(json.dumps(value))
+    copied: dict[str, Any] = json.loads(json.dumps(value))
+    return copied
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
@@ -249,7 +250,9 @@ def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> li
     ]
 
 
-def router_objects(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> list[dict]:
+def router_objects(
+    *, cluster: str, namespace: str, spec: RolloutClusterSpec
+) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding (watch pods), Deployment and Service of the router."""
     name = router_name(cluster)
     meta = {"name": name, "namespace": namespace, "labels": labels(cluster, "router")}

@@ -242,7 +242,7 @@ class ClusterRuntime:
             (s for s in healthy if s.role == "decode" and not s.switching),
             key=lambda s: s.instance,
         )[: min(want - have, slots)]
-        return [Switch(instance=s.instance, **{"from": "decode"}, to="prefill") for s in todo]
+        return [Switch(instance=s.instance, from_="decode", to="prefill") for s in todo]
 
     async def _reconcile_pods(self) -> list[dict[str, Any]]:
         """One engine pod per index 0..n-1; failed ones are replaced, extra ones removed."""
@@ -328,12 +328,13 @@ class ClusterRuntime:
     def _condition(self, kind: str, status: str, reason: str, message: str) -> None:
         old = self._conditions.get(kind)
         changed = old is None or old["status"] != status
+        since = utcnow() if old is None or changed else old["lastTransitionTime"]
         self._conditions[kind] = {
             "type": kind,
             "status": status,
             "reason": reason,
             "message": message,
-            "lastTransitionTime": utcnow() if changed else old["lastTransitionTime"],
+            "lastTransitionTime": since,
         }
 
     async def _write_status(

@@ -75,7 +75,8 @@ class _Stream:
         out.append({"id": f"ev-{self.n}", "ts": round(ts, 3), "trajectory": traj, "type": kind} | f)
 
     def lifecycle(self, traj: str, t0: float, turns: int) -> list[dict[str, Any]]:
-        r, out, ts = self.rng, [], t0
+        r, ts = self.rng, t0
+        out: list[dict[str, Any]] = []
         task = r.choice(("swe", "search", "math"))
         self._event(
             out,

@@ -68,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # -- workload -------------------------------------------------------------------------------
 
 
-def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterator[tuple]:
+def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterator[tuple[Any, ...]]:
     """``n`` events of ``live`` concurrent agentic trajectories, each in lifecycle order.
 
     Yields (type, trajectory, fields); a finished trajectory is replaced by a new one.
@@ -77,7 +77,7 @@ def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterato
     made = 0
     serial = 0
 
-    def lifecycle(traj: str) -> Iterator[tuple]:
+    def lifecycle(traj: str) -> Iterator[tuple[Any, ...]]:
         ctx = rng.randint(800, 4000)
         yield ("sample_dispatched", traj, {"group": f"g{serial // 32}", "task": "swe"})
         yield ("sandbox_started", traj, {"mode": rng.choice(("prewarm", "cold"))})
@@ -102,7 +102,7 @@ def workload(n: int, *, prefix: str, live: int = 2000, seed: int = 3) -> Iterato
         yield ("reward_started", traj, {})
         yield ("reward_finished", traj, {"accepted": rng.random() < 0.7})
 
-    active: list[Iterator[tuple]] = []
+    active: list[Iterator[tuple[Any, ...]]] = []
     while made < n:
         while len(active) < live:
             active.append(lifecycle(f"{prefix}{serial}"))

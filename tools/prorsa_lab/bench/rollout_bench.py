@@ -20,7 +20,7 @@ from typing import Any
 
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
-from prorsa_lab.sim.runner import GridConfig, aggregate, jobs, run_jobs
+from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
 from prorsa_lab.sim.workloads import get_task
 
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
@@ -173,7 +173,7 @@ def goals(rows: list[Any]) -> list[dict[str, Any]]:
     """
     out: list[dict[str, Any]] = []
 
-    def sp(r: Any, p: str, over: str) -> float | None:
+    def sp(r: SettingRow, p: str, over: str) -> float | None:
         return r.speedup(p, over=over)
 
     def label(r: Any) -> str:

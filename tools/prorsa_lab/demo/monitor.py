@@ -20,6 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_lab.demo.pod_directory import PodDirectory
 
 log = logging.getLogger("prorsa_lab.demo.monitor")
@@ -117,10 +118,7 @@ class Monitor:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await self.poll()  # the final counters for the summary
         if self._http is not None:

@@ -10,7 +10,6 @@ through its own Kubernetes discovery); nothing here sends a request to an engine
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
     CLUSTER_LABEL,
     COMPONENT_LABEL,
@@ -77,10 +77,7 @@ class PodDirectory:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._http.aclose()
 
     async def _loop(self) -> None:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from typing import Any, TextIO
 import httpx
 
 from prorsa_agent.config import Timeouts
+from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_lab.demo.demo_trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.phases import (
@@ -337,7 +337,6 @@ async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> Demo
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     main = asyncio.current_task()
 
     def on_signal() -> None:
@@ -348,9 +347,7 @@ async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> Demo
     def take_signals() -> None:
         # kopf installs its own handlers when the operator starts; a signal there would
         # stop the operator and cancel every task created after it, the trainer's included.
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, on_signal)
+        on_stop_signals(on_signal)
 
     take_signals()
     try:
@@ -361,9 +358,7 @@ async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> Demo
             raise DemoInterrupted("interrupted twice: stopped without a summary") from None
         raise
     finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        drop_stop_signals()
 
 
 async def _run(

@@ -10,12 +10,12 @@ them, the webhook's event rate, the forecast mode and WAPE, and the trainer's co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_lab.demo.demo_trainer import DemoTrainer
 from prorsa_lab.demo.monitor import Monitor, SwitchRecord
 from prorsa_lab.demo.pod_directory import PodDirectory
@@ -167,10 +167,7 @@ class _View(ABC):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self.refresh()
         self.end()
 

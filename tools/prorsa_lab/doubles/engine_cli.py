@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from prorsa_contract.aio import stop_requested
 
 if TYPE_CHECKING:
     from prorsa_lab.doubles.engine_server import EngineDouble
@@ -163,20 +163,17 @@ def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
 
 async def serve(engine: EngineDouble) -> None:
     """Run until SIGINT/SIGTERM; print the bound URL first (tests read it)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    url = await engine.start()
-    print(f"engine double listening on {url} (role={engine.role})", flush=True)
-    # SGLang 0.5.23 logs its resolved server arguments, API keys included, on start-up
-    # (srt/entrypoints/engine.py): so does the double, for the agent's redaction to be tested.
-    print(f"engine double: server_args={engine.config!r}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await engine.close()
+    with stop_requested() as stop:
+        url = await engine.start()
+        print(f"engine double listening on {url} (role={engine.role})", flush=True)
+        # SGLang 0.5.23 logs its resolved server arguments, API keys included, on start-up
+        # (srt/entrypoints/engine.py): so does the double, for the agent's redaction to be
+        # tested.
+        print(f"engine double: server_args={engine.config!r}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await engine.close()
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

@@ -844,7 +844,7 @@ class EngineCore:
         graph["decode"] = round(self.graph_memory_gb, 3)
         return graph
 
-    def _reply(self, success: bool, message: str, old: str, new: str, safe: bool) -> dict:
+    def _reply(self, success: bool, message: str, old: str, new: str, safe: bool) -> dict[str, Any]:
         self._count(switches_ok=1 if success else 0, switches_failed=0 if success else 1)
         return {
             "rid": None,

@@ -14,13 +14,13 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -269,7 +269,7 @@ class _SchedulerGauges(Collector):
         self._config = config
         self._core = core_ref
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterator[Metric]:
         core = self._core()
         if core is None:
             return
@@ -519,7 +519,9 @@ class EngineDouble:
         r.add_post("/_double/crash", self._double_crash)
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         """SGLang's ``decide_request_auth``: probes and metrics are always open."""
         path = request.path
         if request.method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):

@@ -155,5 +155,5 @@ def decode(body: bytes) -> dict[str, Any]:
             raw = value
     if kind not in _KINDS:
         raise ProtobufError(f"the emulator does not decode protobuf {kind or 'bodies'}")
-    body = _delete_options(raw) if kind == "DeleteOptions" else _message(raw, kind)
-    return {"apiVersion": api_version, "kind": kind, **body}
+    fields = _delete_options(raw) if kind == "DeleteOptions" else _message(raw, kind)
+    return {"apiVersion": api_version, "kind": kind, **fields}

@@ -231,6 +231,7 @@ def _check_cel(value: Any, schema: Mapping[str, Any], path: str, out: list[Field
         return
     try:
         import celpy
+        from celpy.adapter import json_to_cel
     except ImportError:  # cel-python is optional: rules are then not enforced
         return
     for rule in rules:
@@ -242,7 +243,7 @@ def _check_cel(value: Any, schema: Mapping[str, Any], path: str, out: list[Field
             if program is None:
                 env = celpy.Environment()
                 program = _CEL_CACHE.setdefault(text, env.program(env.compile(text)))
-            ok = bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+            ok = bool(program.evaluate({"self": json_to_cel(value)}))
         except Exception as exc:  # a rule that does not evaluate is a refusal, as on a cluster
             out.append(
                 FieldIssue(

@@ -28,6 +28,7 @@ from typing import Any
 
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
+from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import BOOTSTRAP_ANNOTATION, BOOTSTRAP_PORT, COMPONENT_LABEL, MANAGED_BY
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
@@ -85,10 +86,7 @@ class FakeKubelet:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for name in list(self.pods):
             await self._stop(name)
         for name in list(self.routers):
@@ -175,7 +173,7 @@ class FakeKubelet:
             bootstrap_port=int(bootstrap) if bootstrap else BOOTSTRAP_PORT,
             served_model_name=config.served_model_name or served,
         )
-        pod = EnginePod(
+        engine_pod = EnginePod(
             instance=name,
             token=token,
             engine=config,
@@ -184,8 +182,8 @@ class FakeKubelet:
             agent_port=self.agent_port,
             engine_api_key=key or None,
         )
-        await pod.start()
-        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
+        await engine_pod.start()
+        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,

@@ -181,16 +181,18 @@ class Stack:
     # -- the API -----------------------------------------------------------------------------
 
     async def create_cluster(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        return await self.kube._call(
+        created = await self.kube._call(
             self.kube.custom.create_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, copy.deepcopy(manifest),
         )  # fmt: skip
+        return self.kube._plain(created)
 
     async def get_cluster(self, name: str = "demo") -> dict[str, Any]:
-        return await self.kube._call(
+        found = await self.kube._call(
             self.kube.custom.get_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, name,
         )  # fmt: skip
+        return self.kube._plain(found)
 
     async def patch_cluster(self, name: str, patch: dict[str, Any]) -> None:
         await self.kube._call(

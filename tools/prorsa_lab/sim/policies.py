@@ -377,7 +377,7 @@ class Oracle(Prorsa):
                 admissions += 1
         # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger; requests
         # queued for prefill now decode next, as the Controller counts them.
-        queued = sum(1 for at, _x, _w in work if at <= now)
+        queued = len([at for at, _x, _w in work if at <= now])
         decoding += max(admissions, queued)
         b = (k_d + admitted) / self.kv_capacity
         waiting = sum(w for at, _x, w in work if at <= now) - queued
@@ -406,7 +406,7 @@ class Oracle(Prorsa):
         req = t.req
         if req is None:
             return None, None
-        left = req.new_tokens - req.generated
+        left: float = req.new_tokens - req.generated
         inst, rank = req.inst, req.rank
         if req.where == RUNNING and inst is not None and rank is not None and inst.busy:
             step = inst.seg_step

@@ -243,13 +243,13 @@ class Instance:
             role=role,  # type: ignore[arg-type]
             switching=self.switch is not None,
             healthy=True,
-            runningRequests=running,
-            waitingRequests=waiting,
-            waitingTokens=waiting_tokens,
-            kvUsedTokens=kv,
-            kvCapacityTokens=self.cap * len(self.ranks),
-            prefillBusySeconds=round(self.prefill_busy_seconds, 6),
-            prefillTokens=self.prefill_tokens,
+            running_requests=running,
+            waiting_requests=waiting,
+            waiting_tokens=waiting_tokens,
+            kv_used_tokens=kv,
+            kv_capacity_tokens=self.cap * len(self.ranks),
+            prefill_busy_seconds=round(self.prefill_busy_seconds, 6),
+            prefill_tokens=self.prefill_tokens,
         )
 
     def load_tokens(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -121,10 +121,11 @@ def prefill_work(x: np.ndarray, cached: np.ndarray | float, doubling: float | No
     (x − c)·(1 + (x + c)/(2L)) start-of-prompt tokens: a resend that recomputes a 60k
     context is ~2.5× its token count, a 1k tool turn on a cached 60k prefix ~2.5× too.
     """
-    comp = np.maximum(x - cached, 1.0)
+    comp: np.ndarray = np.maximum(x - cached, 1.0)
     if not doubling:
         return comp
-    return comp * (1.0 + (x + np.minimum(cached, x)) / (2.0 * doubling))
+    weighted: np.ndarray = comp * (1.0 + (x + np.minimum(cached, x)) / (2.0 * doubling))
+    return weighted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -321,244 +322,53 @@ class Forecaster:
     # -- the forecast ------------------------------------------------------------------------
 
     def forecast(self, table: TrajectoryTable, *, now: float, site: PrefillSite) -> ForecastResult:
+        """Eq. 15 and Eq. 13–14 for the horizon after ``now``, one demand source at a time."""
         c = self.config
-        S = c.horizon
-        n = table.hwm
-        col = table.cols
-        state = col["state"][:n]
-        since = col["since"][:n]
-        x = col["x"][:n]
-        task = col["task"][:n]
-
-        # Future arrivals for Eq. 13: (arrival time, prompt tokens, weight).
-        arr_u: list[np.ndarray] = []
-        arr_x: list[np.ndarray] = []
-        arr_w: list[np.ndarray] = []
-        # Tokens each request is expected to compute: its prompt minus the prefix the
-        # engines still hold from its previous turn (the table's ``cached``). New samples,
-        # and resends after an abort, compute their whole prompt.
-        arr_c: list[np.ndarray] = []
-        cached = col["cached"][:n]
-        doubling = site.doubling_tokens
-
-        # Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂).
-        d_hat = max(self.dispatch_delay.value, 0.0)
-        s_pw = max(0.0, S - d_hat)
-        launches = 0.0
-        w_samp = 0.0
-        rew = np.flatnonzero(state == REWARD)
-        if s_pw > 0 and c.policy != "none":
-            p_hat = self.admit_rate.value
-            if c.policy == "fixedRate":
-                launches = c.rate_per_second * s_pw
-                xhat = self.first_prompt_tokens(-2)
-                w_samp = launches * xhat
-                k = max(1, math.ceil(launches))
-                arr_u.append(now + d_hat + (np.arange(k) + 0.5) * s_pw / k)
-                arr_x.append(np.full(k, xhat))
-                arr_w.append(np.full(k, launches / k))
-                arr_c.append(prefill_work(np.full(k, xhat), 0.0, doubling))
-            elif len(rew):
-                tasks = task[rew].astype(np.int64)
-                q, res = self._conditional(
-                    self.reward, tasks, lambda t: (t,), now - since[rew], s_pw
-                )
-                xhat = self._first_prompts(tasks)
-                if c.policy == "replaceOnReward":
-                    w = p_hat * q  # Eq. 3; f(N) = N (Eq. 4)
-                    launches = float(w.sum())
-                    w_samp = float(np.dot(w, xhat))
-                    arr_u.append(now + res + d_hat)
-                    arr_x.append(xhat)
-                    arr_w.append(w)
-                    arr_c.append(prefill_work(xhat, 0.0, doubling))
-                else:  # groupReplenish: a group of groupSize per group whose members all end
-                    launches, w_samp = self._group_replenish(
-                        table,
-                        rew,
-                        q,
-                        res,
-                        xhat,
-                        now=now,
-                        d_hat=d_hat,
-                        out=(arr_u, arr_x, arr_w, arr_c),
-                        doubling=doubling,
-                    )
-
-        # Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come.
-        st = np.flatnonzero(state == STARTING)
-        w_start = 0.0
-        if len(st):
-            launched = col["launched"][:n][st]
-            dispatched = col["dispatched"][:n][st]
-            has_launch = ~np.isnan(launched)
-            origin = np.where(
-                has_launch, launched, np.where(np.isnan(dispatched), since[st], dispatched)
-            )
-            codes = np.where(
-                has_launch,
-                pack(col["mode"][:n][st], col["image"][:n][st] + 1, col["node"][:n][st] + 1),
-                -1,
-            )
-            q, res = self._conditional(self.startup, codes, _startup_key, now - origin, S)
-            fp = col["first_prompt"][:n][st]
-            xs = np.where(np.isnan(fp), self._first_prompts(task[st].astype(np.int64)), fp)
-            w_start = float(np.dot(q, xs))
-            arr_u.append(now + res)
-            arr_x.append(xs)
-            arr_w.append(q)
-            arr_c.append(prefill_work(xs, 0.0, doubling))
-
-        # Ready queue (Eq. 8) and in-flight prefill (Eq. 12): observed, full prompts.
-        ready_idx = np.flatnonzero(state == READY)
-        ready_idx = ready_idx[np.argsort(since[ready_idx], kind="stable")]
-        w_ready = float(x[ready_idx].sum())
-        c_ready = prefill_work(x[ready_idx], cached[ready_idx], doubling)
-        pre = np.flatnonzero(state == PREFILL)
-        w_inflight = float(x[pre].sum())
-        c_inflight = prefill_work(x[pre], cached[pre], doubling)
-
-        # Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S.
-        tl = np.flatnonzero(state == TOOL)
-        w_tool = 0.0
-        if len(tl):
-            done = col["tool_done"][:n][tl]
-            t_task = task[tl].astype(np.int64) + 1
-            t_tool = col["tool"][:n][tl].astype(np.int64) + 1
-            turns = col["turn"][:n][tl]
-            tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
-            load = col["tool_load"][:n][tl]
-            tau = self._ema(self.tool, pack(t_task, t_tool, tb, load), _tool_key)
-            r = np.where(done, 0.0, np.maximum(0.0, tau - (now - since[tl])))
-            soon = r < S
-            result = col["result"][:n][tl]
-            known = result >= 0
-            pair = pack(t_task, t_tool)
-            grow = np.where(
-                known,
-                self._ema(self.template, pair, _pair_key),
-                self._ema(self.growth, pair, _pair_key),
-            )
-            xhat = x[tl] + np.where(known, result, 0.0) + grow
-            w_tool = float(xhat[soon].sum())
-            comp = prefill_work(xhat[soon], cached[tl][soon], doubling)
-            arr_u.append(now + r[soon])
-            arr_x.append(xhat[soon])
-            arr_w.append(np.ones(int(soon.sum())))
-            arr_c.append(comp)
-
-        # Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
-        # q = P(T_dec < e + S − τ̂ and ends in a tool call | T_dec > e); x̂ = x + ô + growth.
-        # The decodes running now are the censored observations of that survival estimate.
-        # Not while a weight update is pending: it interrupts those decodes instead.
+        view = _TableView.of(table, now=now, horizon=c.horizon, doubling=site.doubling_tokens)
+        arrivals = _Arrivals()
+        sampler = self._sampler_demand(view, arrivals)
+        w_start = self._startup_demand(view, arrivals)
+        ready = self._ready_demand(view)
+        inflight = self._inflight_demand(view)
+        w_tool = self._tool_demand(view, arrivals)
         update = table.weight_update
         updating = update.in_progress(now)
-        dc = np.flatnonzero(state == DECODE) if c.decode_chain else np.empty(0, dtype=np.int64)
-        d_task = task[dc].astype(np.int64)
-        turns = col["turn"][:n][dc]
-        tb = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
-        elapsed = now - since[dc]
-        groups = [
-            ((t_code - 1, turn), idx)
-            for code, idx in self._by_class(pack(d_task + 1, tb))
-            for t_code, turn in (_unpack(code, 2),)
-        ]
-        self.decode_time.observe_running(now, {key: elapsed[idx] for key, idx in groups})
-        for (t, turn), idx in groups if not updating else ():
-            tau = self.tool.get((t,))
-            window = S - tau
-            if window <= 0:
-                continue
-            # Conditioned on the outcome as well as on e: the longer a decode has run,
-            # the likelier it is a final answer rather than a tool call.
-            w, res = self.decode_time.conditional((t, turn), elapsed[idx], window, marked=True)
-            _, out = self._decode_outcome(t)
-            xhat = x[dc[idx]] + out + self.growth.get((t, -1))
-            w_tool += float(np.dot(w, xhat))
-            comp = prefill_work(xhat, cached[dc[idx]], doubling)
-            keep = w > 0
-            arr_u.append(now + res[keep] + tau)
-            arr_x.append(xhat[keep])
-            arr_w.append(w[keep])
-            arr_c.append(comp[keep])
-
-        # A pending weight update: nothing prefills before it ends, and then every request
-        # still decoding has been interrupted and re-prefills its whole context.
+        w_tool += self._decode_chain_demand(view, arrivals, updating=updating)
         resume_at = update.expected_end(now) if updating else None
-        re_u = re_x = re_c = np.empty(0)
-        if resume_at is not None:
-            arr_u = [np.maximum(u, resume_at) for u in arr_u]
-            if resume_at < now + S:
-                interrupted = np.flatnonzero(state == DECODE)
-                re_x = x[interrupted]
-                re_u = np.full(len(interrupted), resume_at)
-                re_c = prefill_work(re_x, 0.0, doubling)
-        w_reprefill = float(re_x.sum())
+        reprefill = self._reprefill_demand(view, arrivals, resume_at=resume_at)
 
-        raw_arrivals = w_samp + w_start + w_tool
+        raw_arrivals = sampler.tokens + w_start + w_tool
         corrected = c.bias_correction
         a_factor = self.accuracy.arrival_factor if corrected else 1.0
         d_factor = self.accuracy.admission_factor if corrected else 1.0
-        prefill = w_ready + w_inflight + w_reprefill + a_factor * raw_arrivals  # Eq. 15
+        prefill = ready.tokens + inflight.tokens + reprefill.tokens + a_factor * raw_arrivals
 
-        # Decode admissions, Eq. 13–14, on the current prefill instances.
-        names = {name: i for i, name in enumerate(site.names)}
-        inst_codes = col["instance"][:n][pre]
-        inst_map = np.full(len(table.instances.names) + 1, -1, dtype=np.int64)
-        for name, i in names.items():
-            code = table.instances.get(name)
-            if code is not None:
-                inst_map[code] = i
-        pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
-        per_computed = site.per_computed_token
-        per_rank = site.seconds_per_token * site.ranks
-        finish = np.maximum(since[pre] + (c_inflight if per_computed else x[pre]) * per_rank, now)
-        if resume_at is not None:
-            # Interrupted prefills start over on the new weights.
-            full = prefill_work(x[pre], 0.0, doubling) if per_computed else x[pre]
-            finish = resume_at + full * per_rank
-        arrival_w = np.concatenate(arr_w) if arr_w else np.empty(0)
-        arrival_work = np.concatenate(arr_c) if arr_c else np.empty(0)
-        adm: Admissions = predict_admissions(
-            now=now,
-            horizon=S,
-            instances=len(site.names),
-            inflight_instance=pinned,
-            inflight_finish=finish,
-            inflight_x=x[pre],
-            queued_x=x[ready_idx],
-            arrival_u=np.concatenate([*arr_u, re_u]),
-            arrival_x=np.concatenate([*arr_x, re_x]),
-            arrival_w=np.concatenate([arrival_w, np.ones(len(re_x))]),
-            queued_work=c_ready if per_computed else None,
-            arrival_work=np.concatenate([arrival_work, re_c]) if per_computed else None,
+        adm = self._admissions(
+            view,
+            site,
+            arrivals=arrivals,
+            ready=ready,
+            inflight=inflight,
+            reprefill=reprefill,
             resume_at=resume_at,
-            seconds_per_token=site.seconds_per_token,
-            kv_per_token=c.kv_per_token,
-            ranks=site.ranks,
         )
         # W_P / θ_P of Eq. 1, counted over the same requests as W_P with the same g.
-        if per_computed:
-            work = (
-                c_ready.sum()
-                + c_inflight.sum()
-                + re_c.sum()
-                + a_factor * np.dot(arrival_w, arrival_work)
-            )
-            queued, burst = c_ready.sum() + c_inflight.sum(), re_c.sum()
+        if site.per_computed_token:
+            queued = ready.work.sum() + inflight.work.sum()
+            burst = reprefill.work.sum()
+            work = queued + burst + a_factor * np.dot(*arrivals.weights_and_work())
         else:
             work = prefill
-            queued, burst = w_ready + w_inflight, w_reprefill
-        prefill_seconds = float(work) * site.seconds_per_token
+            queued, burst = ready.tokens + inflight.tokens, reprefill.tokens
         return ForecastResult(
-            sampler=a_factor * w_samp,
+            sampler=a_factor * sampler.tokens,
             startup=a_factor * w_start,
-            ready=w_ready,
+            ready=ready.tokens,
             tool=a_factor * w_tool,
-            inflight=w_inflight,
-            reprefill=w_reprefill,
+            inflight=inflight.tokens,
+            reprefill=reprefill.tokens,
             prefill=prefill,
-            prefill_seconds=prefill_seconds,
+            prefill_seconds=float(work) * site.seconds_per_token,
             queued_seconds=float(queued) * site.seconds_per_token,
             reprefill_seconds=float(burst) * site.seconds_per_token,
             admission=d_factor * adm.tokens,
@@ -568,32 +378,234 @@ class Forecaster:
             raw_admission=adm.tokens,
             arrival_factor=a_factor,
             admission_factor=d_factor,
-            sampler_launches=launches,
-            launch_horizon=s_pw,
+            sampler_launches=sampler.launches,
+            launch_horizon=sampler.launch_horizon,
+        )
+
+    def _sampler_demand(self, v: _TableView, arrivals: _Arrivals) -> _SamplerDemand:
+        """Data sampler, Eq. 2–5, over the launch horizon S_pw = max(0, S − d̂)."""
+        c = self.config
+        d_hat = max(self.dispatch_delay.value, 0.0)
+        s_pw = max(0.0, v.horizon - d_hat)
+        nothing = _SamplerDemand(tokens=0.0, launches=0.0, launch_horizon=s_pw)
+        if s_pw <= 0 or c.policy == "none":
+            return nothing
+        now, doubling = v.now, v.doubling
+        if c.policy == "fixedRate":
+            launches = c.rate_per_second * s_pw
+            first = self.first_prompt_tokens(-2)
+            k = max(1, math.ceil(launches))
+            prompts = np.full(k, first)
+            arrivals.add(
+                u=now + d_hat + (np.arange(k) + 0.5) * s_pw / k,
+                x=prompts,
+                w=np.full(k, launches / k),
+                work=prefill_work(prompts, 0.0, doubling),
+            )
+            return _SamplerDemand(tokens=launches * first, launches=launches, launch_horizon=s_pw)
+        rew = np.flatnonzero(v.state == REWARD)
+        if not len(rew):
+            return nothing
+        tasks = v.task[rew].astype(np.int64)
+        q, res = self._conditional(self.reward, tasks, lambda t: (t,), now - v.since[rew], s_pw)
+        xhat = self._first_prompts(tasks)
+        if c.policy == "replaceOnReward":
+            w = self.admit_rate.value * q  # Eq. 3; f(N) = N (Eq. 4)
+            arrivals.add(u=now + res + d_hat, x=xhat, w=w, work=prefill_work(xhat, 0.0, doubling))
+            return _SamplerDemand(
+                tokens=float(np.dot(w, xhat)), launches=float(w.sum()), launch_horizon=s_pw
+            )
+        # groupReplenish: a group of groupSize per group whose members all end
+        launches, tokens = self._group_replenish(
+            v, rew, q, res, xhat, d_hat=d_hat, arrivals=arrivals
+        )
+        return _SamplerDemand(tokens=tokens, launches=launches, launch_horizon=s_pw)
+
+    def _startup_demand(self, v: _TableView, arrivals: _Arrivals) -> float:
+        """Sandbox startup, Eq. 6–7: trajectories launched whose first request has not come."""
+        st = np.flatnonzero(v.state == STARTING)
+        if not len(st):
+            return 0.0
+        launched = v.at("launched", st)
+        dispatched = v.at("dispatched", st)
+        has_launch = ~np.isnan(launched)
+        origin = np.where(
+            has_launch, launched, np.where(np.isnan(dispatched), v.since[st], dispatched)
+        )
+        codes = np.where(
+            has_launch,
+            pack(v.at("mode", st), v.at("image", st) + 1, v.at("node", st) + 1),
+            -1,
+        )
+        q, res = self._conditional(self.startup, codes, _startup_key, v.now - origin, v.horizon)
+        fp = v.at("first_prompt", st)
+        xs = np.where(np.isnan(fp), self._first_prompts(v.task[st].astype(np.int64)), fp)
+        arrivals.add(u=v.now + res, x=xs, w=q, work=prefill_work(xs, 0.0, v.doubling))
+        return float(np.dot(q, xs))
+
+    @staticmethod
+    def _ready_demand(v: _TableView) -> _Observed:
+        """Ready queue, Eq. 8: observed full prompts, in the order they were queued."""
+        idx = np.flatnonzero(v.state == READY)
+        idx = idx[np.argsort(v.since[idx], kind="stable")]
+        return _Observed.of(v, idx)
+
+    @staticmethod
+    def _inflight_demand(v: _TableView) -> _Observed:
+        """In-flight prefill, Eq. 12: observed full prompts."""
+        return _Observed.of(v, np.flatnonzero(v.state == PREFILL))
+
+    def _tool_demand(self, v: _TableView, arrivals: _Arrivals) -> float:
+        """Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S."""
+        tl = np.flatnonzero(v.state == TOOL)
+        if not len(tl):
+            return 0.0
+        done = v.at("tool_done", tl)
+        t_task = v.task[tl].astype(np.int64) + 1
+        t_tool = v.at("tool", tl).astype(np.int64) + 1
+        load = v.at("tool_load", tl)
+        tau = self._ema(self.tool, pack(t_task, t_tool, _turn_bucket(v, tl), load), _tool_key)
+        r = np.where(done, 0.0, np.maximum(0.0, tau - (v.now - v.since[tl])))
+        soon = r < v.horizon
+        result = v.at("result", tl)
+        known = result >= 0
+        pair = pack(t_task, t_tool)
+        grow = np.where(
+            known,
+            self._ema(self.template, pair, _pair_key),
+            self._ema(self.growth, pair, _pair_key),
+        )
+        xhat = v.x[tl] + np.where(known, result, 0.0) + grow
+        arrivals.add(
+            u=v.now + r[soon],
+            x=xhat[soon],
+            w=np.ones(int(soon.sum())),
+            work=prefill_work(xhat[soon], v.cached[tl][soon], v.doubling),
+        )
+        return float(xhat[soon].sum())
+
+    def _decode_chain_demand(self, v: _TableView, arrivals: _Arrivals, *, updating: bool) -> float:
+        """Still decoding, then a tool, then back within the horizon: Eq. 11 one step back.
+
+        q = P(T_dec < e + S − τ̂ and ends in a tool call | T_dec > e); x̂ = x + ô + growth.
+        The decodes running now are the censored observations of that survival estimate, so
+        they are fed to it even when the term is off. Not while a weight update is pending:
+        it interrupts those decodes instead.
+        """
+        on = self.config.decode_chain
+        dc = np.flatnonzero(v.state == DECODE) if on else np.empty(0, dtype=np.int64)
+        d_task = v.task[dc].astype(np.int64)
+        elapsed = v.now - v.since[dc]
+        groups = [
+            ((t_code - 1, turn), idx)
+            for code, idx in self._by_class(pack(d_task + 1, _turn_bucket(v, dc)))
+            for t_code, turn in (_unpack(code, 2),)
+        ]
+        self.decode_time.observe_running(v.now, {key: elapsed[idx] for key, idx in groups})
+        tokens = 0.0
+        for (t, turn), idx in groups if not updating else ():
+            tau = self.tool.get((t,))
+            window = v.horizon - tau
+            if window <= 0:
+                continue
+            # Conditioned on the outcome as well as on e: the longer a decode has run,
+            # the likelier it is a final answer rather than a tool call.
+            w, res = self.decode_time.conditional((t, turn), elapsed[idx], window, marked=True)
+            _, out = self._decode_outcome(t)
+            xhat = v.x[dc[idx]] + out + self.growth.get((t, -1))
+            tokens += float(np.dot(w, xhat))
+            comp = prefill_work(xhat, v.cached[dc[idx]], v.doubling)
+            keep = w > 0
+            arrivals.add(u=v.now + res[keep] + tau, x=xhat[keep], w=w[keep], work=comp[keep])
+        return tokens
+
+    @staticmethod
+    def _reprefill_demand(
+        v: _TableView, arrivals: _Arrivals, *, resume_at: float | None
+    ) -> _Reprefill:
+        """A pending weight update: nothing prefills before it ends, and then every request
+        still decoding has been interrupted and re-prefills its whole context."""
+        empty = np.empty(0)
+        if resume_at is None:
+            return _Reprefill(u=empty, x=empty, work=empty)
+        arrivals.hold_until(resume_at)
+        if resume_at >= v.now + v.horizon:
+            return _Reprefill(u=empty, x=empty, work=empty)
+        re_x = v.x[np.flatnonzero(v.state == DECODE)]
+        return _Reprefill(
+            u=np.full(len(re_x), resume_at), x=re_x, work=prefill_work(re_x, 0.0, v.doubling)
+        )
+
+    def _admissions(
+        self,
+        v: _TableView,
+        site: PrefillSite,
+        *,
+        arrivals: _Arrivals,
+        ready: _Observed,
+        inflight: _Observed,
+        reprefill: _Reprefill,
+        resume_at: float | None,
+    ) -> Admissions:
+        """Decode admissions, Eq. 13–14, on the current prefill instances."""
+        pre = inflight.idx
+        inst_codes = v.at("instance", pre)
+        inst_map = np.full(len(v.table.instances.names) + 1, -1, dtype=np.int64)
+        for i, name in enumerate(site.names):
+            code = v.table.instances.get(name)
+            if code is not None:
+                inst_map[code] = i
+        pinned = np.where(inst_codes >= 0, inst_map[np.maximum(inst_codes, 0)], -1)
+        per_computed = site.per_computed_token
+        per_rank = site.seconds_per_token * site.ranks
+        x_pre = v.x[pre]
+        finish = np.maximum(
+            v.since[pre] + (inflight.work if per_computed else x_pre) * per_rank, v.now
+        )
+        if resume_at is not None:
+            # Interrupted prefills start over on the new weights.
+            full = prefill_work(x_pre, 0.0, v.doubling) if per_computed else x_pre
+            finish = resume_at + full * per_rank
+        arrival_w, arrival_work = arrivals.weights_and_work()
+        return predict_admissions(
+            now=v.now,
+            horizon=v.horizon,
+            instances=len(site.names),
+            inflight_instance=pinned,
+            inflight_finish=finish,
+            inflight_x=x_pre,
+            queued_x=v.x[ready.idx],
+            arrival_u=np.concatenate([*arrivals.u, reprefill.u]),
+            arrival_x=np.concatenate([*arrivals.x, reprefill.x]),
+            arrival_w=np.concatenate([arrival_w, np.ones(len(reprefill.x))]),
+            queued_work=ready.work if per_computed else None,
+            arrival_work=np.concatenate([arrival_work, reprefill.work]) if per_computed else None,
+            resume_at=resume_at,
+            seconds_per_token=site.seconds_per_token,
+            kv_per_token=self.config.kv_per_token,
+            ranks=site.ranks,
         )
 
     def _group_replenish(
         self,
-        table: TrajectoryTable,
+        v: _TableView,
         rew: np.ndarray,
         q: np.ndarray,
         res: np.ndarray,
         xhat: np.ndarray,
         *,
-        now: float,
         d_hat: float,
-        out: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]],
-        doubling: float | None,
+        arrivals: _Arrivals,
     ) -> tuple[float, float]:
         """Eq. 4 with f = group replenishment: a group whose live members are all in reward
         ends within the horizon with probability Π q_i (members independent; known group
         state held fixed), and then brings groupSize new samples."""
-        groups = table.cols["group"][: table.hwm][rew]
+        groups = v.at("group", rew)
         member = groups >= 0
         if not member.any():
             return 0.0, 0.0
         g = groups[member]
-        live = table.group_live_counts()
+        live = v.table.group_live_counts()
         size = len(live)
         in_reward = np.bincount(g, minlength=size)
         logq = np.bincount(g, weights=np.log(np.maximum(q[member], 1e-300)), minlength=size)
@@ -607,10 +619,122 @@ class Forecaster:
         xbar = np.where(in_reward > 0, xsum / np.maximum(in_reward, 1), 0.0)
         tokens = float(k * np.dot(p_group, xbar))
         sel = np.flatnonzero(p_group > 0)
-        u, xs, ws, computed = out
-        u.append(now + last[sel] + d_hat)
-        xs.append(xbar[sel])
-        ws.append(k * p_group[sel])
         # New samples: nothing of theirs is cached yet.
-        computed.append(prefill_work(xbar[sel], 0.0, doubling))
+        arrivals.add(
+            u=v.now + last[sel] + d_hat,
+            x=xbar[sel],
+            w=k * p_group[sel],
+            work=prefill_work(xbar[sel], 0.0, v.doubling),
+        )
         return launches, tokens
+
+
+def _turn_bucket(v: _TableView, idx: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`turn_bucket` of the trajectories at ``idx``."""
+    turns = v.at("turn", idx)
+    buckets: np.ndarray = np.minimum(np.floor(np.log2(np.maximum(turns, 1))) + (turns > 0), 8)
+    return buckets
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _TableView:
+    """The columns one forecast reads, cut to the used slots, and the tick's constants."""
+
+    table: TrajectoryTable
+    col: dict[str, np.ndarray]
+    n: int
+    now: float
+    horizon: float  # S
+    doubling: float | None
+    state: np.ndarray
+    since: np.ndarray
+    x: np.ndarray
+    task: np.ndarray
+    cached: np.ndarray
+
+    def at(self, column: str, idx: np.ndarray) -> np.ndarray:
+        """The values of ``column`` at the used slots ``idx``."""
+        values: np.ndarray = self.col[column][: self.n][idx]
+        return values
+
+    @classmethod
+    def of(
+        cls, table: TrajectoryTable, *, now: float, horizon: float, doubling: float | None
+    ) -> _TableView:
+        n = table.hwm
+        col = table.cols
+        return cls(
+            table=table,
+            col=col,
+            n=n,
+            now=now,
+            horizon=horizon,
+            doubling=doubling,
+            state=col["state"][:n],
+            since=col["since"][:n],
+            x=col["x"][:n],
+            task=col["task"][:n],
+            # Tokens a request computes: its prompt minus the prefix the engines still hold
+            # from its previous turn. New samples and resends compute their whole prompt.
+            cached=col["cached"][:n],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrivals:
+    """Future arrivals for Eq. 13, per source: time, prompt tokens, weight, computed work."""
+
+    u: list[np.ndarray] = field(default_factory=list)
+    x: list[np.ndarray] = field(default_factory=list)
+    w: list[np.ndarray] = field(default_factory=list)
+    work: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, *, u: np.ndarray, x: np.ndarray, w: np.ndarray, work: np.ndarray) -> None:
+        self.u.append(u)
+        self.x.append(x)
+        self.w.append(w)
+        self.work.append(work)
+
+    def hold_until(self, t: float) -> None:
+        """Nothing arrives at a prefill engine before ``t`` (a weight update ends)."""
+        self.u[:] = [np.maximum(u, t) for u in self.u]
+
+    def weights_and_work(self) -> tuple[np.ndarray, np.ndarray]:
+        w = np.concatenate(self.w) if self.w else np.empty(0)
+        work = np.concatenate(self.work) if self.work else np.empty(0)
+        return w, work
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _SamplerDemand:
+    tokens: float  # W_samp, Eq. 5
+    launches: float  # N̂_samp, Eq. 4
+    launch_horizon: float  # S_pw
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Observed:
+    """Requests already at a prefill engine (queued or in flight): observed, not predicted."""
+
+    idx: np.ndarray
+    tokens: float
+    work: np.ndarray
+
+    @classmethod
+    def of(cls, v: _TableView, idx: np.ndarray) -> _Observed:
+        return cls(
+            idx=idx,
+            tokens=float(v.x[idx].sum()),
+            work=prefill_work(v.x[idx], v.cached[idx], v.doubling),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Reprefill:
+    u: np.ndarray
+    x: np.ndarray
+    work: np.ndarray
+
+    @property
+    def tokens(self) -> float:
+        return float(self.x.sum())

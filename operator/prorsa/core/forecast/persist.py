@@ -11,6 +11,8 @@ from typing import Any
 
 from prorsa.core.estimators import PrefillSpeed
 from prorsa.core.forecast.model import Forecaster
+from prorsa.core.forecast.stats import ClassedDistributions
+from prorsa.core.forecast.survival import ClassedSurvival
 from prorsa.core.forecast.table import Interner, TrajectoryTable
 
 FORMAT = 1
@@ -30,7 +32,9 @@ def _interner(table: TrajectoryTable, kind: str) -> Interner:
     return getattr(table, kind)  # type: ignore[no-any-return]
 
 
-def _names(table: TrajectoryTable, key: tuple[Any, ...], layout: tuple[str | None, ...]) -> list:
+def _names(
+    table: TrajectoryTable, key: tuple[Any, ...], layout: tuple[str | None, ...]
+) -> list[Any]:
     if key and key[0] == "dispatch":
         return list(key)
     out: list[Any] = []
@@ -42,7 +46,9 @@ def _names(table: TrajectoryTable, key: tuple[Any, ...], layout: tuple[str | Non
     return out
 
 
-def _codes(table: TrajectoryTable, names: list[Any], layout: tuple[str | None, ...]) -> tuple:
+def _codes(
+    table: TrajectoryTable, names: list[Any], layout: tuple[str | None, ...]
+) -> tuple[Any, ...]:
     if names and names[0] == "dispatch":
         return tuple(names)
     out: list[Any] = []
@@ -55,7 +61,11 @@ def export_state(
     *, table: TrajectoryTable, forecaster: Forecaster, theta: PrefillSpeed
 ) -> dict[str, Any]:
     f = forecaster
-    stats = {"reward": f.reward, "startup": f.startup, "decode": f.decode_time}
+    stats: dict[str, ClassedDistributions | ClassedSurvival] = {
+        "reward": f.reward,
+        "startup": f.startup,
+        "decode": f.decode_time,
+    }
     emas = {"tool": f.tool, "growth": f.growth, "template": f.template}
     tasks = table.tasks
     return {

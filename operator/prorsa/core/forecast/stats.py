@@ -248,11 +248,11 @@ class EmaTable:
         if not 0 <= observed < math.inf:  # also refuses NaN
             return
         a = self.alpha
-        feeds = self._feeds.get(key)
-        if feeds is not None:
-            for entry in feeds:
-                entry[0] += a * (observed - entry[0])
-                entry[1] += 1
+        cached = self._feeds.get(key)
+        if cached is not None:
+            for fed in cached:
+                fed[0] += a * (observed - fed[0])
+                fed[1] += 1
             return
         entries = self._entries
         feeds = []

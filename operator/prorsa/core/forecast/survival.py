@@ -148,7 +148,8 @@ class SurvivalWindow:
     def export(self) -> list[list[float]]:
         """[duration, mark] pairs, oldest first (restoring keeps the eviction order)."""
         order = np.arange(self._next - self._n, self._next) % self._buf.shape[1]
-        return self._buf[1:, order].T.tolist()
+        pairs: list[list[float]] = self._buf[1:, order].T.tolist()
+        return pairs
 
     # -- the fit ---------------------------------------------------------------------------
 

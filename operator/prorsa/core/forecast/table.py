@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,7 +56,7 @@ _TO_TOOL = frozenset({TOOL, DECODE})
 _FROM_TOOL = frozenset({TOOL})
 _TO_REWARD = frozenset({REWARD, DECODE, TOOL})
 _REMOVALS = frozenset({"reward_finished", "trajectory_dropped"})
-_CLUSTER = frozenset(ev.CLUSTER_EVENT_TYPES)
+_CLUSTER = (ev.WeightUpdateStarted, ev.WeightUpdateFinished)
 # States whose trajectory holds a context that comes back to prefill (paper §3.1: after a
 # weight update every carried-over trajectory re-prefills its whole context).
 _HOLDS_CONTEXT = (READY, PREFILL, DECODE, TOOL)
@@ -173,28 +173,65 @@ FLUSH_REFRACTORY_SECONDS = 30.0
 # duration, if longer) is taken as abandoned: the forecast stops waiting for it.
 UPDATE_GIVE_UP_SECONDS = 600.0
 
-# (name, array typecode, numpy dtype, fill value of a fresh slot)
-_COLUMNS: tuple[tuple[str, str, type, float], ...] = (
-    ("state", "b", np.int8, FREE),
-    ("since", "d", np.float64, 0.0),  # entry into the current state (trainer clock)
-    ("x", "d", np.float64, 0.0),  # full prompt of the current request; context in tool/reward
-    ("result", "d", np.float64, -1.0),  # tool result tokens when tool_finished said so
-    ("cached", "d", np.float64, 0.0),  # prompt of the last completed prefill: likely cached
-    ("dispatched", "d", np.float64, math.nan),
-    ("launched", "d", np.float64, math.nan),  # sandbox launch a_k
-    ("first_prompt", "d", np.float64, math.nan),  # prompt_tokens announced at dispatch
-    ("tool_done", "b", np.int8, 0),
-    ("queued_once", "b", np.int8, 0),  # has any request been queued yet
-    ("mode", "b", np.int8, MODE_UNKNOWN),
-    ("task", "i", np.int32, -1),
-    ("group", "i", np.int32, -1),
-    ("tool", "i", np.int32, -1),
-    ("image", "i", np.int32, -1),
-    ("node", "i", np.int32, -1),
-    ("instance", "i", np.int32, -1),
-    ("turn", "i", np.int32, 0),
-    ("tool_load", "b", np.int8, 0),
-)
+
+def _column(code: str, dtype: type[np.generic], fill: float) -> Any:
+    """A column of :class:`Columns`: its ``array`` typecode, numpy dtype and fresh value."""
+    return field(
+        default_factory=lambda: array(code),
+        metadata={"code": code, "dtype": dtype, "fill": fill},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """The table's typed column buffers, one slot per trajectory.
+
+    Named attributes (not ``setattr`` on the table) so every read and write is type-checked;
+    the buffers themselves grow in place, so references to them stay valid.
+    """
+
+    state: array[int] = _column("b", np.int8, FREE)
+    since: array[float] = _column("d", np.float64, 0.0)  # entry into the current state
+    x: array[float] = _column("d", np.float64, 0.0)  # prompt now; context in tool/reward
+    result: array[float] = _column("d", np.float64, -1.0)  # tool result tokens, if said
+    cached: array[float] = _column("d", np.float64, 0.0)  # last prefilled prompt: cached
+    dispatched: array[float] = _column("d", np.float64, math.nan)
+    launched: array[float] = _column("d", np.float64, math.nan)  # sandbox launch a_k
+    first_prompt: array[float] = _column("d", np.float64, math.nan)  # said at dispatch
+    tool_done: array[int] = _column("b", np.int8, 0)
+    queued_once: array[int] = _column("b", np.int8, 0)  # has any request been queued yet
+    mode: array[int] = _column("b", np.int8, MODE_UNKNOWN)
+    task: array[int] = _column("i", np.int32, -1)
+    group: array[int] = _column("i", np.int32, -1)
+    tool: array[int] = _column("i", np.int32, -1)
+    image: array[int] = _column("i", np.int32, -1)
+    node: array[int] = _column("i", np.int32, -1)
+    instance: array[int] = _column("i", np.int32, -1)
+    turn: array[int] = _column("i", np.int32, 0)
+    tool_load: array[int] = _column("b", np.int8, 0)
+
+    def buffers(self) -> Iterator[tuple[str, array[Any], Field[Any]]]:
+        """Each column's name, buffer and field (its metadata: code, dtype, fill)."""
+        for f in fields(self):
+            yield f.name, getattr(self, f.name), f
+
+    def grow(self, capacity: int) -> None:
+        """Extends every buffer to ``capacity`` fresh slots, in place."""
+        for _name, arr, f in self.buffers():
+            fill = f.metadata["fill"]
+            value = fill if f.metadata["code"] == "d" else int(fill)
+            arr.extend(array(f.metadata["code"], [value]) * (capacity - len(arr)))
+
+    def reset(self, slot: int) -> None:
+        """Gives ``slot`` every column's fresh value."""
+        for _name, arr, f in self.buffers():
+            arr[slot] = f.metadata["fill"]
+
+    def views(self) -> dict[str, np.ndarray]:
+        """Zero-copy numpy views, by column name."""
+        return {
+            name: np.frombuffer(arr, dtype=f.metadata["dtype"]) for name, arr, f in self.buffers()
+        }
 
 
 class TrajectoryTable:
@@ -213,12 +250,7 @@ class TrajectoryTable:
         self._free: list[int] = []
         self._hwm = 0  # slots [0, hwm) have been used at least once
         self._capacity = 0
-        self._arrays: dict[str, array] = {
-            name: array(code) for name, code, _dtype, _fill in _COLUMNS
-        }
-        for name, arr in self._arrays.items():
-            setattr(self, "_" + name, arr)
-        self._fresh = [(self._arrays[name], fill) for name, _c, _d, fill in _COLUMNS]
+        self._c = Columns()
         self._grow(initial_capacity)
         # Replayed event ids (0: the caller dedupes, e.g. the webhook's own window).
         self._dedupe = DedupeWindow(capacity=dedupe_window) if dedupe_window > 0 else None
@@ -265,10 +297,8 @@ class TrajectoryTable:
     # -- storage -------------------------------------------------------------------------
 
     def _grow(self, capacity: int) -> None:
-        # In place, so the attribute aliases stay valid. No numpy view may be alive here.
-        for name, code, _dtype, fill in _COLUMNS:
-            arr = self._arrays[name]
-            arr.extend(array(code, [int(fill) if code != "d" else fill]) * (capacity - len(arr)))
+        # In place, so references to the buffers stay valid. No numpy view may be alive here.
+        self._c.grow(capacity)
         self._capacity = capacity
 
     @property
@@ -278,10 +308,7 @@ class TrajectoryTable:
         Readers (the tick) must drop them before more events are applied: a live view pins
         the buffers, and growing the table would then fail.
         """
-        return {
-            name: np.frombuffer(self._arrays[name], dtype=dtype)
-            for name, _code, dtype, _fill in _COLUMNS
-        }
+        return self._c.views()
 
     def _alloc(self, trajectory: str, state: int, ts: float) -> int:
         if self._free:
@@ -291,18 +318,17 @@ class TrajectoryTable:
                 self._grow(self._capacity * 2)
             slot = self._hwm
             self._hwm += 1
-        for arr, fill in self._fresh:
-            arr[slot] = fill
-        self._state[slot] = state
-        self._since[slot] = ts
+        self._c.reset(slot)
+        self._c.state[slot] = state
+        self._c.since[slot] = ts
         self.counts[state] += 1
         self._slots[trajectory] = slot
         return slot
 
     def _release(self, trajectory: str, slot: int) -> None:
-        self.counts[int(self._state[slot])] -= 1
-        self._state[slot] = FREE
-        g = int(self._group[slot])
+        self.counts[int(self._c.state[slot])] -= 1
+        self._c.state[slot] = FREE
+        g = int(self._c.group[slot])
         if g >= 0:
             self._group_live[g] -= 1
             if self._group_live[g] == 0:
@@ -318,7 +344,7 @@ class TrajectoryTable:
             self._finished.popitem(last=False)
 
     def _join_group(self, slot: int, name: str | None) -> None:
-        if name is None or self._group[slot] >= 0:
+        if name is None or self._c.group[slot] >= 0:
             return
         g = self.groups.get(name)
         if g is None:
@@ -331,7 +357,7 @@ class TrajectoryTable:
                 self._group_names.append(name)
                 self._group_live.append(0)
             self.groups[name] = g
-        self._group[slot] = g
+        self._c.group[slot] = g
         self._group_live[g] += 1
 
     def set_dedupe_window(self, size: int) -> None:
@@ -351,7 +377,7 @@ class TrajectoryTable:
     def context_of(self, trajectory: str) -> float | None:
         """The context a live trajectory holds (tokens), None for an unknown one."""
         slot = self._slots.get(trajectory)
-        return None if slot is None else float(self._x[slot])
+        return None if slot is None else float(self._c.x[slot])
 
     def live_contexts_by_instance(self) -> dict[str, float]:
         """Context tokens of live trajectories by the instance their last prefill ran on.
@@ -391,7 +417,7 @@ class TrajectoryTable:
         before = sum(self.anomalies.values())
         handlers = self._handlers
         slots = self._slots
-        since = self._since
+        since = self._c.since
         latest = -math.inf
         try:
             for event in events:
@@ -399,7 +425,7 @@ class TrajectoryTable:
                 ts = event.ts
                 if ts > latest:
                     latest = ts
-                if event.type in _CLUSTER:
+                if isinstance(event, _CLUSTER):
                     handlers[event.type](event, None)
                     continue
                 slot = slots.get(event.trajectory)
@@ -445,11 +471,11 @@ class TrajectoryTable:
     def _flush_caches(self, ts: float) -> None:
         """Every cached prefix is gone (new weights): each next prefill computes it all."""
         n = self._hwm
-        self._cached[:n] = array("d", bytes(8 * n))
+        self._c.cached[:n] = array("d", bytes(8 * n))
         self._last_flush = ts
         self.cache_flushes += 1
 
-    def _create(self, e: ev.Event, state: int, *, expected: bool = False) -> int | None:
+    def _create(self, e: ev.TrajectoryEvent, state: int, *, expected: bool = False) -> int | None:
         """A slot for a trajectory first heard of now, or None if it already finished."""
         if e.trajectory in self._finished:
             self.anomalies["finished_trajectory"] += 1
@@ -464,15 +490,15 @@ class TrajectoryTable:
         The per-request handlers (request, prefill, tool) inline these lines: they run for
         most events, and there the call costs about as much as its body.
         """
-        old = self._state[slot]
+        old = self._c.state[slot]
         if old not in allowed:
             self.anomalies["unexpected_transition"] += 1
         if old != state:
             counts = self.counts
             counts[old] -= 1
             counts[state] += 1
-            self._state[slot] = state
-        self._since[slot] = ts
+            self._c.state[slot] = state
+        self._c.since[slot] = ts
         return old
 
     def _sample_dispatched(self, e: ev.SampleDispatched, slot: int | None) -> None:
@@ -482,10 +508,10 @@ class TrajectoryTable:
         slot = self._create(e, STARTING, expected=True)
         if slot is None:
             return
-        self._dispatched[slot] = e.ts
-        self._task[slot] = self.tasks.code(e.task)
+        self._c.dispatched[slot] = e.ts
+        self._c.task[slot] = self.tasks.code(e.task)
         if e.prompt_tokens is not None:
-            self._first_prompt[slot] = e.prompt_tokens
+            self._c.first_prompt[slot] = e.prompt_tokens
         self._join_group(slot, e.group)
 
     def _sandbox_started(self, e: ev.SandboxStarted, slot: int | None) -> None:
@@ -495,22 +521,22 @@ class TrajectoryTable:
                 return
         else:
             self._move(slot, STARTING, e.ts, _FROM_STARTING)
-        self._launched[slot] = e.ts
-        self._mode[slot] = MODE_CODE[e.mode]
-        self._image[slot] = self.images.code(e.image)
-        self._node[slot] = self.nodes.code(e.node_class)
+        self._c.launched[slot] = e.ts
+        self._c.mode[slot] = MODE_CODE[e.mode]
+        self._c.image[slot] = self.images.code(e.image)
+        self._c.node[slot] = self.nodes.code(e.node_class)
 
     def startup_key(self, slot: int) -> tuple[object, ...]:
         """Conditioning class of Eq. 6: (mode, image, node class)."""
-        return (self._mode[slot], self._image[slot], self._node[slot])
+        return (self._c.mode[slot], self._c.image[slot], self._c.node[slot])
 
     def tool_key(self, slot: int) -> tuple[object, ...]:
         """Conditioning class of Eq. 9: (task, tool, turn, concurrent tool load)."""
         return (
-            self._task[slot],
-            self._tool[slot],
-            min(self._turn[slot].bit_length(), 8),  # turn_bucket, inline
-            self._tool_load[slot],
+            self._c.task[slot],
+            self._c.tool[slot],
+            min(self._c.turn[slot].bit_length(), 8),  # turn_bucket, inline
+            self._c.tool_load[slot],
         )
 
     def _request_queued(self, e: ev.RequestQueued, slot: int | None) -> None:
@@ -520,37 +546,37 @@ class TrajectoryTable:
             if slot is None:
                 return
         else:
-            old = self._state[slot]  # self._move(slot, READY, e.ts, _TO_READY), inline
+            old = self._c.state[slot]  # self._move(slot, READY, e.ts, _TO_READY), inline
             if old not in _TO_READY:
                 self.anomalies["unexpected_transition"] += 1
             if old != READY:
                 counts = self.counts
                 counts[old] -= 1
                 counts[READY] += 1
-                self._state[slot] = READY
-            self._since[slot] = e.ts
+                self._c.state[slot] = READY
+            self._c.since[slot] = e.ts
             if old == TOOL:
-                result = self._result[slot]
+                result = self._c.result[slot]
                 known = result >= 0
                 obs.on_growth(
-                    (self._task[slot], self._tool[slot]),
-                    e.prompt_tokens - self._x[slot] - (result if known else 0.0),
+                    (self._c.task[slot], self._c.tool[slot]),
+                    e.prompt_tokens - self._c.x[slot] - (result if known else 0.0),
                     known,
                 )
-            elif old == STARTING and not self._queued_once[slot]:
-                launched, dispatched = self._launched[slot], self._dispatched[slot]
+            elif old == STARTING and not self._c.queued_once[slot]:
+                launched, dispatched = self._c.launched[slot], self._c.dispatched[slot]
                 if launched == launched:  # not NaN: the sandbox launch time is known
                     obs.on_startup(key=self.startup_key(slot), seconds=e.ts - launched)
                 elif dispatched == dispatched:
                     obs.on_startup(key=("dispatch",), seconds=e.ts - dispatched)
-                if dispatched == dispatched and self._mode[slot] != MODE_COLD:
+                if dispatched == dispatched and self._c.mode[slot] != MODE_COLD:
                     obs.on_dispatch_delay(seconds=e.ts - dispatched)
-        if not self._queued_once[slot]:
-            obs.on_first_prompt(task=self._task[slot], tokens=float(e.prompt_tokens))
-            self._queued_once[slot] = 1
-        self._x[slot] = e.prompt_tokens
-        self._turn[slot] = e.turn
-        self._instance[slot] = -1
+        if not self._c.queued_once[slot]:
+            obs.on_first_prompt(task=self._c.task[slot], tokens=float(e.prompt_tokens))
+            self._c.queued_once[slot] = 1
+        self._c.x[slot] = e.prompt_tokens
+        self._c.turn[slot] = e.turn
+        self._c.instance[slot] = -1
         obs.on_arrival(e.ts, e.prompt_tokens)
 
     def _prefill_started(self, e: ev.PrefillStarted, slot: int | None) -> None:
@@ -559,18 +585,18 @@ class TrajectoryTable:
             if slot is None:
                 return
         else:
-            old = self._state[slot]  # self._move(slot, PREFILL, e.ts, _TO_PREFILL), inline
+            old = self._c.state[slot]  # self._move(slot, PREFILL, e.ts, _TO_PREFILL), inline
             if old not in _TO_PREFILL:
                 self.anomalies["unexpected_transition"] += 1
             if old != PREFILL:
                 counts = self.counts
                 counts[old] -= 1
                 counts[PREFILL] += 1
-                self._state[slot] = PREFILL
-            self._since[slot] = e.ts
+                self._c.state[slot] = PREFILL
+            self._c.since[slot] = e.ts
         if e.instance is not None:
             m = self.instances.code(e.instance)
-            self._instance[slot] = m
+            self._c.instance[slot] = m
             busy = self._busy.get(m)
             if busy is None or busy[0] <= 0:
                 self._busy[m] = [1.0, e.ts, 0.0]
@@ -584,20 +610,20 @@ class TrajectoryTable:
                 return
         else:
             # Trainers that only see the first token skip prefill_started: ready is fine.
-            old = self._state[slot]  # self._move(slot, DECODE, e.ts, _TO_DECODE), inline
+            old = self._c.state[slot]  # self._move(slot, DECODE, e.ts, _TO_DECODE), inline
             if old not in _TO_DECODE:
                 self.anomalies["unexpected_transition"] += 1
             if old != DECODE:
                 counts = self.counts
                 counts[old] -= 1
                 counts[DECODE] += 1
-                self._state[slot] = DECODE
-            self._since[slot] = e.ts
-        tokens = self._x[slot]
-        computed = max(tokens - self._cached[slot], 1.0)
+                self._c.state[slot] = DECODE
+            self._c.since[slot] = e.ts
+        tokens = self._c.x[slot]
+        computed = max(tokens - self._c.cached[slot], 1.0)
         # A prefill done on the old weights during an update is flushed with them.
-        self._cached[slot] = 0.0 if self._weight_update.pending else tokens
-        m = self._instance[slot]
+        self._c.cached[slot] = 0.0 if self._weight_update.pending else tokens
+        m = self._c.instance[slot]
         if m < 0 and e.instance is not None:
             m = self.instances.code(e.instance)
         busy = self._busy.get(m)
@@ -613,40 +639,40 @@ class TrajectoryTable:
             slot = self._create(e, DECODE)
             if slot is None:
                 return
-        if self._state[slot] == DECODE and e.finish != "abort":
+        if self._c.state[slot] == DECODE and e.finish != "abort":
             self._obs.on_decode(
-                self._task[slot],
-                min(self._turn[slot].bit_length(), 8),  # turn_bucket, inline
-                e.ts - self._since[slot],
+                self._c.task[slot],
+                min(self._c.turn[slot].bit_length(), 8),  # turn_bucket, inline
+                e.ts - self._c.since[slot],
                 e.output_tokens,
                 e.finish == "tool",
             )
-        self._x[slot] += e.output_tokens
+        self._c.x[slot] += e.output_tokens
         if e.finish == "tool":
             self._enter_tool(slot, e.ts, _AFTER_DECODE)
         elif e.finish == "abort":
             # Cancel-and-resend: prompt + partial output goes back to the ready queue. The
             # resend computes its whole prompt: an abort comes from a weight update, which
             # flushes the prefix caches, or from a switch, after which it lands elsewhere.
-            self._cached[slot] = 0.0
+            self._c.cached[slot] = 0.0
             self._note_abort(e.ts)
             self._move(slot, READY, e.ts, _AFTER_DECODE)
         else:
             self._move(slot, REWARD, e.ts, _AFTER_DECODE)
 
     def _enter_tool(self, slot: int, ts: float, allowed: frozenset[int]) -> None:
-        old = self._state[slot]  # self._move(slot, TOOL, ts, allowed), inline
+        old = self._c.state[slot]  # self._move(slot, TOOL, ts, allowed), inline
         if old not in allowed:
             self.anomalies["unexpected_transition"] += 1
         counts = self.counts
         if old != TOOL:
             counts[old] -= 1
             counts[TOOL] += 1
-            self._state[slot] = TOOL
-        self._since[slot] = ts
-        self._tool_done[slot] = 0
-        self._result[slot] = -1.0
-        self._tool_load[slot] = min(counts[TOOL].bit_length() // 2, 10)  # load_bucket
+            self._c.state[slot] = TOOL
+        self._c.since[slot] = ts
+        self._c.tool_done[slot] = 0
+        self._c.result[slot] = -1.0
+        self._c.tool_load[slot] = min(counts[TOOL].bit_length() // 2, 10)  # load_bucket
 
     def _tool_started(self, e: ev.ToolStarted, slot: int | None) -> None:
         if slot is None:
@@ -654,20 +680,20 @@ class TrajectoryTable:
             if slot is None:
                 return
         self._enter_tool(slot, e.ts, _TO_TOOL)
-        self._tool[slot] = self.tools.code(e.tool)
+        self._c.tool[slot] = self.tools.code(e.tool)
 
     def _tool_finished(self, e: ev.ToolFinished, slot: int | None) -> None:
         if slot is None:
             slot = self._create(e, TOOL)
             if slot is None:
                 return
-        elif self._state[slot] == TOOL and not self._tool_done[slot]:
-            self._obs.on_tool(self.tool_key(slot), e.ts - self._since[slot])
+        elif self._c.state[slot] == TOOL and not self._c.tool_done[slot]:
+            self._obs.on_tool(self.tool_key(slot), e.ts - self._c.since[slot])
         else:
             self._move(slot, TOOL, e.ts, _FROM_TOOL)
-        self._tool_done[slot] = 1
+        self._c.tool_done[slot] = 1
         if e.result_tokens is not None:
-            self._result[slot] = e.result_tokens
+            self._c.result[slot] = e.result_tokens
 
     def _reward_started(self, e: ev.RewardStarted, slot: int | None) -> None:
         if slot is None:
@@ -680,9 +706,9 @@ class TrajectoryTable:
         if slot is None:
             self._gone(e)
             return
-        if self._state[slot] == REWARD and e.ts >= self._since[slot]:
+        if self._c.state[slot] == REWARD and e.ts >= self._c.since[slot]:
             self._obs.on_reward(
-                task=self._task[slot], seconds=e.ts - self._since[slot], accepted=e.accepted
+                task=self._c.task[slot], seconds=e.ts - self._c.since[slot], accepted=e.accepted
             )
         else:
             self.anomalies["unexpected_transition"] += 1
@@ -756,7 +782,7 @@ class TrajectoryTable:
         holds = np.isin(cols["state"][:n], _HOLDS_CONTEXT)
         return float(cols["x"][:n][holds].sum())
 
-    def _gone(self, e: ev.Event) -> None:
+    def _gone(self, e: ev.TrajectoryEvent) -> None:
         kind = "finished_trajectory" if e.trajectory in self._finished else "unknown_trajectory"
         self.anomalies[kind] += 1
 
@@ -772,23 +798,23 @@ class TrajectoryTable:
             if t.trajectory in self._slots:
                 continue
             slot = self._alloc(t.trajectory, STATE_CODE[t.state], t.since)
-            self._x[slot] = t.context_tokens
-            self._task[slot] = self.tasks.code(t.task)
-            self._turn[slot] = t.turn
-            self._queued_once[slot] = t.state != "starting"
+            self._c.x[slot] = t.context_tokens
+            self._c.task[slot] = self.tasks.code(t.task)
+            self._c.turn[slot] = t.turn
+            self._c.queued_once[slot] = t.state != "starting"
             self._join_group(slot, t.group)
             if t.instance is not None:
-                self._instance[slot] = self.instances.code(t.instance)
+                self._c.instance[slot] = self.instances.code(t.instance)
             if t.mode is not None:
-                self._mode[slot] = MODE_CODE[t.mode]
+                self._c.mode[slot] = MODE_CODE[t.mode]
                 if t.state == "starting":
-                    self._launched[slot] = t.since
+                    self._c.launched[slot] = t.since
             elif t.state == "starting":
-                self._dispatched[slot] = t.since
+                self._c.dispatched[slot] = t.since
             if t.tool is not None:
-                self._tool[slot] = self.tools.code(t.tool)
+                self._c.tool[slot] = self.tools.code(t.tool)
             if t.state == "tool":
-                self._tool_load[slot] = load_bucket(self.counts[TOOL])
+                self._c.tool_load[slot] = load_bucket(self.counts[TOOL])
         self._load_weight_update(snapshot.weight_update)
         if self.last_event_ts is None or snapshot.ts > self.last_event_ts:
             self.last_event_ts = snapshot.ts

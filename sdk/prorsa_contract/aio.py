@@ -1,0 +1,56 @@
+"""Two asyncio chores every Prorsa process repeats: stopping on signals, ending a task.
+
+Here, in the one package that the operator, the in-pod agent, the SDK and the lab all
+import, so each process stops the same way; it needs the standard library alone, so the
+contract's promise (pydantic and nothing else) holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def on_stop_signals(callback: Callable[[], None]) -> None:
+    """Call ``callback`` in the running loop on SIGINT or SIGTERM.
+
+    Silently not where the loop cannot take signals: on Windows, or off the main thread
+    (a test that runs a server in a thread stops it by other means).
+    """
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, callback)
+
+
+def drop_stop_signals() -> None:
+    """Give SIGINT and SIGTERM back their default handling."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.contextmanager
+def stop_requested() -> Iterator[asyncio.Event]:
+    """An event that SIGINT or SIGTERM sets while inside; default handling after."""
+    stop = asyncio.Event()
+    on_stop_signals(stop.set)
+    try:
+        yield stop
+    finally:
+        drop_stop_signals()
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task and wait until it has ended, so nothing outlives its owner."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
