@@ -2,7 +2,9 @@
 SGLang engine double plus a real in-pod agent each, on loopback.
 
 Each pod gets its own loopback address (127.0.0.N), so every agent listens on the same
-port as in a real cluster and the operator reaches it at ``http://<podIP>:<agent port>``.
+port as in a real cluster and the operator reaches it at ``https://<podIP>:<agent port>``,
+with the certificate the pod mounts from its cluster's agent TLS Secret (the kubelet
+projects the token, the engine admin key and the certificate files as a real one would).
 When the pod is deleted its engine and agent stop; a failed pod can be simulated by
 :meth:`FakeKubelet.fail`. Used by the operator's end-to-end tests and by ``make demo``.
 """
@@ -130,7 +132,9 @@ class FakeKubelet:
         name, uid = meta["name"], meta.get("uid", "")
         token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
         key = await self._mounted(pod, "PRORSA_ENGINE_API_KEY_FILE")
-        if token is None or key is None:
+        cert = await self._mounted(pod, "PRORSA_AGENT_TLS_CERT_FILE")
+        cert_key = await self._mounted(pod, "PRORSA_AGENT_TLS_KEY_FILE")
+        if token is None or key is None or cert is None or cert_key is None:
             return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
         # Only the agent talks to its engine, so any free port will do for the engine.
@@ -143,6 +147,8 @@ class FakeKubelet:
             agent_host=ip,
             agent_port=self.agent_port,
             engine_api_key=key or None,
+            tls_cert=cert or None,
+            tls_key=cert_key or None,
         )
         await pod.start()
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
