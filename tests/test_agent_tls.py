@@ -22,7 +22,7 @@ from prorsa.k8s.agents import AgentClient, agent_address
 from prorsa.k8s.runtime import ClusterRuntime
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import ConfigError
-from prorsa_agent.serving_tls import ServingCert as AgentServingCert
+from prorsa_contract.serving_tls import ServingCert as AgentServingCert
 from prorsa_lab.doubles.sglang_double import EnginePod
 
 TOKEN = "agent-token-tls"
@@ -176,16 +176,19 @@ def test_the_agent_refuses_half_a_certificate_pair(tmp_path: Path):
         build_config(args, env={})
 
 
-async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path):
+async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path, monkeypatch):
+    """The kubelet swaps the Secret's files in place: the next handshake serves them."""
+    from aiohttp import web
+
+    import prorsa_contract.serving_tls as serving_tls
+
+    monkeypatch.setattr(serving_tls, "CHECK_EVERY", 0.0)
     first = issue_agent_cert(cluster=CLUSTER, namespace=NAMESPACE)
     second = issue_agent_cert(cluster=CLUSTER, namespace=NAMESPACE)
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text(first.cert)
     key.write_text(first.key)
     serving = AgentServingCert(cert_file=cert, key_file=key)
-    assert serving.reload() is False  # nothing changed
-
-    from aiohttp import web
 
     async def hello(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -209,10 +212,8 @@ async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path
 
     try:
         assert await fetch(first.ca) == 200
-        # The kubelet swaps the Secret's files: the new pair is served from then on.
         cert.write_text(second.cert)
         key.write_text(second.key)
-        assert serving.reload() is True
         assert await fetch(second.ca) == 200
         with pytest.raises(httpx.ConnectError):
             await fetch(first.ca)
@@ -222,6 +223,9 @@ async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path
         assert await fetch(second.ca) == 200
     finally:
         await runner.cleanup()
+
+    with pytest.raises(ValueError, match="cannot load the TLS certificate"):
+        AgentServingCert(cert_file=tmp_path / "missing.crt", key_file=key)
 
 
 async def test_the_runtime_issues_the_secret_once_and_trusts_its_ca():

@@ -232,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve(config))
+    except ValueError as exc:  # an unreadable certificate or key
+        print(f"prorsa agent: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"prorsa agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

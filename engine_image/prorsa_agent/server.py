@@ -1,8 +1,8 @@
 """The in-pod agent's HTTP server (CONTRACT: docs/agent-api.md, port 8080).
 
 Engine pods serve it over HTTPS with their cluster's certificate (``--tls-cert-file``,
-``--tls-key-file``; :mod:`prorsa_agent.serving_tls`), so the bearer token of
-``POST /v1/role`` never crosses the network in clear text.
+``--tls-key-file``; :mod:`prorsa_contract.serving_tls`, which also picks up a rotated
+pair), so the bearer token of ``POST /v1/role`` never crosses the network in clear text.
 
 ``GET /v1/state``  the engine as an :class:`~prorsa_contract.agent_api.EngineState` (summed over DP
                    ranks), from ``/v1/loads``; 200 even when the engine is down (then
@@ -41,10 +41,10 @@ from prorsa_agent.agent_metrics import AgentMetrics
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import EngineClient, EngineUnavailable
 from prorsa_agent.health import EngineHealth
-from prorsa_agent.serving_tls import ServingCert
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
 from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
+from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa_agent")
 
@@ -252,8 +252,6 @@ class Agent:
     async def _monitor_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.timeouts.health_interval)
-            if self._tls is not None:
-                self._tls.reload()  # a rotated Secret: new connections get the new certificate
             try:
                 await self._probe()
             except Exception:  # keep probing whatever one probe hit
