@@ -192,3 +192,31 @@ async def test_the_operator_webhook_serves_https_and_the_sdk_verifies_it():
 async def _accepted(env) -> bool:
     reply = await env.post([env.event("request_queued", "probe", prompt_tokens=10, turn=0)])
     return reply.status_code == 200
+
+
+async def test_the_verl_example_verifies_the_webhook_with_its_ca_file(
+    served, certs, other_ca, monkeypatch, tmp_path
+):
+    """PRORSA_CA_FILE reaches both the example's emitters and its own status call."""
+    from test_verl_example import install_fake_verl, load_example
+
+    install_fake_verl(monkeypatch)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    for key, value in {
+        "PRORSA_URL": served.url,
+        "PRORSA_NAMESPACE": "rl",
+        "PRORSA_CLUSTER": "c",
+        "PRORSA_TOKEN_FILE": str(token),
+        "PRORSA_CA_FILE": str(certs / "ca.crt"),
+    }.items():
+        monkeypatch.setenv(key, value)
+    example = load_example()
+    async with AsyncEventEmitter(**example._settings(), backoff=FAST) as em:
+        em.request_queued("v1", prompt_tokens=100, turn=0)
+        em.prefill_finished("v1")
+        await em.flush(timeout=10)
+    assert served.handle.applied == 2
+    assert await example._reprefilling() == 1  # one trajectory decoding, over HTTPS
+    monkeypatch.setenv("PRORSA_CA_FILE", str(other_ca))
+    assert await example._reprefilling() == 0  # unverified: unknown, reported as 0
