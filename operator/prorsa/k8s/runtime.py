@@ -299,6 +299,10 @@ class ClusterRuntime:
                 )
                 continue
             by_index[index] = pod
+        if any(index not in by_index for index in range(n)):
+            # New pods mount the certificate Secret: issue it again if it was deleted (a
+            # rotation), and trust whatever CA it now holds.
+            await self._ensure_agent_tls()
         for index in range(n):
             if index not in by_index:
                 manifest = self._owned(
