@@ -260,6 +260,10 @@ async def test_the_runtime_issues_the_secret_once_and_trusts_its_ca():
     assert first and first == secret["stringData"]["ca.crt"]
     assert "PRIVATE KEY" not in first
     assert await start() == first
+    # Deleted (a rotation): issued anew, under a new CA.
+    del created[f"{CLUSTER}-agent-tls"]
+    second = await start()
+    assert second and second != first
 
 
 async def test_the_client_refuses_calls_after_close(pod, issued):
