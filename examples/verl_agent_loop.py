@@ -35,8 +35,12 @@ file in every AgentLoopWorker and instantiates the class per sample with hydra):
 
     # and set agent_name: prorsa_tool_agent in the dataset (or as default_agent_loop),
     # plus, in the workers' environment (Ray runtime_env env_vars):
-    PRORSA_URL=http://prorsa-webhook.rl.svc:8787   # or http://127.0.0.1:8787 (prorsa ingest)
+    PRORSA_URL=https://prorsa-webhook.prorsa-system.svc:8787  # prorsa ingest: http://127.0.0.1:8787
     PRORSA_NAMESPACE=rl  PRORSA_CLUSTER=qwen3-coder  PRORSA_TOKEN_FILE=/var/run/prorsa/token
+    PRORSA_CA_FILE=/var/run/prorsa/webhook-ca.crt  # the CA of the webhook's certificate
+
+``PRORSA_CA_FILE`` is the CA bundle the webhook's certificate is verified with (the
+webhook Secret's ``ca.crt``, mounted into the workers); unset, the system trust store.
 
 Resync: a snapshot replaces all of a cluster's trajectories, so it must come from a view
 of all of them. With several AgentLoopWorkers each emitter sees only its own; set
@@ -83,7 +87,7 @@ from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, 
 from verl.utils.ray_utils import auto_await
 from verl.utils.reward_score import default_compute_score
 
-from prorsa_sdk import AsyncEventEmitter, EventEmitter
+from prorsa_sdk import AsyncEventEmitter, EventEmitter, tls_context
 
 log = logging.getLogger("prorsa.verl")
 
@@ -92,12 +96,13 @@ _EMITTERS: dict[asyncio.AbstractEventLoop, AsyncEventEmitter] = {}
 _REPREFILL_STATES = ("ready", "prefill", "decode", "tool")
 
 
-def _settings() -> dict[str, str]:
+def _settings() -> dict[str, Any]:
     return {
         "url": os.environ.get("PRORSA_URL", "http://127.0.0.1:8787"),
         "namespace": os.environ.get("PRORSA_NAMESPACE", "default"),
         "name": os.environ["PRORSA_CLUSTER"],
         "token": Path(os.environ["PRORSA_TOKEN_FILE"]).read_text().strip(),
+        "verify": os.environ.get("PRORSA_CA_FILE") or None,
     }
 
 
@@ -145,7 +150,8 @@ async def _reprefilling() -> int:
     cfg = _settings()
     path = f"/v1/namespaces/{cfg['namespace']}/rolloutclusters/{cfg['name']}/status"
     try:
-        async with httpx.AsyncClient(base_url=cfg["url"], timeout=2.0) as client:
+        verify = tls_context(cfg["verify"])
+        async with httpx.AsyncClient(base_url=cfg["url"], timeout=2.0, verify=verify) as client:
             reply = await client.get(path, headers={"Authorization": f"Bearer {cfg['token']}"})
             reply.raise_for_status()
             live = reply.json().get("liveTrajectories", {})

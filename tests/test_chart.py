@@ -20,6 +20,7 @@ import importlib.util
 import itertools
 import json
 import re
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -76,6 +77,9 @@ EVERYTHING = (
     "--set=dashboard.namespace=monitoring",
     "--set=dashboard.annotations.grafana_folder=Prorsa",
     "--set=image.digest=sha256:" + "a" * 64,
+    "--set=webhook.tls.certManager.issuerRef.name=cluster-ca",
+    "--set=webhook.tls.certManager.issuerRef.kind=ClusterIssuer",
+    "--set=webhook.tls.certManager.extraDnsNames={prorsa.rl.example.com}",
 )
 
 
@@ -181,7 +185,7 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
     docs = render(helm, "--include-crds", *flags)
     checked = []
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
             continue  # custom resources: shape-checked below
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         checked.append(doc["kind"])
@@ -239,8 +243,10 @@ def test_operator_pod_is_locked_down(helm):
     assert "privileged" not in sc or sc["privileged"] is False
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["resources"]["limits"]["memory"]
-    # Read-only root: the only writable path is an emptyDir at /tmp.
-    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/tmp"]
+    # Read-only root: the only writable path is an emptyDir at /tmp (and the webhook's
+    # certificate is mounted read-only).
+    writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+    assert writable == ["/tmp"]
     assert one(docs, "Deployment")["spec"]["replicas"] == 1  # kopf --standalone: one operator
 
 
@@ -268,7 +274,12 @@ def test_operator_args_are_what_prorsa_operator_accepts(helm):
     # --listen serves the webhook, /metrics and the readiness probe: the "webhook" port.
     host, _, port = args.listen.rpartition(":")
     assert host == "0.0.0.0" and int(port) == port_number(c, "webhook")
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "webhook"}
+    # TLS is on by default: the probe speaks HTTPS to the webhook port.
+    assert c["readinessProbe"]["httpGet"] == {
+        "path": "/healthz",
+        "port": "webhook",
+        "scheme": "HTTPS",
+    }
     # --liveness is kopf's endpoint: the liveness probe asks exactly it.
     live = urlsplit(args.liveness)
     assert live.port == port_number(c, "liveness") == 8080
@@ -376,40 +387,149 @@ def test_ingress_tls_without_a_secret_is_refused(helm):
     assert "ingress.tls.secretName is required" in result.stderr
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str
+    ca: str  # PEM
+
+
 @pytest.fixture
-async def operator_http() -> AsyncIterator[str]:
-    """The operator's HTTP surface, assembled as the operator assembles it, on loopback."""
+async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
+    """The operator's HTTPS surface, assembled as the operator assembles it, on loopback,
+    with a throwaway certificate for the names the chart's Certificate asks for."""
+    from prorsa.k8s.agent_tls import issue_serving_cert
+    from prorsa_contract.serving_tls import ServingCert
+
+    certificate = one(render(helm, *EVERYTHING), "Certificate")
+    issued = issue_serving_cert(
+        common_name="prorsa-webhook", dns_names=tuple(certificate["spec"]["dnsNames"])
+    )
+    (tmp_path / "tls.crt").write_text(issued.cert)
+    (tmp_path / "tls.key").write_text(issued.key)
+    tls = ServingCert(cert_file=tmp_path / "tls.crt", key_file=tmp_path / "tls.key")
     app = web.Application()
     WebhookServer(ClusterRegistry()).add_routes(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.context)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        yield f"http://{host}:{port}"
+        yield Served(f"https://{host}:{port}", issued.ca)
     finally:
         await runner.cleanup()
 
 
-async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(helm, operator_http):
+async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(helm, operator_https):
     docs = render(helm, *EVERYTHING)
     c = container(docs)
     sm = one(docs, "ServiceMonitor")
     ingress = one(docs, "Ingress")
-    async with httpx.AsyncClient(base_url=operator_http, timeout=5) as client:
-        ready = await client.get(c["readinessProbe"]["httpGet"]["path"])
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and endpoint["scheme"] == "https"
+    # Prometheus checks the name the ServiceMonitor gives, against the Secret's CA: the
+    # certificate cert-manager issues for the chart's names passes.
+    verify = ssl.create_default_context(cadata=operator_https.ca)
+    sni = {"sni_hostname": endpoint["tlsConfig"]["serverName"]}
+    async with httpx.AsyncClient(base_url=operator_https.url, timeout=5, verify=verify) as client:
+        ready = await client.get(c["readinessProbe"]["httpGet"]["path"], extensions=sni)
         assert ready.status_code == 200
-        scrape = await client.get(sm["spec"]["endpoints"][0]["path"])
+        scrape = await client.get(endpoint["path"], extensions=sni)
         assert scrape.status_code == 200
         assert "prorsa_webhook_events_total" in scrape.text
         # Each Ingress path leads to a webhook route (a JSON answer, not aiohttp's 404 page).
         for path in ("/openapi.json", "/v1/namespaces/rl/rolloutclusters/qwen/forecast"):
             assert ingress_matches(ingress, path)
-            answer = await client.get(path)
+            answer = await client.get(path, extensions=sni)
             assert answer.headers["content-type"].startswith("application/json"), path
             assert answer.status_code in (200, 401, 404)
-        assert (await client.get("/openapi.json")).json()["paths"]
+        assert (await client.get("/openapi.json", extensions=sni)).json()["paths"]
+
+
+# -- webhook TLS -------------------------------------------------------------------------------
+
+
+def webhook_tls_volume(docs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    """(mount path, secret volume source) of the webhook certificate, if mounted."""
+    c = container(docs)
+    volumes = {v["name"]: v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    for mount in c["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret and mount["mountPath"] == parse_operator_args(c).webhook_tls_dir:
+            return mount["mountPath"], secret
+    return None
+
+
+def test_webhook_tls_is_on_by_default_from_the_secret_the_operator_mounts(helm):
+    docs = render(helm, "--set=metrics.serviceMonitor.enabled=true")
+    mounted = webhook_tls_volume(docs)
+    assert mounted is not None, "--webhook-tls-dir names no mounted Secret"
+    path, secret = mounted
+    assert secret["secretName"] == "prorsa-webhook-tls"
+    assert {i["path"] for i in secret["items"]} == {"tls.crt", "tls.key"}
+    assert next(m for m in container(docs)["volumeMounts"] if m["mountPath"] == path)["readOnly"]
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "serverName": f"prorsa-webhook.{NAMESPACE}.svc",
+        "ca": {"secret": {"name": "prorsa-webhook-tls", "key": "ca.crt"}},
+    }
+    # No cert-manager unless asked: the Secret is the user's.
+    assert "Certificate" not in kinds(docs)
+
+
+def test_plain_http_is_an_explicit_opt_out(helm):
+    docs = render(
+        helm,
+        "--set=webhook.tls.enabled=false",
+        "--set=metrics.serviceMonitor.enabled=true",
+        "--set=webhook.tls.certManager.issuerRef.name=cluster-ca",
+        "--set=ingress.enabled=true",
+    )
+    c = container(docs)
+    assert parse_operator_args(c).webhook_tls_dir is None
+    assert webhook_tls_volume(docs) is None
+    assert "scheme" not in c["readinessProbe"]["httpGet"]
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert "scheme" not in endpoint and "tlsConfig" not in endpoint
+    assert "Certificate" not in kinds(docs)
+    assert "nginx.ingress.kubernetes.io/backend-protocol" not in (
+        one(docs, "Ingress")["metadata"].get("annotations") or {}
+    )
+
+
+def test_cert_manager_issues_the_secret_the_operator_serves(helm):
+    docs = render(helm, *EVERYTHING, "--set=webhook.tls.secretName=hook-cert")
+    certificate = one(docs, "Certificate")
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    spec = certificate["spec"]
+    _, secret = webhook_tls_volume(docs) or ("", {})
+    assert spec["secretName"] == secret["secretName"] == "hook-cert"
+    assert spec["issuerRef"] == {
+        "name": "cluster-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"
+    }  # fmt: skip
+    # Every name the webhook Service answers to in the cluster, the ServiceMonitor's
+    # serverName among them, and the extra names asked for.
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["tlsConfig"]["serverName"] in spec["dnsNames"]
+    assert endpoint["tlsConfig"]["ca"]["secret"]["name"] == "hook-cert"
+    assert {f"prorsa-webhook.{NAMESPACE}.svc", "prorsa.rl.example.com"} <= set(spec["dnsNames"])
+    assert spec["usages"] == ["server auth"]
+    for key in ("duration", "renewBefore"):
+        assert re.fullmatch(r"([0-9]+(ms|s|m|h))+", spec[key])
+    ingress = one(docs, "Ingress")
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"] == (
+        "HTTPS"
+    )
+
+
+def test_cert_manager_without_an_issuer_name_is_refused(helm):
+    result = run_helm(
+        helm, "template", "prorsa", str(CHART),
+        "--set=webhook.tls.certManager.issuerRef.kind=ClusterIssuer",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "webhook.tls.certManager.issuerRef.name is required" in result.stderr
 
 
 def test_dashboard_config_map_carries_the_dashboard_and_the_sidecar_label(helm):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 
 import httpx
 import pytest
@@ -80,6 +81,7 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
                 f"{running.pod.engine_url}/pd_role_switch", json={"new_role": "prefill"}
             )
             assert flip.status_code == 401
+    await agents_serve_tls_the_operator_verifies(env)
     # Every engine starts as decode; the operator brings roles.prefill.initial = 1.
     await env.wait_for(lambda: ready_split(env, 1, 3), what="the initial 1P:3D split")
 
@@ -129,6 +131,25 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
 
 async def _count(pods_coro, n: int) -> bool:
     return len(await pods_coro) == n
+
+
+async def agents_serve_tls_the_operator_verifies(env: Stack) -> None:
+    """Each agent serves HTTPS with the certificate of the cluster's Secret, which the
+    fake kubelet mounted as a kubelet would; only that Secret's CA verifies it, under the
+    pod's DNS name. (The split that follows is the operator's own switch over TLS.)"""
+    ca = await env.kube.read_secret_key(NAMESPACE, "demo-agent-tls", "ca.crt")
+    assert ca and "PRIVATE KEY" not in ca
+    trusted = ssl.create_default_context(cadata=ca)
+    for name, running in env.kubelet.pods.items():
+        url = running.pod.agent_url
+        assert url.startswith(f"https://{running.ip}:"), url
+        sni = {"sni_hostname": f"{name}.demo-engines.{NAMESPACE}.svc"}
+        async with httpx.AsyncClient(verify=trusted, timeout=5) as client:
+            state = await client.get(f"{url}/v1/state", extensions=sni)
+        assert state.status_code == 200 and state.json()["instance"] == name
+        async with httpx.AsyncClient(timeout=5) as client:  # the system trust store
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await client.get(f"{url}/v1/state", extensions=sni)
 
 
 async def test_recommend_mode_changes_only_status() -> None:

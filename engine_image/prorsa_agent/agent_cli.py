@@ -72,6 +72,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "to the engine as --admin-api-key with --launch (env PRORSA_ENGINE_API_KEY_FILE)",
     )
     parser.add_argument(
+        "--tls-cert-file",
+        default=env.get("PRORSA_AGENT_TLS_CERT_FILE"),
+        help="serve HTTPS with this PEM certificate (chain); with --tls-key-file "
+        "(env PRORSA_AGENT_TLS_CERT_FILE; without both: plain HTTP)",
+    )
+    parser.add_argument(
+        "--tls-key-file",
+        default=env.get("PRORSA_AGENT_TLS_KEY_FILE"),
+        help="the PEM private key of --tls-cert-file (env PRORSA_AGENT_TLS_KEY_FILE)",
+    )
+    parser.add_argument(
         "--decode-cuda-graph-memory-gb",
         type=float,
         default=_env_float("PRORSA_DECODE_CUDA_GRAPH_MEMORY_GB", None),
@@ -171,6 +182,8 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         listen_host=host,
         listen_port=port,
         engine_api_key_file=Path(args.engine_api_key_file) if args.engine_api_key_file else None,
+        tls_cert_file=Path(args.tls_cert_file) if args.tls_cert_file else None,
+        tls_key_file=Path(args.tls_key_file) if args.tls_key_file else None,
         decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
         max_switch_attempts=args.max_switch_attempts,
         timeouts=timeouts,
@@ -214,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve(config))
+    except ValueError as exc:  # an unreadable certificate or key
+        print(f"prorsa agent: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"prorsa agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

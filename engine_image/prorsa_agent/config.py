@@ -48,6 +48,8 @@ AGENT_ENV = frozenset(
         "PRORSA_AGENT_TOKEN_FILE",
         "PRORSA_INSTANCE",
         "PRORSA_ENGINE_API_KEY_FILE",
+        "PRORSA_AGENT_TLS_CERT_FILE",
+        "PRORSA_AGENT_TLS_KEY_FILE",
         "PRORSA_DECODE_CUDA_GRAPH_MEMORY_GB",
         "PRORSA_LAUNCH",
         "PRORSA_ENGINE_COMMAND",
@@ -147,6 +149,9 @@ class AgentConfig:
     listen_host: str = "0.0.0.0"
     listen_port: int = 8080
     engine_api_key_file: Path | None = None
+    tls_cert_file: Path | None = None
+    """With ``tls_key_file``: serve HTTPS (engine pods always do; docs/security.md)."""
+    tls_key_file: Path | None = None
     decode_cuda_graph_memory_gb: float | None = None
     """Passed on a flip to decode when the engine has no decode CUDA graphs captured."""
     max_switch_attempts: int = 3
@@ -163,6 +168,8 @@ class AgentConfig:
             raise ConfigError("the instance name is empty (set --instance or POD_NAME)")
         if not 0 <= self.listen_port < 65536:
             raise ConfigError(f"listen port out of range: {self.listen_port}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("--tls-cert-file and --tls-key-file go together")
         if self.max_switch_attempts < 1 or self.health_failures < 1:
             raise ConfigError("max_switch_attempts and health_failures must be >= 1")
         gb = self.decode_cuda_graph_memory_gb

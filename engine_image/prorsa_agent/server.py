@@ -1,5 +1,9 @@
 """The in-pod agent's HTTP server (CONTRACT: docs/agent-api.md, port 8080).
 
+Engine pods serve it over HTTPS with their cluster's certificate (``--tls-cert-file``,
+``--tls-key-file``; :mod:`prorsa_contract.serving_tls`, which also picks up a rotated
+pair), so the bearer token of ``POST /v1/role`` never crosses the network in clear text.
+
 ``GET /v1/state``  the engine as an :class:`~prorsa_contract.agent_api.EngineState` (summed over DP
                    ranks), from ``/v1/loads``; 200 even when the engine is down (then
                    ``healthy: false``), so the operator can tell a dead engine from a dead pod.
@@ -40,6 +44,7 @@ from prorsa_agent.health import EngineHealth
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
 from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
+from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa_agent")
 
@@ -115,6 +120,7 @@ class Agent:
         self._monitor: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._port = config.listen_port
+        self._tls: ServingCert | None = None
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -123,7 +129,8 @@ class Agent:
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self._port}"
+        scheme = "https" if self.config.tls_cert_file is not None else "http"
+        return f"{scheme}://{host}:{self._port}"
 
     @property
     def engine(self) -> EngineClient:
@@ -133,6 +140,9 @@ class Agent:
 
     async def start(self) -> str:
         config = self.config
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            # Before anything starts: an unreadable certificate fails the start, loudly.
+            self._tls = ServingCert(cert_file=config.tls_cert_file, key_file=config.tls_key_file)
         self._lock = asyncio.Lock()
         self._engine = EngineClient(
             config.engine_url,
@@ -153,7 +163,13 @@ class Agent:
             keepalive_timeout=config.timeouts.client_headers,
         )
         await runner.setup()
-        site = web.TCPSite(runner, config.listen_host, config.listen_port, reuse_address=True)
+        site = web.TCPSite(
+            runner,
+            config.listen_host,
+            config.listen_port,
+            reuse_address=True,
+            ssl_context=self._tls.context if self._tls else None,
+        )
         try:
             await site.start()
         except BaseException:

@@ -31,6 +31,7 @@ from prorsa.k8s.kube import Kube
 from prorsa.k8s.runtime import ClusterRuntime, EventPoster, OperatorOptions
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
+from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa.operator")
 
@@ -41,6 +42,8 @@ class OperatorConfig:
 
     listen_host: str = "0.0.0.0"
     listen_port: int = obj.WEBHOOK_PORT
+    # tls.crt + tls.key: the webhook and /metrics serve HTTPS (docs/security.md); None: HTTP.
+    webhook_tls_dir: str | None = None
     options: OperatorOptions = field(default_factory=OperatorOptions)
     operator_namespace: str | None = None  # where the shared webhook Service goes
     admission: bool = False
@@ -173,15 +176,32 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
         metrics=OperatorMetrics(prom),
     )
+    tls = None
+    if config.webhook_tls_dir:
+        tls = ServingCert(
+            cert_file=Path(config.webhook_tls_dir, "tls.crt"),
+            key_file=Path(config.webhook_tls_dir, "tls.key"),
+        )
     app = web.Application()
     ctx.server.add_routes(app)
     ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
     await ctx.runner.setup()
-    site = web.TCPSite(ctx.runner, config.listen_host, config.listen_port)
+    site = web.TCPSite(
+        ctx.runner,
+        config.listen_host,
+        config.listen_port,
+        ssl_context=tls.context if tls else None,
+    )
     await site.start()
     addresses = ctx.runner.addresses
     ctx.port = addresses[0][1] if addresses else config.listen_port
-    log.info("webhook and metrics on %s:%d", config.listen_host, ctx.port)
+    scheme = "https" if tls else "http"
+    log.info("webhook and metrics on %s://%s:%d", scheme, config.listen_host, ctx.port)
+    if tls is None and config.listen_host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "the webhook serves plain HTTP: trainer tokens cross the network in clear "
+            "text (give --webhook-tls-dir; docs/security.md)"
+        )
     if config.operator_namespace:
         try:
             await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))

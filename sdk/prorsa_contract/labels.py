@@ -39,6 +39,11 @@ def engine_key_secret_name(cluster: str) -> str:
     return f"{cluster}-engine-admin-key"
 
 
+def agent_tls_secret_name(cluster: str) -> str:
+    """The agents' serving certificate (``tls.crt``, ``tls.key``, ``ca.crt``)."""
+    return f"{cluster}-agent-tls"
+
+
 def switch_intent(*, to: str, phase: str, started: str, origin: str) -> str:
     """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
     return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})

@@ -4,9 +4,17 @@
   the background, retry, answer resyncs, and never block the training loop.
 * :class:`ResumableGeneration` resumes generations aborted by a role switch.
 * :class:`TrajectoryTracker` builds resync snapshots from the events themselves.
+* :func:`tls_context` is the check of the webhook's certificate the emitters make
+  (``verify=``: a CA bundle path, or the system trust store), for a client of your own.
 """
 
-from prorsa_sdk.emitter import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
+from prorsa_sdk.emitter import (
+    AsyncEventEmitter,
+    Backoff,
+    EmitterStats,
+    EventEmitter,
+    tls_context,
+)
 from prorsa_sdk.resumable import ResumableGeneration, ResumeExhausted
 from prorsa_sdk.tracker import TrajectoryTracker
 
@@ -18,4 +26,5 @@ __all__ = [
     "ResumableGeneration",
     "ResumeExhausted",
     "TrajectoryTracker",
+    "tls_context",
 ]

@@ -24,6 +24,11 @@ generator of actions that the thread and the task each execute):
   built-in tracker with ``track=True``) before sending more events.
 * ``close()`` flushes what is buffered, within a timeout; whatever could not be delivered
   by then is counted as dropped and logged, never silently lost.
+
+TLS: an ``https://`` webhook's certificate is verified against ``verify``: a CA bundle
+path (the webhook Secret's ``ca.crt``, a cert-manager issuer's CA), an ``ssl.SSLContext``,
+or, by default, the system trust store. A certificate that does not verify is a
+connection error like any other: retried, never sent around.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import itertools
 import json
 import logging
 import math
+import os
 import random
+import ssl
 import threading
 import time
 import uuid
@@ -765,6 +772,22 @@ class _Helpers(ABC):
         )
 
 
+TlsVerify = str | os.PathLike[str] | ssl.SSLContext | None
+"""A CA bundle path, a ready context, or None for the system trust store."""
+
+
+def tls_context(verify: TlsVerify) -> ssl.SSLContext:
+    """The client context that checks the webhook's certificate (hostname included)."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if verify is None:
+        return ssl.create_default_context()
+    path = os.fspath(verify)
+    if not os.path.isfile(path):
+        raise ValueError(f"verify: no CA bundle at {path!r}")
+    return ssl.create_default_context(cafile=path)
+
+
 # -- what both flavours share ---------------------------------------------------------------
 
 
@@ -859,11 +882,17 @@ class EventEmitter(_Emitter):
         snapshot: SnapshotSource | None = None,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        verify: TlsVerify = None,
         **options: Unpack[EmitterOptions],
     ) -> None:
         super().__init__(has_snapshot=snapshot is not None, options=options)
         self._snapshot = snapshot
-        self._client = httpx.Client(base_url=self._core.url, timeout=timeout, transport=transport)
+        self._client = httpx.Client(
+            base_url=self._core.url,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_context(verify),
+        )
         self._wake = threading.Condition(self._core.lock)
         self._stop = threading.Event()  # interrupts backoff sleeps on close
         self._thread = threading.Thread(target=self._run, name="prorsa-emitter", daemon=True)
@@ -986,12 +1015,14 @@ class AsyncEventEmitter(_Emitter):
         snapshot: AsyncSnapshotSource | None = None,
         timeout: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: TlsVerify = None,
         **options: Unpack[EmitterOptions],
     ) -> None:
         super().__init__(has_snapshot=snapshot is not None, options=options)
         self._snapshot = snapshot
         self._timeout = timeout
         self._transport = transport
+        self._verify = tls_context(verify)  # a missing bundle fails here, not in the loop
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1021,7 +1052,10 @@ class AsyncEventEmitter(_Emitter):
         self._changed = asyncio.Event()
         self._stop = asyncio.Event()
         self._client = httpx.AsyncClient(
-            base_url=self._core.url, timeout=self._timeout, transport=self._transport
+            base_url=self._core.url,
+            timeout=self._timeout,
+            transport=self._transport,
+            verify=self._verify,
         )
         self._task = loop.create_task(self._run(), name="prorsa-emitter")
 

@@ -112,3 +112,13 @@ ClusterRole in all-namespaces mode). Each names the code path that needs it.
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
+
+{{/* The webhook's kubernetes.io/tls Secret (webhook.tls): yours, or cert-manager's. */}}
+{{- define "prorsa.webhookTlsSecret" -}}
+{{- default (printf "%s-webhook-tls" (include "prorsa.fullname" .)) .Values.webhook.tls.secretName -}}
+{{- end -}}
+
+{{/* http or https: what the webhook port (8787) speaks. */}}
+{{- define "prorsa.webhookScheme" -}}
+{{- if .Values.webhook.tls.enabled -}}https{{- else -}}http{{- end -}}
+{{- end -}}

@@ -19,8 +19,10 @@ from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 if TYPE_CHECKING:
     from prorsa.clusters import ClusterHandle
     from prorsa.core.decision import Decision
+    from prorsa_contract.serving_tls import ServingCert
 
 HELP = "serve the trainer webhook for one RolloutCluster manifest (no Kubernetes)"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=Path,
         help="file holding the bearer token trainers must send",
+    )
+    parser.add_argument(
+        "--tls-cert-file",
+        type=Path,
+        metavar="PEM",
+        help="serve HTTPS with this certificate (chain); needs --tls-key-file",
+    )
+    parser.add_argument("--tls-key-file", type=Path, metavar="PEM", help="its private key")
+    parser.add_argument(
+        "--insecure-plain-http",
+        action="store_true",
+        help="allow plain HTTP on an address other than loopback (the token then crosses "
+        "the network in clear text)",
     )
     parser.add_argument(
         "--tick",
@@ -103,14 +118,36 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"{args.token_file}: {exc}")
     if args.tick is not None and not args.tick > 0:
         return fail("--tick must be > 0")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        return fail("--tls-cert-file and --tls-key-file go together")
+    tls = None
+    if args.tls_cert_file is not None:
+        from prorsa_contract.serving_tls import ServingCert
+
+        try:
+            tls = ServingCert(cert_file=args.tls_cert_file, key_file=args.tls_key_file)
+        except ValueError as exc:
+            return fail(str(exc))
+    elif host not in LOOPBACK and not args.insecure_plain_http:
+        return fail(
+            f"plain HTTP on {host} would send the trainer's token in clear text: give "
+            "--tls-cert-file and --tls-key-file, or --insecure-plain-http to accept that"
+        )
     try:
-        return asyncio.run(_serve(args, manifest, token.strip(), host, port))
+        return asyncio.run(_serve(args, manifest, token.strip(), host, port, tls))
     except OSError as exc:
         print(f"prorsa ingest: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 1
 
 
-async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str, port: int) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    manifest: Any,
+    token: str,
+    host: str,
+    port: int,
+    tls: ServingCert | None,
+) -> int:
     import asyncio
     import contextlib
     import json
@@ -125,7 +162,7 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
         namespace=meta.namespace, name=meta.name, token=token, controller=Controller(spec)
     )
     server = WebhookServer(registry)
-    running = await server.start(host=host, port=port)
+    running = await server.start(host=host, port=port, ssl_context=tls.context if tls else None)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     on_stop_signals(stop.set)
@@ -140,7 +177,7 @@ async def _serve(args: argparse.Namespace, manifest: Any, token: str, host: str,
     if args.format == "line":
         print(f"  events:   POST {base}/events  (Authorization: Bearer <token>)", flush=True)
         print(f"  forecast: GET  {base}/forecast   docs: {running.url}/openapi.json", flush=True)
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if tls is None and host not in LOOPBACK:
         print(
             "prorsa ingest: warning: plain HTTP on a non-loopback address sends the token "
             "in clear text",

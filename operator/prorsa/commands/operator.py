@@ -16,6 +16,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--listen", default="0.0.0.0:8787", help="webhook and /metrics HOST:PORT")
     parser.add_argument(
+        "--webhook-tls-dir",
+        help="directory with tls.crt and tls.key (a mounted kubernetes.io/tls Secret): the "
+        "webhook and /metrics serve HTTPS, re-reading a renewed pair; without it, plain HTTP",
+    )
+    parser.add_argument(
         "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL"
     )
     parser.add_argument("--agent-port", type=int, default=8080, help="engine agents' port")
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         namespaced=not clusterwide,
         listen_host=host,
         listen_port=int(port),
+        webhook_tls_dir=args.webhook_tls_dir,
         operator_namespace=args.operator_namespace,
         admission=args.admission,
         admission_tls_dir=args.admission_tls_dir,

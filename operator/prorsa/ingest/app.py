@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -135,11 +136,12 @@ class RunningServer:
     runner: web.AppRunner
     host: str
     port: int
+    tls: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -202,23 +204,28 @@ class WebhookServer:
             keepalive_timeout=self.limits.header_timeout_seconds,
         )
 
-    async def start(self, *, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-        """Listen on ``host:port`` (port 0: any free port) in the running loop."""
+    async def start(
+        self, *, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> RunningServer:
+        """Listen on ``host:port`` (port 0: any free port) in the running loop; HTTPS with
+        ``ssl_context`` (a :class:`prorsa_contract.serving_tls.ServingCert`'s)."""
         runner = self.runner()
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         try:
             await site.start()
         except BaseException:
             await runner.cleanup()
             raise
         bound = runner.addresses[0][1] if runner.addresses else port
-        return RunningServer(runner=runner, host=host, port=bound)
+        return RunningServer(runner=runner, host=host, port=bound, tls=ssl_context is not None)
 
     @asynccontextmanager
-    async def serving(self, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    async def serving(
+        self, *, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> AsyncIterator[str]:
         """``async with server.serving() as url:`` for tests and scripts."""
-        running = await self.start(host=host, port=port)
+        running = await self.start(host=host, port=port, ssl_context=ssl_context)
         try:
             yield running.url
         finally:

@@ -2,19 +2,29 @@
 
 Every call has a short, explicit timeout; a pod that does not answer is reported as
 unavailable instead of holding up the tick for every other pod.
+
+Agents serve HTTPS with their cluster's certificate (:mod:`prorsa.k8s.agent_tls`): the
+operator connects to the pod IP, trusts that cluster's CA only, and checks the pod's DNS
+name ``<pod>.<cluster>-engines.<namespace>.svc`` in the certificate (sent as SNI too). A
+pod whose spec mounts no agent certificate (made by an operator before TLS) is reached
+over plain HTTP until it is replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
+from prorsa.k8s.agent_tls import agent_server_name
+from prorsa.k8s.objects import AGENT_TLS_CERT_ENV
 from prorsa_contract.agent_api import EngineState, RoleResult
+from prorsa_contract.labels import CLUSTER_LABEL
 
 STATE_TIMEOUT = 2.0
 
@@ -22,29 +32,86 @@ STATE_TIMEOUT = 2.0
 @dataclass(frozen=True, slots=True)
 class AgentAddress:
     instance: str
-    url: str  # http://<pod IP>:<agent port>
+    url: str  # http(s)://<pod IP>:<agent port>
+    server_name: str | None = None
+    """The name the agent's certificate must carry (https only)."""
+    ca: str | None = field(default=None, repr=False)
+    """PEM of the only CA trusted for this agent (https only)."""
 
 
-def agent_url(pod: dict[str, Any], *, port: int) -> str | None:
+def serves_tls(pod: dict[str, Any]) -> bool:
+    """Whether the pod's agent was configured with a serving certificate."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if any(e.get("name") == AGENT_TLS_CERT_ENV for e in container.get("env") or []):
+            return True
+    return False
+
+
+def agent_address(pod: dict[str, Any], *, port: int, ca: str | None) -> AgentAddress | None:
+    """How to reach the pod's agent: None while it has no IP.
+
+    A pod that serves TLS with no CA known to the operator gets an https address with no
+    CA: every call to it fails (reported unavailable) rather than going out unverified.
+    """
     ip = (pod.get("status") or {}).get("podIP")
-    return f"http://{ip}:{port}" if ip else None
+    if not ip:
+        return None
+    meta = pod["metadata"]
+    host = f"[{ip}]" if ":" in ip else ip
+    if not serves_tls(pod):
+        return AgentAddress(meta["name"], f"http://{host}:{port}")
+    name = agent_server_name(
+        pod=meta["name"],
+        cluster=(meta.get("labels") or {}).get(CLUSTER_LABEL, ""),
+        namespace=meta.get("namespace") or "default",
+    )
+    return AgentAddress(meta["name"], f"https://{host}:{port}", server_name=name, ca=ca or "")
 
 
 class AgentClient:
-    """One httpx client for every agent of every cluster; the token is per cluster."""
+    """httpx clients for every agent of every cluster: one for plain HTTP, one per CA
+    (each trusting that CA alone); the token is per cluster."""
 
     def __init__(self, *, client: httpx.AsyncClient | None = None) -> None:
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(STATE_TIMEOUT), limits=httpx.Limits(max_connections=256)
         )
+        self._verified: dict[str, httpx.AsyncClient] = {}
+        self._closed = False
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        self._closed = True
+        clients = [self._client, *self._verified.values()]
+        self._verified.clear()
+        for client in clients:
+            await client.aclose()
+
+    def _for(self, address: AgentAddress) -> tuple[httpx.AsyncClient, dict[str, Any]]:
+        """The client and request extensions for one agent."""
+        if self._closed:
+            raise RuntimeError("the agent client has been closed")
+        if address.server_name is None:
+            return self._client, {}
+        if not address.ca:
+            raise httpx.ConnectError(f"no CA known for the agent of {address.instance}")
+        client = self._verified.get(address.ca)
+        if client is None:
+            context = ssl.create_default_context(cadata=address.ca)
+            client = httpx.AsyncClient(
+                verify=context,
+                timeout=httpx.Timeout(STATE_TIMEOUT),
+                limits=httpx.Limits(max_connections=256),
+            )
+            self._verified[address.ca] = client
+        return client, {"sni_hostname": address.server_name}
 
     async def state(self, address: AgentAddress) -> EngineState | None:
         """The agent's ``/v1/state``; None when it does not answer sensibly in time."""
         try:
-            reply = await self._client.get(f"{address.url}/v1/state", timeout=STATE_TIMEOUT)
+            client, extensions = self._for(address)
+            reply = await client.get(
+                f"{address.url}/v1/state", timeout=STATE_TIMEOUT, extensions=extensions
+            )
             reply.raise_for_status()
             state = EngineState.model_validate_json(reply.content)
         except (httpx.HTTPError, ValidationError):
@@ -76,8 +143,13 @@ class AgentClient:
         failures = 0
         while failures < 3:
             try:
-                reply = await self._client.post(
-                    f"{address.url}/v1/role", json=body, headers=headers, timeout=timeout
+                client, extensions = self._for(address)
+                reply = await client.post(
+                    f"{address.url}/v1/role",
+                    json=body,
+                    headers=headers,
+                    timeout=timeout,
+                    extensions=extensions,
                 )
             except httpx.HTTPError as exc:
                 failures += 1

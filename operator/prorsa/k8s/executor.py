@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
-from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
+from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.kube import Kube
 from prorsa_contract.agent_api import RoleResult
 from prorsa_contract.labels import (
@@ -82,6 +82,8 @@ class SwitchExecutor:
     namespace: str
     token: Callable[[], str]
     settings: ExecutorSettings
+    ca: Callable[[], str | None] = lambda: None
+    """PEM of the CA the cluster's agents' certificate comes from (agent_tls.py)."""
     on_done: Callable[[SwitchOutcome], Awaitable[None]]
     active: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict)
     history: deque[SwitchOutcome] = field(default_factory=lambda: deque(maxlen=5))
@@ -166,11 +168,11 @@ class SwitchExecutor:
             await self._wait_router_drop(ip)
 
         # Steps 3–4: the agent drains, aborts what is left, flips and verifies.
-        url = agent_url(pod, port=s.agent_port)
-        if url is None:
+        address = agent_address(pod, port=s.agent_port, ca=self.ca())
+        if address is None:
             fresh = await self.kube.get_pod(ns, name)
-            url = agent_url(fresh, port=s.agent_port) if fresh else None
-        if url is None:
+            address = agent_address(fresh, port=s.agent_port, ca=self.ca()) if fresh else None
+        if address is None:
             result = RoleResult(ok=False, safe_to_restore=True, message="pod has no IP")
         else:
             phase = switch_intent(to=to, phase="switching", started=started, origin=origin)
@@ -178,7 +180,7 @@ class SwitchExecutor:
                 ns, name, {"metadata": {"annotations": {SWITCH_ANNOTATION: phase}}}
             )
             result = await self.agents.set_role(
-                AgentAddress(name, url), role=to, drain_timeout=s.drain_timeout, token=self.token()
+                address, role=to, drain_timeout=s.drain_timeout, token=self.token()
             )
 
         # Steps 5–6.
@@ -188,7 +190,7 @@ class SwitchExecutor:
         elif result.safe_to_restore:
             # Label the role the engine is actually in: a switch can fail after the flip
             # (verification) or be refused once it already happened.
-            state = await self.agents.state(AgentAddress(name, url)) if url else None
+            state = await self.agents.state(address) if address else None
             back = state.role if state is not None else (result.old_role or origin)
             await self._relabel(name, back)
             done = outcome("restored", result.message, result)

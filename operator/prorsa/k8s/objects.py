@@ -21,6 +21,7 @@ from prorsa_contract.labels import (
     MANAGED_BY,
     ROLE_LABEL,
     agent_secret_name,
+    agent_tls_secret_name,
     engine_key_secret_name,
     engine_name,
 )
@@ -29,6 +30,9 @@ ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
+AGENT_TLS_PATH = "/var/run/prorsa/agent-tls"
+AGENT_TLS_CERT_ENV = "PRORSA_AGENT_TLS_CERT_FILE"
+"""Set on engine pods whose agent serves HTTPS: the operator then verifies it."""
 
 ENGINE_POD_SECURITY: dict[str, Any] = {
     "runAsNonRoot": True,
@@ -86,6 +90,9 @@ def engine_pod(
         {"name": "PRORSA_AGENT_TOKEN_FILE", "value": TOKEN_PATH + "/token"},
         # The agent passes the key to SGLang (--admin-api-key) and sends it on its calls.
         {"name": "PRORSA_ENGINE_API_KEY_FILE", "value": ENGINE_KEY_PATH + "/key"},
+        # The agent serves HTTPS with the cluster's agent certificate (agent_tls.py).
+        {"name": AGENT_TLS_CERT_ENV, "value": AGENT_TLS_PATH + "/tls.crt"},
+        {"name": "PRORSA_AGENT_TLS_KEY_FILE", "value": AGENT_TLS_PATH + "/tls.key"},
         {"name": "PRORSA_EXTRA_ARGS", "value": json.dumps(list(e.extra_args))},
     ]
     if spec.model.served_name:
@@ -94,6 +101,7 @@ def engine_pod(
     volumes = [
         {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},
         {"name": "engine-admin-key", "secret": {"secretName": engine_key_secret_name(cluster)}},
+        {"name": "agent-tls", "secret": {"secretName": agent_tls_secret_name(cluster)}},
         # NCCL and SGLang's shared-memory transport need more than the 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         *e.volumes,
@@ -101,6 +109,7 @@ def engine_pod(
     mounts = [
         {"name": "agent-token", "mountPath": TOKEN_PATH, "readOnly": True},
         {"name": "engine-admin-key", "mountPath": ENGINE_KEY_PATH, "readOnly": True},
+        {"name": "agent-tls", "mountPath": AGENT_TLS_PATH, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         *e.volume_mounts,
     ]
@@ -115,6 +124,9 @@ def engine_pod(
         },
         "spec": {
             "restartPolicy": "Always",
+            # <pod>.<cluster>-engines.<namespace>.svc resolves in the cluster: the name the
+            # agent certificate carries (the operator connects by IP and checks that name).
+            **({"hostname": name, "subdomain": f"{cluster}-engines"} if len(name) <= 63 else {}),
             "terminationGracePeriodSeconds": 60,
             "securityContext": _copy(
                 ENGINE_POD_SECURITY if e.pod_security_context is None else e.pod_security_context
@@ -161,7 +173,8 @@ def _copy(value: dict[str, Any]) -> dict[str, Any]:
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": AGENT_PORT},
+        # The kubelet does not verify the certificate of an HTTPS probe.
+        "httpGet": {"path": path, "port": AGENT_PORT, "scheme": "HTTPS"},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": 5,
@@ -198,6 +211,24 @@ def engine_key_secret(*, cluster: str, namespace: str, key: str) -> dict[str, An
         },
         "type": "Opaque",
         "stringData": {"key": key},
+    }
+
+
+def agent_tls_secret(
+    *, cluster: str, namespace: str, ca: str, cert: str, key: str
+) -> dict[str, Any]:
+    """The agents' serving certificate and its CA; engine pods mount it, the operator
+    reads ``ca.crt`` back to verify them (:mod:`prorsa.k8s.agent_tls`)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": agent_tls_secret_name(cluster),
+            "namespace": namespace,
+            "labels": labels(cluster, "agent-tls"),
+        },
+        "type": "kubernetes.io/tls",
+        "stringData": {"tls.crt": cert, "tls.key": key, "ca.crt": ca},
     }
 
 

@@ -24,7 +24,8 @@ from prorsa.clusters import ClusterHandle
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import objects as obj
-from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
+from prorsa.k8s.agent_tls import issue_agent_cert
+from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
@@ -36,6 +37,7 @@ from prorsa_contract.labels import (
     INDEX_LABEL,
     SWITCH_ANNOTATION,
     agent_secret_name,
+    agent_tls_secret_name,
 )
 
 log = logging.getLogger("prorsa.runtime")
@@ -68,6 +70,7 @@ class ClusterRuntime:
     options: OperatorOptions
     post_event: EventPoster
     agent_token: str = ""
+    agent_ca: str | None = None
     generation: int = 0
     executor: SwitchExecutor | None = None
     bootstrapped: bool = False
@@ -121,6 +124,7 @@ class ClusterRuntime:
         # Created once (ensure() leaves an existing one alone), before any engine pod mounts it.
         key = obj.engine_key_secret(cluster=name, namespace=ns, key=secrets.token_urlsafe(32))
         await self.kube.ensure(self._owned(key))
+        await self._ensure_agent_tls()
         await self.kube.ensure(self._owned(obj.engines_service(cluster=name, namespace=ns)))
         if self.spec.router.enabled:
             for manifest in obj.router_objects(cluster=name, namespace=ns, spec=self.spec):
@@ -132,6 +136,7 @@ class ClusterRuntime:
             router=RouterClient(client=self.agents._client) if router_url else None,
             namespace=ns,
             token=lambda: self.agent_token,
+            ca=lambda: self.agent_ca,
             settings=ExecutorSettings(
                 agent_port=self.options.agent_port,
                 drain_timeout=self.spec.switching.drain_timeout_seconds,
@@ -144,6 +149,28 @@ class ClusterRuntime:
         for pod in await self.kube.list_pods(ns, self.selector):
             if self.executor.resume(pod):
                 log.info("%s/%s: resuming the switch of %s", ns, name, pod["metadata"]["name"])
+
+    async def _ensure_agent_tls(self) -> None:
+        """The agents' certificate Secret: issued once, then only its CA is read back.
+
+        The Secret may also come from elsewhere (cert-manager, docs/security.md): whatever
+        ``ca.crt`` it holds is the one CA trusted for this cluster's agents.
+        """
+        ns, name = self.namespace, self.name
+        secret_name = agent_tls_secret_name(name)
+        ca = await self.kube.read_secret_key(ns, secret_name, "ca.crt")
+        if ca is None:
+            issued = await asyncio.to_thread(issue_agent_cert, cluster=name, namespace=ns)
+            manifest = obj.agent_tls_secret(
+                cluster=name, namespace=ns, ca=issued.ca, cert=issued.cert, key=issued.key
+            )
+            await self.kube.ensure(self._owned(manifest))
+            ca = await self.kube.read_secret_key(ns, secret_name, "ca.crt")
+        if not ca:
+            log.error(
+                "%s/%s: Secret %s has no ca.crt: agents cannot be verified", ns, name, secret_name
+            )
+        self.agent_ca = ca or None
 
     def update_spec(self, spec: RolloutClusterSpec) -> None:
         """A spec change: the Controller keeps what it learned; settings follow the spec."""
@@ -272,6 +299,10 @@ class ClusterRuntime:
                 )
                 continue
             by_index[index] = pod
+        if any(index not in by_index for index in range(n)):
+            # New pods mount the certificate Secret: issue it again if it was deleted (a
+            # rotation), and trust whatever CA it now holds.
+            await self._ensure_agent_tls()
         for index in range(n):
             if index not in by_index:
                 manifest = self._owned(
@@ -287,9 +318,9 @@ class ClusterRuntime:
         """Agent states by instance; a pod mid-switch is reported as switching."""
         addresses = []
         for pod in pods:
-            url = agent_url(pod, port=self.options.agent_port)
-            if url is not None:
-                addresses.append(AgentAddress(pod["metadata"]["name"], url))
+            address = agent_address(pod, port=self.options.agent_port, ca=self.agent_ca)
+            if address is not None:
+                addresses.append(address)
         answers = await self.agents.states(addresses)
         busy = self.executor.busy() if self.executor else set()
         out: dict[str, EngineState] = {}

@@ -8,7 +8,8 @@ For the operator's end-to-end tests and the demo::
         pod.double      # the EngineDouble: faults, counters, crash(), restart()
 
 With ``engine_api_key`` the double requires that admin key (as SGLang launched with
-``--admin-api-key``) and the agent reads it from a file, as in an engine pod.
+``--admin-api-key``) and the agent reads it from a file, as in an engine pod; with
+``tls_cert`` and ``tls_key`` (PEM) the agent serves HTTPS from files, as in an engine pod.
 """
 
 from __future__ import annotations
@@ -49,12 +50,17 @@ class EnginePod:
         agent_host: str = "127.0.0.1",
         agent_port: int = 0,
         engine_api_key: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         if not token:
             raise ValueError("the agent token must not be empty")
         self.instance = instance
         self.token = token
         self.engine_api_key = engine_api_key
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         config = engine or EngineConfig()
         if engine_api_key is not None:
             # As `prorsa agent --launch` would start SGLang: --admin-api-key from the file.
@@ -86,11 +92,18 @@ class EnginePod:
         if self.engine_api_key is not None:
             key_file = self._dir / "engine-admin-key"
             key_file.write_text(self.engine_api_key)
+        cert_file = tls_key_file = None
+        if self._tls is not None:
+            cert_file, tls_key_file = self._dir / "tls.crt", self._dir / "tls.key"
+            cert_file.write_text(self._tls[0])
+            tls_key_file.write_text(self._tls[1])
         self.agent = Agent(
             AgentConfig(
                 engine_url=self.double.url,
                 token_file=token_file,
                 engine_api_key_file=key_file,
+                tls_cert_file=cert_file,
+                tls_key_file=tls_key_file,
                 instance=self.instance,
                 listen_host=self._agent_host,
                 listen_port=self._agent_port,

@@ -6,10 +6,12 @@ SGLang engine double plus a real in-pod agent each, on loopback, and with
 Each pod gets its own loopback address (127.A.B.N, with A.B drawn per kubelet so that two
 test processes on one machine do not meet), so every agent listens on the same port, every
 engine on one shared port and its bootstrap server on the pod's ``sglang.ai/bootstrap-port``,
-as in a real cluster: the operator reaches an agent at ``http://<podIP>:<agent port>`` and
-smg an engine at ``<podIP>:<engine port>``. When the pod is deleted its engine and agent
-stop; a failed pod can be simulated by :meth:`FakeKubelet.fail`. Used by the operator's
-end-to-end tests and by ``make demo``.
+as in a real cluster: the operator reaches an agent at ``https://<podIP>:<agent port>``, with
+the certificate the pod mounts from its cluster's agent TLS Secret (the kubelet projects the
+token, the engine admin key and the certificate files as a real one would), and smg an
+engine at ``<podIP>:<engine port>``. When the pod is deleted its engine and agent stop; a
+failed pod can be simulated by :meth:`FakeKubelet.fail`. Used by the operator's end-to-end
+tests and by ``make demo``.
 """
 
 from __future__ import annotations
@@ -157,7 +159,9 @@ class FakeKubelet:
         name, uid = meta["name"], meta.get("uid", "")
         token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
         key = await self._mounted(pod, "PRORSA_ENGINE_API_KEY_FILE")
-        if token is None or key is None:
+        cert = await self._mounted(pod, "PRORSA_AGENT_TLS_CERT_FILE")
+        cert_key = await self._mounted(pod, "PRORSA_AGENT_TLS_KEY_FILE")
+        if token is None or key is None or cert is None or cert_key is None:
             return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
         # One engine port for every pod, as in a cluster: the router reaches podIP:port.
@@ -181,6 +185,8 @@ class FakeKubelet:
             agent_host=ip,
             agent_port=self.agent_port,
             engine_api_key=key or None,
+            tls_cert=cert or None,
+            tls_key=cert_key or None,
         )
         await engine_pod.start()
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod)

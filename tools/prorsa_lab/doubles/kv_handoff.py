@@ -168,7 +168,7 @@ class KvFetcher:
                     if reply.status != 200:
                         log.warning("bootstrap server %s answered %d", url, reply.status)
                         return False
-                    status = (await reply.json()).get("status")
+                    status = str((await reply.json()).get("status"))
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.warning("KV hand-off from %s failed: %r", url, exc)
                 return False

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import ssl
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -117,6 +118,8 @@ class Stack:
     operator_namespace: str | None = None
     router_settle_timeout: float = 30.0
     router_url: str | None = None  # the smg the kubelet runs; None: the default template
+    webhook_tls_dir: str | None = None
+    """tls.crt, tls.key and ca.crt of the webhook's certificate (None: plain HTTP)."""
     operator_task: asyncio.Task[None] | None = None
     stop_flag: asyncio.Event | None = None
     _ids: int = 0
@@ -128,6 +131,7 @@ class Stack:
         config = OperatorConfig(
             listen_host="127.0.0.1",
             listen_port=self.webhook_port,
+            webhook_tls_dir=self.webhook_tls_dir,
             login_kubeconfig=self.operator_kubeconfig,
             watch_timeout=self.watch_timeout,
             namespaced=bool(self.watch_namespaces),
@@ -136,9 +140,10 @@ class Stack:
                 agent_port=self.kubelet.agent_port,
                 tick_seconds=self.tick_seconds,
                 router_settle_timeout=self.router_settle_timeout,
-                **({"router_url_template": self.router_url} if self.router_url else {}),
             ),
         )
+        if self.router_url:
+            config.options.router_url_template = self.router_url
         self.stop_flag = asyncio.Event()
         ready = asyncio.Event()
         self.operator_task = asyncio.create_task(
@@ -162,9 +167,20 @@ class Stack:
             await asyncio.wait_for(self.operator_task, 60)
         self.operator_task = None
 
+    @property
+    def webhook_ca(self) -> str | None:
+        """The CA bundle a trainer verifies the webhook with (None: plain HTTP)."""
+        return f"{self.webhook_tls_dir}/ca.crt" if self.webhook_tls_dir else None
+
+    def http(self, **kwargs: Any) -> httpx.AsyncClient:
+        """A client for the webhook that trusts its CA (and nothing else) when it has one."""
+        if self.webhook_ca is not None:
+            kwargs.setdefault("verify", ssl.create_default_context(cafile=self.webhook_ca))
+        return httpx.AsyncClient(**kwargs)
+
     async def _webhook_up(self) -> bool:
         try:
-            async with httpx.AsyncClient() as client:
+            async with self.http() as client:
                 reply = await client.get(f"{self.webhook}/healthz", timeout=1)
             return reply.status_code == 200
         except httpx.HTTPError:
@@ -172,7 +188,8 @@ class Stack:
 
     @property
     def webhook(self) -> str:
-        return f"http://127.0.0.1:{self.webhook_port}"
+        scheme = "https" if self.webhook_tls_dir else "http"
+        return f"{scheme}://127.0.0.1:{self.webhook_port}"
 
     def cluster_path(self, cluster: str = "demo") -> str:
         """The webhook path prefix of one RolloutCluster (``.../events``, ``/forecast``)."""
@@ -263,7 +280,7 @@ class Stack:
         } | fields
 
     async def post(self, events: list[dict[str, Any]], cluster: str = "demo") -> httpx.Response:
-        async with httpx.AsyncClient() as client:
+        async with self.http() as client:
             return await client.post(
                 f"{self.webhook}{self.cluster_path(cluster)}/events",
                 json={"events": events},
@@ -272,8 +289,26 @@ class Stack:
             )
 
     async def metrics(self) -> str:
-        async with httpx.AsyncClient() as client:
+        async with self.http() as client:
             return (await client.get(f"{self.webhook}/metrics", timeout=5)).text
+
+
+def write_webhook_cert(directory: str) -> None:
+    """A throwaway CA and a certificate for 127.0.0.1 and localhost, as the webhook Secret
+    mounted in the operator would hold them (tls.crt, tls.key, ca.crt)."""
+    from prorsa.k8s.agent_tls import issue_serving_cert
+
+    issued = issue_serving_cert(
+        common_name="prorsa-webhook",
+        dns_names=("localhost",),
+        ip_addresses=("127.0.0.1",),
+        ca_name="prorsa lab webhook CA",
+    )
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tls.crt").write_text(issued.cert)
+    (path / "tls.key").write_text(issued.key)
+    (path / "ca.crt").write_text(issued.ca)
 
 
 @contextlib.asynccontextmanager
@@ -292,6 +327,7 @@ async def stack(
     router_settle_timeout: float = 30.0,
     run_router: bool = False,
     log_dir: Path | None = None,
+    webhook_tls: bool = False,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
@@ -303,6 +339,7 @@ async def stack(
     ``operator_namespace`` is where it puts the webhook Service (which must exist);
     ``run_router`` runs a cluster's router Deployment (``router.enabled``) as the real smg
     binary (its log in ``log_dir``) and points the operator's switch executor at it.
+    ``webhook_tls`` serves the webhook over HTTPS with a throwaway CA (``env.webhook_ca``).
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
     the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
@@ -311,6 +348,10 @@ async def stack(
     with server, tempfile.TemporaryDirectory(prefix="prorsa-operator-") as private:
         assert server.kubeconfig_path is not None
         kubeconfig = str(server.kubeconfig_path)
+        tls_dir = None
+        if webhook_tls:
+            tls_dir = str(Path(private) / "webhook-tls")
+            write_webhook_cert(tls_dir)
         operator_kubeconfig = str(server.kubeconfig_for(OPERATOR_USER, Path(private) / "config"))
         api = kubernetes.config.new_client_from_config(config_file=kubeconfig)
         kube = Kube(api)
@@ -357,6 +398,7 @@ async def stack(
                     operator_namespace=operator_namespace,
                     router_settle_timeout=router_settle_timeout,
                     router_url=f"http://127.0.0.1:{kubelet.router_port}" if run_router else None,
+                    webhook_tls_dir=tls_dir,
                 )
                 await env.start_operator()
                 try:
