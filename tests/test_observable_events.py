@@ -161,3 +161,17 @@ def test_forecast_from_observable_events_stays_close_to_the_full_set() -> None:
     (full_p, full_d), (none_p, none_d) = wape["full"], wape["none"]
     assert none_p <= full_p + 0.05, wape
     assert none_d <= full_d + 0.05, wape
+
+
+def test_prorsa_bench_events_prints_wape_for_each_event_set(capsys) -> None:
+    import json
+
+    from prorsa.cli import main
+
+    assert main(["bench", "events", "--quick", "--tasks", "math", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["prefillEvents"] for r in rows] == ["full", "first-token", "none"]
+    assert all(r["wapePrefill"] is not None and r["wapeDecode"] is not None for r in rows)
+    # Fewer events for the same rollout: the observable sets leave prefill events out.
+    assert rows[0]["events"] > rows[1]["events"] > rows[2]["events"]
+    assert main(["bench", "events", "--tasks", "cooking"]) == 2
