@@ -25,7 +25,7 @@ update_weights``)                  ``weight_update_finished`` once generation re
                                    with the live trajectories that re-prefill
 ================================  =====================================================
 
-No prefill events: verl's ``AsyncLLMServerManager.generate`` is one blocking call that
+No prefill events: verl's ``LLMServerClient.generate`` is one blocking call that
 returns the whole completion, and behind a PD router (smg) the reply names neither the
 prefill engine nor when its prefill ended. Reporting ``prefill_started`` before the call
 and ``prefill_finished`` after it would show every request in prefill for its whole
