@@ -99,16 +99,17 @@ async def trajectory(
     for turn in range(turns):
         last = turn == turns - 1
         em.request_queued(tid, prompt_tokens=context, turn=turn)
-        em.prefill_started(tid)
+        # Only what the client observes: it never sees a prefill start (the engine queues
+        # it) and, behind the router, not which engine prefilled.
         if isinstance(model, RouterModel):
-            # Non-streaming: the first-token moment is not seen; report it with the reply.
+            # Blocking call: the end of the prefill is not seen either, so no prefill event;
+            # the Controller learns it from the prefill engines' /v1/state.
             output, finish = await model.generate(
                 context, last_turn=last, trajectory=tid, turn=turn
             )
-            em.prefill_finished(tid)
         else:
             await model.prefill(context)
-            em.prefill_finished(tid)  # first token seen
+            em.prefill_finished(tid)  # the first token streamed back: prefill (+ transfer) over
             output, finish = await model.decode(last_turn=last)
         em.decode_finished(tid, output_tokens=output, finish=finish)
         context += output

@@ -10,10 +10,9 @@ lifecycle transition reported to Prorsa:
 verl step                          Prorsa event
 ================================  =====================================================
 ``run()`` starts                   ``sample_dispatched`` (group = the GRPO ``uid``)
-before each generation             ``request_queued`` (full prompt incl. the history) and
-                                   ``prefill_started``
-generation returned                ``prefill_finished``, ``decode_finished`` (finish:
-                                   ``tool`` if tool calls follow, else stop/length)
+before each generation             ``request_queued`` (full prompt incl. the history)
+generation returned                ``decode_finished`` (finish: ``tool`` if tool calls
+                                   follow, else stop/length)
 tool calls                         ``tool_started`` / ``tool_finished`` (result tokens =
                                    how much the tool responses grew the context)
 loop ends                          ``reward_started``; the reward is computed here (as
@@ -25,6 +24,13 @@ weight sync, trainer process       ``weight_update_started`` (version = ``global
 update_weights``)                  ``weight_update_finished`` once generation resumed,
                                    with the live trajectories that re-prefill
 ================================  =====================================================
+
+No prefill events: verl's ``LLMServerClient.generate`` is one blocking call that
+returns the whole completion, and behind a PD router (smg) the reply names neither the
+prefill engine nor when its prefill ended. Reporting ``prefill_started`` before the call
+and ``prefill_finished`` after it would show every request in prefill for its whole
+decode. The Controller instead reads which of the queued requests the prefill engines
+still hold from their ``/v1/state`` (docs/webhook-events.md, "What a trainer can observe").
 
 Use it: put this file on the workers' PYTHONPATH and point verl at it (verl reads the
 file in every AgentLoopWorker and instantiates the class per sample with hydra):
@@ -235,12 +241,15 @@ class ProrsaToolAgentLoop(ToolAgentLoop):
         ignore_termination: bool = False,
     ) -> AgentState:
         em, tid = self._prorsa, self._trajectory
-        em.request_queued(tid, prompt_tokens=len(agent_data.prompt_ids), turn=self._turn)
-        em.prefill_started(tid, request=agent_data.request_id)
+        em.request_queued(
+            tid,
+            prompt_tokens=len(agent_data.prompt_ids),
+            turn=self._turn,
+            request=_label(agent_data.request_id),
+        )
         state = await super()._handle_generating_state(
             agent_data, sampling_params, ignore_termination=ignore_termination
         )
-        em.prefill_finished(tid, request=agent_data.request_id)
         generated = len(agent_data.response_ids)
         if state == AgentState.PROCESSING_TOOLS:
             finish = "tool"

@@ -681,6 +681,9 @@ class _Helpers(ABC):
         instance: str | None = None,
         ts: float | None = None,
     ) -> str:
+        """Only from code that sees the prefill engine start (a router or an engine-side
+        hook). A client behind a PD router does not: the engine queues the request first,
+        and the reply names no prefill engine. Leave it out there."""
         return self.emit("prefill_started", trajectory, ts=ts, request=request, instance=instance)
 
     def prefill_finished(
@@ -691,6 +694,11 @@ class _Helpers(ABC):
         instance: str | None = None,
         ts: float | None = None,
     ) -> str:
+        """When the first token streams back (the prefill's end plus the KV transfer), with
+        ``instance`` only if the client knows it. A blocking (non-streaming) call does not
+        see that moment: send no prefill event at all, rather than one when the reply
+        arrives, which would show the request in prefill for its whole decode. The
+        Controller then reads the prefill engines' queues instead."""
         return self.emit("prefill_finished", trajectory, ts=ts, request=request, instance=instance)
 
     def decode_finished(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run benchmarks (controller, ingest, rollout, or all)"
+HELP = "run benchmarks (controller, ingest, rollout, events, or all)"
 
 # Benchmark name -> module exposing configure(parser) and run(args) -> int.
 BENCHES: dict[str, str] = {
     "controller": "prorsa_lab.bench.controller_bench",
     "ingest": "prorsa_lab.bench.ingest_bench",
     "rollout": "prorsa_lab.bench.rollout_bench",
+    "events": "prorsa_lab.bench.events_bench",
 }
 
 

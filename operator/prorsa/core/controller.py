@@ -294,6 +294,7 @@ class Controller:
         self.ticks += 1
         evict = now if evict_now is None else min(now, evict_now)
         self.table.evict_older_than(evict - self.ttl)
+        self._infer_admissions(now)
         acc = self.forecaster.accuracy
         acc.close_until(now)
         intervals, self.forecaster.intervals = self.forecaster.intervals, []
@@ -415,6 +416,21 @@ class Controller:
         return decision
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _infer_admissions(self, now: float) -> None:
+        """Requests of a trainer that does not report prefill ends, moved to decode once the
+        prefill engines no longer hold them (``TrajectoryTable.infer_admitted``): before
+        this tick's forecast reads the table and before its accuracy windows close."""
+        held: int | None = None
+        if self._engines:
+            held = sum(
+                s.running_requests + s.waiting_requests
+                for s in self._engines.values()
+                if s.role == "prefill"
+            )
+        self.table.infer_admitted(
+            now, in_prefill=held, seconds_per_token=1.0 / max(self.theta.value, 1e-9)
+        )
 
     def _current_roles(self) -> RoleCounts:
         """Counts by role of usable instances; a switching one counts as its destination."""

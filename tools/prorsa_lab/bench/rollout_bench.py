@@ -21,6 +21,7 @@ from typing import Any
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
+from prorsa_lab.sim.sim_trainer import PREFILL_EVENTS
 from prorsa_lab.sim.workloads import get_task
 
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
@@ -70,6 +71,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "them from a burst of aborts)",
     )
     parser.add_argument(
+        "--prefill-events",
+        choices=PREFILL_EVENTS,
+        help="the prefill events the simulated trainer sends: full (default), first-token "
+        "(a streaming client behind a PD router) or none (a blocking one); see "
+        "`prorsa bench events` for the three side by side",
+    )
+    parser.add_argument(
         "--smoothing", type=float, help="switching.smoothingSeconds (default: the spec's)"
     )
     parser.add_argument("--workers", type=int, help="processes (default: one per CPU)")
@@ -97,6 +105,8 @@ def _config(args: argparse.Namespace) -> Any:
         kw["hicache_ratio"] = args.hicache_ratio
     if args.no_weight_update_events:
         kw["weight_update_events"] = False
+    if args.prefill_events:
+        kw["prefill_events"] = args.prefill_events
     if args.smoothing is not None:
         kw["smoothing"] = args.smoothing
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})

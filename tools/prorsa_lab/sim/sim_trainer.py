@@ -8,6 +8,14 @@ sees nothing else of the trainer. Each weight update is announced with the clust
 ``weight_update_started`` / ``weight_update_finished`` unless ``weight_update_events`` is
 off, which leaves the Controller to infer updates from the burst of aborts.
 
+Which prefill events it sends is ``prefill_events``, for what a trainer can see:
+- ``full``: ``prefill_started`` and ``prefill_finished`` with the prefill instance, as a
+  trainer that routes its own requests (or a router that reports) would;
+- ``first-token``: a streaming client behind a PD router: only ``prefill_finished``, with no
+  instance, when the first token comes back (the prefill's end plus the KV transfer);
+- ``none``: a blocking client behind a PD router: ``request_queued``, then
+  ``decode_finished`` (the verl and AReaL clients today).
+
 Rollout modes:
 - on-policy (staleness 0): a step dispatches ``groups_per_step`` groups and waits for all of
   them; the next step starts on the new weights.
@@ -36,6 +44,8 @@ from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScr
 
 Injection = Literal["replaceOnReward", "fixedRate", "groupReplenish"]
 INJECTIONS: tuple[str, ...] = ("replaceOnReward", "fixedRate", "groupReplenish")
+PrefillEvents = Literal["full", "first-token", "none"]
+PREFILL_EVENTS: tuple[str, ...] = ("full", "first-token", "none")
 # Asynchronous rollout keeps this many batches in flight by default ("sample over-dispatch",
 # paper §5.4); AReaL's own default, one batch, is max_concurrent=batch.
 OVER_DISPATCH = 2
@@ -106,7 +116,10 @@ class Trainer:
         max_context: int = 131072,
         emit: bool = False,
         weight_update_events: bool = True,
+        prefill_events: PrefillEvents = "full",
     ) -> None:
+        if prefill_events not in PREFILL_EVENTS:
+            raise ValueError(f"unknown prefill events {prefill_events!r}: one of {PREFILL_EVENTS}")
         if staleness < 0 or steps < 1:
             raise ValueError("staleness must be >= 0 and steps >= 1")
         if injection not in INJECTIONS:
@@ -127,6 +140,7 @@ class Trainer:
         self.max_context = max_context
         self.emit_events = emit
         self.weight_update_events = weight_update_events
+        self.prefill_events = prefill_events
         self.outbox: list[ev.Event] = []
         self.version = 0
         self.live: dict[str, Trajectory] = {}
@@ -291,14 +305,27 @@ class Trainer:
     def on_prefill_started(self, req: Request, instance: str, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
         t.state = "prefill"
-        self._emit(ev.PrefillStarted, t, type="prefill_started", request=req.rid, instance=instance)
+        if self.prefill_events == "full":
+            self._emit(
+                ev.PrefillStarted, t, type="prefill_started", request=req.rid, instance=instance
+            )
 
     def on_prefill_finished(self, req: Request, instance: str, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
         t.state = "decode"
-        self._emit(
-            ev.PrefillFinished, t, type="prefill_finished", request=req.rid, instance=instance
-        )
+        if self.prefill_events == "full":
+            self._emit(
+                ev.PrefillFinished, t, type="prefill_finished", request=req.rid, instance=instance
+            )
+        elif self.prefill_events == "first-token":
+            # Streamed back once the KV reached a decode engine (its NIC queue left out).
+            transfer = self.cluster.profile.transfer_seconds(req.prompt)
+            self.loop.after(transfer, self._first_token, t, req)
+
+    def _first_token(self, t: Trajectory, req: Request) -> None:
+        if t.finished or t.req is not req:
+            return  # aborted in transfer: the resend is a new request
+        self._emit(ev.PrefillFinished, t, type="prefill_finished", request=req.rid)
 
     def _on_admission(self, req: Request, now: float) -> None:
         self.stats.admissions.append((now, req.prompt))

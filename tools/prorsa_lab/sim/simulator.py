@@ -26,7 +26,7 @@ from prorsa.core.spec import RolloutClusterSpec
 from prorsa_lab.sim.costmodel import ModelProfile, load_profile
 from prorsa_lab.sim.loop import Loop, SimulationError
 from prorsa_lab.sim.sim_engine import DECODE, Cluster
-from prorsa_lab.sim.sim_trainer import OVER_DISPATCH, Trainer
+from prorsa_lab.sim.sim_trainer import OVER_DISPATCH, PrefillEvents, Trainer
 from prorsa_lab.sim.workloads import TaskProfile, get_task
 
 # Mean trajectory duration used only to size fixed-rate injection (Little's law), paper §5.4:
@@ -57,6 +57,9 @@ class Scenario:
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
+    # Which prefill events the trainer sends (sim_trainer.PREFILL_EVENTS): ``full``, what a
+    # streaming client behind a PD router sees (``first-token``) or a blocking one (``none``).
+    prefill_events: PrefillEvents = "full"
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
 
     @property
@@ -200,6 +203,7 @@ class Simulation:
             max_context=self.profile.max_context,
             emit=emit_events,
             weight_update_events=scenario.weight_update_events,
+            prefill_events=scenario.prefill_events,
         )
 
     def record_prediction(self, now: float, *, prefill: float, decode: float) -> None:

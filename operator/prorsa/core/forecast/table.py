@@ -51,7 +51,9 @@ _FROM_STARTING = frozenset({STARTING})
 _TO_READY = frozenset({STARTING, TOOL, READY, DECODE})
 _TO_PREFILL = frozenset({READY, PREFILL})
 _TO_DECODE = frozenset({PREFILL, READY})
-_AFTER_DECODE = frozenset({DECODE, PREFILL})
+# READY too: a trainer that neither streams nor sees the prefill engine (behind smg, a
+# blocking generate call) goes from request_queued straight to decode_finished.
+_AFTER_DECODE = frozenset({DECODE, PREFILL, READY})
 _TO_TOOL = frozenset({TOOL, DECODE})
 _FROM_TOOL = frozenset({TOOL})
 _TO_REWARD = frozenset({REWARD, DECODE, TOOL})
@@ -209,6 +211,7 @@ class Columns:
     instance: array[int] = _column("i", np.int32, -1)
     turn: array[int] = _column("i", np.int32, 0)
     tool_load: array[int] = _column("b", np.int8, 0)
+    inferred: array[int] = _column("b", np.int8, 0)  # in decode by infer_admitted, not an event
 
     def buffers(self) -> Iterator[tuple[str, array[Any], Field[Any]]]:
         """Each column's name, buffer and field (its metadata: code, dtype, fill)."""
@@ -232,6 +235,10 @@ class Columns:
         return {
             name: np.frombuffer(arr, dtype=f.metadata["dtype"]) for name, arr, f in self.buffers()
         }
+
+
+# How many of the latest decodes tell whether the trainer reports prefills at all.
+BLIND_DECODES = 64
 
 
 class TrajectoryTable:
@@ -278,6 +285,13 @@ class TrajectoryTable:
         # Weight updates the trainer announced; once it does, aborts are only aborts.
         self._weight_update = WeightUpdate()
         self._announced_updates = False
+        # Whether the trainer reports when prefills end (see ``prefill_blind``): the latest
+        # decodes, True for one whose prefill no event reported.
+        self._blind_decodes: deque[bool] = deque(maxlen=BLIND_DECODES)
+        self.inferred_admissions = 0
+        # Seconds per prompt token of the last infer_admitted: dates an admission no event
+        # and no tick saw (a request queued and finished between two ticks).
+        self._seconds_per_token = 0.0
         self._handlers: dict[str, Callable[[Any, int | None], None]] = {
             "sample_dispatched": self._sample_dispatched,
             "sandbox_started": self._sandbox_started,
@@ -577,6 +591,7 @@ class TrajectoryTable:
         self._c.x[slot] = e.prompt_tokens
         self._c.turn[slot] = e.turn
         self._c.instance[slot] = -1
+        self._c.inferred[slot] = 0
         obs.on_arrival(e.ts, e.prompt_tokens)
 
     def _prefill_started(self, e: ev.PrefillStarted, slot: int | None) -> None:
@@ -620,9 +635,8 @@ class TrajectoryTable:
                 self._c.state[slot] = DECODE
             self._c.since[slot] = e.ts
         tokens = self._c.x[slot]
-        computed = max(tokens - self._c.cached[slot], 1.0)
-        # A prefill done on the old weights during an update is flushed with them.
-        self._c.cached[slot] = 0.0 if self._weight_update.pending else tokens
+        self._c.inferred[slot] = 0
+        self._admit(slot, e.ts)
         m = self._c.instance[slot]
         if m < 0 and e.instance is not None:
             m = self.instances.code(e.instance)
@@ -632,14 +646,31 @@ class TrajectoryTable:
             busy[2] += tokens
             if busy[0] <= 0:
                 self._obs.on_prefill_interval(tokens=busy[2], seconds=e.ts - busy[1])
-        self._obs.on_admission(e.ts, tokens, computed)
+
+    def _admit(self, slot: int, ts: float) -> None:
+        """The slot's prompt entered decode at ``ts``: its prefix is cached from now on."""
+        tokens = self._c.x[slot]
+        computed = max(tokens - self._c.cached[slot], 1.0)
+        # A prefill done on the old weights during an update is flushed with them.
+        self._c.cached[slot] = 0.0 if self._weight_update.pending else tokens
+        self._obs.on_admission(ts, tokens, computed)
 
     def _decode_finished(self, e: ev.DecodeFinished, slot: int | None) -> None:
         if slot is None:
             slot = self._create(e, DECODE)
             if slot is None:
                 return
-        if self._c.state[slot] == DECODE and e.finish != "abort":
+        state = self._c.state[slot]
+        # No event said this request's prefill ended: a trainer that does not stream.
+        self._blind_decodes.append(state == READY or bool(self._c.inferred[slot]))
+        if state == READY and e.finish != "abort":
+            # Queued and done between two ticks: admitted some time in between.
+            x = self._c.x[slot]
+            self._admit(slot, min(self._c.since[slot] + x * self._seconds_per_token, e.ts))
+            state = DECODE
+        if state == DECODE and e.finish != "abort":
+            # From request_queued when the prefill's end is unseen, like the elapsed time
+            # of the decodes infer_admitted moves: the same clock for both.
             self._obs.on_decode(
                 self._c.task[slot],
                 min(self._c.turn[slot].bit_length(), 8),  # turn_bucket, inline
@@ -719,6 +750,59 @@ class TrajectoryTable:
             self._gone(e)
             return
         self._release(e.trajectory, slot)
+
+    # -- prefills that no event reports -------------------------------------------------
+
+    @property
+    def prefill_blind(self) -> bool:
+        """Whether the trainer leaves out when prefills end (it neither streams nor sees
+        the prefill engine): most of its latest decodes finished with no prefill event
+        before them. Its requests then stay ``ready`` from request_queued to
+        decode_finished, through prefill and decode alike. Until a first decode finishes
+        nothing tells, and a ready request is taken as waiting for prefill, as before."""
+        recent = self._blind_decodes
+        return len(recent) > 0 and 2 * sum(recent) > len(recent)
+
+    def infer_admitted(
+        self, now: float, *, in_prefill: int | None, seconds_per_token: float
+    ) -> int:
+        """Move the ready requests of a blind trainer that have left prefill to ``decode``.
+
+        ``in_prefill``: the requests the prefill engines hold, running or waiting (their
+        ``/v1/state``). Prefill engines serve in arrival order, so those are the most
+        recently queued; every older ready request is decoding. Without engine states, a
+        request is taken as decoding once it has waited as long as its prompt takes at
+        ``seconds_per_token``. A moved request keeps its ``since`` (when it was queued),
+        as do the decode durations a blind trainer teaches, so the forecast's decode
+        survival and its elapsed times stay on one clock. Returns how many moved.
+        """
+        self._seconds_per_token = max(seconds_per_token, 0.0)
+        if not self.prefill_blind or self.counts[READY] == 0:
+            return 0
+        n = self._hwm
+        cols = self.cols
+        ready = np.flatnonzero(cols["state"][:n] == READY)
+        since = cols["since"][:n][ready]
+        x = cols["x"][:n][ready]
+        del cols
+        if in_prefill is not None:
+            order = np.argsort(since, kind="stable")
+            moved = ready[order[: max(len(ready) - max(in_prefill, 0), 0)]]
+        else:
+            moved = ready[now - since >= x * self._seconds_per_token]
+        counts = self.counts
+        for slot in moved.tolist():
+            self._c.state[slot] = DECODE
+            self._c.inferred[slot] = 1
+            counts[READY] -= 1
+            counts[DECODE] += 1
+            # Admitted before this tick saw it: dated when its prefill should have ended,
+            # within the time it could have (the accuracy windows score it there).
+            q = self._c.since[slot]
+            ts = min(q + self._c.x[slot] * self._seconds_per_token, math.nextafter(now, q))
+            self._admit(slot, max(ts, q))
+        self.inferred_admissions += len(moved)
+        return len(moved)
 
     # -- weight updates (cluster events) -------------------------------------------------
 
