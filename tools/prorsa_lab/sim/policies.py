@@ -28,7 +28,7 @@ from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
 if TYPE_CHECKING:
     from prorsa_lab.sim.sim_trainer import Trajectory
-    from prorsa_lab.sim.simulator import SimResult, Simulation
+    from prorsa_lab.sim.simulator import Policy, SimResult, Simulation
 
 
 def _split(n: int, prefill: int) -> list[str]:
@@ -422,13 +422,18 @@ class Oracle(Prorsa):
         return None, done + t.script.reward_seconds
 
 
-def baseline(name: str) -> object:
+def baseline(name: str) -> Policy:
     """A policy by name: colocation, static-<n>, reactive, throughput, prorsa, oracle."""
     if name == "colocation":
         return Colocation()
     if name.startswith("static-"):
         return Static(int(name.removeprefix("static-").removesuffix("P")))
-    table = {"reactive": Reactive, "throughput": Throughput, "prorsa": Prorsa, "oracle": Oracle}
+    table: dict[str, type[Policy]] = {
+        "reactive": Reactive,
+        "throughput": Throughput,
+        "prorsa": Prorsa,
+        "oracle": Oracle,
+    }
     try:
         return table[name]()
     except KeyError:

@@ -129,7 +129,7 @@ def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
 
 
 def run_job(job: Job) -> dict[str, Any]:
-    result = simulate(job.scenario, baseline(job.policy))  # type: ignore[arg-type]
+    result = simulate(job.scenario, baseline(job.policy))
     return summarize(result, detail=job.detail)
 
 
