@@ -62,10 +62,11 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     assert {"pytest", "hypothesis", "schemathesis"} <= set(blocked)  # test tooling is hidden
     proc = subprocess.run(
         [sys.executable, "-c", _DEMO_EXTRA_ONLY, ",".join(blocked),
-         "demo", "--duration", "20", "--instances", "4", "--no-live", "--out", str(out)],
+         "demo", "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
+         "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=420,
     )  # fmt: skip
     return proc, out
 

@@ -115,6 +115,12 @@ class EngineModel:
         )
 
 
+# Live trajectories per instance by default: enough that a phase's imbalance outlasts what a
+# switch costs (smg drains a worker for about 6 s before it flips), so the Controller has
+# something worth switching for.
+TRAJECTORIES_PER_INSTANCE = 24
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
     duration: float = 150.0
@@ -124,7 +130,7 @@ class DemoOptions:
     live: bool = True
     seed: int = 0
     phase_seconds: float | None = None  # default: default_phase_seconds(duration)
-    concurrency: int | None = None  # live trajectories; default 8 per instance
+    concurrency: int | None = None  # live trajectories; TRAJECTORIES_PER_INSTANCE each
     model: EngineModel = field(default_factory=EngineModel)
 
     def __post_init__(self) -> None:
@@ -139,7 +145,7 @@ class DemoOptions:
 
     @property
     def trajectories(self) -> int:
-        return self.concurrency or 8 * self.instances
+        return self.concurrency or TRAJECTORIES_PER_INSTANCE * self.instances
 
     @property
     def phases(self) -> PhaseSchedule:
