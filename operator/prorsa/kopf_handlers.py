@@ -24,6 +24,7 @@ from prorsa.core.controller import Controller
 from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, format_validation_error
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
+from prorsa.k8s import groups
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
@@ -64,6 +65,7 @@ class OperatorContext:
     runner: web.AppRunner | None = None
     port: int = 0
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
+    group_manager: str = groups.OPERATOR_MANAGED
 
 
 def parse_spec(spec: dict[str, Any]) -> RolloutClusterSpec:
@@ -129,6 +131,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
             metrics=OperatorMetrics(prom),
         )
+        ctx.group_manager = await groups.discover_manager(ctx.kube)
         app = web.Application()
         ctx.server.add_routes(app)
         ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
@@ -218,6 +221,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             options=ctx.config.options,
             post_event=post_event,
             generation=int(meta.get("generation") or 0),
+            group_manager=ctx.group_manager,
         )
         ctx.runtimes[(namespace, name)] = runtime
         try:

@@ -459,6 +459,16 @@ class Condition(_Status):
     last_transition_time: str = Field("", alias="lastTransitionTime")
 
 
+class StatusGroups(_Status):
+    nodes_per_instance: int = Field(1, alias="nodesPerInstance")
+    pods: int = Field(0, description="Engine pods, workers of multi-node instances included.")
+    managed_by: str = Field(
+        "",
+        alias="managedBy",
+        description="Who keeps multi-node groups whole (found at the operator's start-up).",
+    )
+
+
 class RolloutClusterStatus(_Status):
     phase: Literal["Pending", "Running", "Degraded"] = "Pending"
     observed_generation: int = Field(0, alias="observedGeneration")
@@ -470,3 +480,4 @@ class RolloutClusterStatus(_Status):
     switch_history: list[SwitchRecord] = Field(default_factory=list, alias="switchHistory")
     conditions: list[Condition] = Field(default_factory=list)
     epoch: str = Field("", description="The webhook epoch trainers see (changes on restart).")
+    groups: StatusGroups = StatusGroups()

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
+from prorsa.k8s import groups
 from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient, agent_url
 from prorsa.k8s.kube import Kube
 from prorsa_contract.agent_api import RoleResult
@@ -161,6 +162,9 @@ class SwitchExecutor:
                 }
             },
         )
+        # A multi-node group drains as one (its workers are no router workers, but every pod
+        # of an instance shows the instance's role).
+        await groups.label_workers(self.kube, ns, name, DRAINING)
         ip = (pod.get("status") or {}).get("podIP")
         if self.router is not None and s.router_url and ip:
             await self._wait_router_drop(ip)
@@ -193,13 +197,18 @@ class SwitchExecutor:
             await self._relabel(name, back)
             done = outcome("restored", result.message, result)
         else:
+            # A multi-node group is replaced whole: its other ranks cannot join a new rank 0.
             await self.kube.delete_pod(ns, name)
+            await groups.delete_workers(self.kube, ns, name)
             done = outcome("replaced", result.message or "engine unhealthy after a failed switch")
         self.history.append(done)
         await self.on_done(done)
         return done
 
     async def _relabel(self, name: str, role: str) -> None:
+        # Workers first: the leader's label and intent go last, so a crash in between
+        # leaves the intent, and the next operator finishes the whole group.
+        await groups.label_workers(self.kube, self.namespace, name, role)
         await self.kube.patch_pod(
             self.namespace,
             name,

@@ -5,6 +5,11 @@ Each pod gets its own loopback address (127.0.0.N), so every agent listens on th
 port as in a real cluster and the operator reaches it at ``http://<podIP>:<agent port>``.
 When the pod is deleted its engine and agent stop; a failed pod can be simulated by
 :meth:`FakeKubelet.fail`. Used by the operator's end-to-end tests and by ``make demo``.
+
+The pods of a multi-node instance (``prorsa.io/node-rank`` >= 1) run the engine double's
+worker mode (:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by
+the group label, they exit (pod phase Failed) when the leader goes, and the leader serves
+only while every rank is there.
 """
 
 from __future__ import annotations
@@ -21,8 +26,15 @@ from typing import Any
 
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
-from prorsa_contract.labels import COMPONENT_LABEL, MANAGED_BY
+from prorsa_contract.labels import (
+    COMPONENT_LABEL,
+    GROUP_LABEL,
+    MANAGED_BY,
+    NODE_RANK_LABEL,
+    NODES_LABEL,
+)
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 
 log = logging.getLogger("prorsa.kubelet")
@@ -42,10 +54,22 @@ class PodRuntime:
     uid: str
     ip: str
     pod: EnginePod
+    group: NodeGroup | None = None
+    """The leader of a multi-node instance: its ranks."""
 
     @property
     def engine(self) -> EngineDouble:
         return self.pod.double
+
+
+@dataclass
+class WorkerRuntime:
+    """A worker rank's pod: its address and its rank of the group."""
+
+    name: str
+    uid: str
+    ip: str
+    rank: WorkerRank
 
 
 @dataclass(kw_only=True)
@@ -57,6 +81,10 @@ class FakeKubelet:
     poll_interval: float = 0.2
     timeouts: Timeouts = FAST_TIMEOUTS
     pods: dict[str, PodRuntime] = field(default_factory=dict)
+    """The pods that run an engine and its agent (one-node instances and leaders)."""
+    workers: dict[str, WorkerRuntime] = field(default_factory=dict)
+    """The worker ranks of multi-node instances, by pod name."""
+    groups: dict[str, NodeGroup] = field(default_factory=dict)
     _next_ip: int = 10
     _free_ips: list[str] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
@@ -70,7 +98,7 @@ class FakeKubelet:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for name in list(self.pods):
+        for name in [*self.pods, *self.workers]:
             await self._stop(name)
 
     async def wait_running(self, count: int, *, timeout: float = 30.0) -> None:
@@ -85,6 +113,9 @@ class FakeKubelet:
     async def fail(self, name: str) -> None:
         """The pod's container dies for good: phase Failed (the operator must replace it)."""
         await self._stop(name)
+        await self._failed(name)
+
+    async def _failed(self, name: str) -> None:
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
             name,
@@ -97,21 +128,21 @@ class FakeKubelet:
         while True:
             try:
                 listed = await self.kube.list_pods(self.namespace, selector)
-                seen = set()
+                seen = {pod["metadata"]["name"] for pod in listed}
+                # Gone pods first: a recreated group must not meet its predecessor's ranks.
+                for name in [*self.pods, *self.workers]:
+                    if name not in seen:
+                        await self._stop(name)
                 for pod in listed:
                     meta = pod["metadata"]
                     name, uid = meta["name"], meta.get("uid", "")
                     phase = (pod.get("status") or {}).get("phase")
-                    seen.add(name)
-                    current = self.pods.get(name)
+                    current = self.pods.get(name) or self.workers.get(name)
                     if current is not None and current.uid != uid:
                         await self._stop(name)  # deleted and recreated under the same name
                         current = None
                     if current is None and phase not in ("Failed", "Succeeded"):
                         await self._start(pod)
-                for name in list(self.pods):
-                    if name not in seen:
-                        await self._stop(name)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -125,9 +156,46 @@ class FakeKubelet:
         self._next_ip += 1
         return ip
 
+    def _group(self, pod: dict[str, Any]) -> NodeGroup | None:
+        labels = pod["metadata"].get("labels") or {}
+        nodes = int(labels.get(NODES_LABEL, "1") or 1)
+        if nodes <= 1 or GROUP_LABEL not in labels:
+            return None
+        name = labels[GROUP_LABEL]
+        # One world per generation: once formed and left by its rank 0, it is dead, and the
+        # recreated group's pods start a fresh one.
+        group = self.groups.get(name)
+        if group is None or (group.formed and group.leader is None) or group.nnodes != nodes:
+            group = self.groups[name] = NodeGroup(name=name, nnodes=nodes)
+        return group
+
+    async def _start_worker(self, pod: dict[str, Any], group: NodeGroup, ip: str) -> None:
+        meta = pod["metadata"]
+        name, uid = meta["name"], meta.get("uid", "")
+        rank = int((meta.get("labels") or {}).get(NODE_RANK_LABEL, "1"))
+        worker = WorkerRank(instance=name, rank=rank, group=group, on_exit=self._worker_exited)
+        await worker.start()
+        self.workers[name] = WorkerRuntime(name=name, uid=uid, ip=ip, rank=worker)
+        await self._running(name, ip)
+        log.info("worker %s (rank %d of %s) running at %s", name, rank, group.name, ip)
+
+    async def _worker_exited(self, worker: WorkerRank) -> None:
+        """The rank's process ended (its rank 0 is gone): the container fails."""
+        runtime = self.workers.get(worker.instance)
+        if runtime is None or runtime.rank is not worker:
+            return
+        del self.workers[worker.instance]
+        self._free_ips.append(runtime.ip)
+        with contextlib.suppress(Exception):
+            await self._failed(worker.instance)
+
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
+        group = self._group(pod)
+        if group is not None and (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0":
+            await self._start_worker(pod, group, self._ip())
+            return
         token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
         key = await self._mounted(pod, "PRORSA_ENGINE_API_KEY_FILE")
         if token is None or key is None:
@@ -145,7 +213,13 @@ class FakeKubelet:
             engine_api_key=key or None,
         )
         await pod.start()
-        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
+        if group is not None:
+            group.join_leader(pod.double)
+        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod, group=group)
+        await self._running(name, ip)
+        log.info("pod %s running at %s", name, ip)
+
+    async def _running(self, name: str, ip: str) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
@@ -161,7 +235,6 @@ class FakeKubelet:
                 }
             },
         )
-        log.info("pod %s running at %s", name, ip)
 
     async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
         """What the file that env ``variable`` names holds in the pod, as a kubelet would
@@ -183,9 +256,16 @@ class FakeKubelet:
         raise ValueError(f"{variable}={path} is on no Secret volume the pod mounts")
 
     async def _stop(self, name: str) -> None:
+        worker = self.workers.pop(name, None)
+        if worker is not None:
+            await worker.rank.stop()
+            self._free_ips.append(worker.ip)
+            return
         pod = self.pods.pop(name, None)
         if pod is None:
             return
+        if pod.group is not None:
+            pod.group.leave_leader()  # its workers exit
         with contextlib.suppress(Exception):
             await pod.pod.stop()
         self._free_ips.append(pod.ip)
