@@ -144,7 +144,9 @@ async def test_a_worker_killed_mid_switch_restarts_its_whole_group() -> None:
         events = {
             (e.get("reason"), (e.get("message") or "").split(":")[0]) for e in await env.events()
         }
-        assert ("GroupRestarted", name) in events
+        # The rank-0 switch failed unsafe (the lost rank) or the reconcile saw the dead
+        # worker first: either way the group went as a whole.
+        assert {("GroupRestarted", name), ("SwitchReplaced", name)} & events, events
         # The other groups were left alone.
         now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()}
         untouched = [n for n in before if not n.startswith(f"{name}-") and n != name]

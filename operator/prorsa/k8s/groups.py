@@ -196,7 +196,8 @@ async def reconcile_groups(
             leaders.append(leader)  # let the switch end before the group is resized
             continue
         hold.add(index)
-        name = leader["metadata"]["name"] if leader else live[0]["metadata"]["name"]
+        first = (live[0]["metadata"].get("labels") or {}).get(GROUP_LABEL)
+        name = leader["metadata"]["name"] if leader else first or live[0]["metadata"]["name"]
         for pod in live:
             await kube.delete_pod(namespace, pod["metadata"]["name"])
         restarted.append(name)
