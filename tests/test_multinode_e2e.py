@@ -91,9 +91,14 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways() -> None:
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
             assert worker["spec"]["containers"][0]["command"] == ["prorsa", "agent", "--worker"]
             assert "sglang.ai/bootstrap-port" not in worker["metadata"].get("annotations", {})
+
         # Only leaders run an agent; workers are the double's worker ranks.
+        async def all_running() -> bool:
+            return len(env.kubelet.pods) == 4 and len(env.kubelet.workers) == 4
+
+        await env.wait_for(all_running, what="4 leaders and 4 worker ranks running")
         assert sorted(env.kubelet.pods) == sorted(found)
-        assert len(env.kubelet.workers) == 4
+        assert sorted(env.kubelet.workers) == sorted(f"{n}-node-1" for n in found)
 
         phase_a = prefill_heavy(env)
         assert (await env.post(phase_a)).status_code == 200
