@@ -71,6 +71,10 @@ BAD = {
     "minimums over budget": with_spec(roles__decode__min=8),
     "initial leaves no decode": with_spec(roles__prefill__initial=8),
     "nixl cannot switch": with_spec(engine__transferBackend="nixl"),
+    "nodes split an instance's gpus unevenly": with_spec(engine__nodesPerInstance=3),
+    "nodes split the prefill gpus unevenly": with_spec(
+        engine__nodesPerInstance=2, engine__prefillGpusPerInstance=3
+    ),
     "fixedRate without a rate": with_spec(forecast__injection={"policy": "fixedRate"}),
 }
 

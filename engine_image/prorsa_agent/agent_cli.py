@@ -96,6 +96,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="start and supervise the engine (flags from PRORSA_* and after '--')",
     )
     parser.add_argument(
+        "--worker",
+        action="store_true",
+        help="a worker rank of a multi-node instance (PRORSA_NODE_RANK >= 1): build the "
+        "engine command as --launch does and become it. SGLang's rank 0 on the leader pod "
+        "drives every rank (role switches included), so a worker runs no agent API",
+    )
+    parser.add_argument(
         "--engine-command",
         default=env.get("PRORSA_ENGINE_COMMAND"),
         help="the engine command for --launch (shell-quoted; default: python -m "
@@ -215,11 +222,33 @@ async def serve(config: AgentConfig) -> None:
             await agent.stop()
 
 
+def worker_argv(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[str]:
+    """The engine command of a worker rank: the leader's flags, this pod's node rank."""
+    env = os.environ if env is None else env
+    rank = env.get("PRORSA_NODE_RANK", "").strip()
+    if not rank.isdigit() or int(rank) < 1:
+        raise ConfigError("--worker needs PRORSA_NODE_RANK >= 1 (rank 0 is the leader)")
+    if not env.get("PRORSA_DIST_INIT_ADDR", "").strip():
+        raise ConfigError("--worker needs PRORSA_DIST_INIT_ADDR (the leader's rendezvous)")
+    args.launch = True
+    config = build_config(args, env)
+    assert config.launch is not None
+    return list(config.launch.argv)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=str(args.log_level).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.worker:
+        try:
+            argv = worker_argv(args)
+        except (ConfigError, ValueError) as exc:
+            print(f"prorsa agent: {exc}", file=sys.stderr)
+            return 2
+        print(f"prorsa agent: worker rank, exec {shlex.join(argv[:3])} ...", flush=True)
+        os.execvp(argv[0], argv)  # the engine replaces this process
     try:
         config = build_config(args)
     except (ConfigError, ValueError) as exc:

@@ -34,6 +34,10 @@ ENV_FLAGS: tuple[tuple[str, str], ...] = (
     ("PRORSA_BOOTSTRAP_PORT", "--disaggregation-bootstrap-port"),
     ("PRORSA_IB_DEVICE", "--disaggregation-ib-device"),
     ("PRORSA_ENGINE_HOST", "--host"),
+    # A multi-node instance: every pod of the group gets the same flags but its node rank.
+    ("PRORSA_NNODES", "--nnodes"),
+    ("PRORSA_NODE_RANK", "--node-rank"),
+    ("PRORSA_DIST_INIT_ADDR", "--dist-init-addr"),
 )
 """Environment variable -> SGLang flag, for ``--launch`` (the operator sets these)."""
 

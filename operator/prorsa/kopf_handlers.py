@@ -25,6 +25,7 @@ from prorsa.core.controller import Controller
 from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, format_validation_error
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
+from prorsa.k8s import groups
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
@@ -68,6 +69,7 @@ class OperatorContext:
     runner: web.AppRunner | None = None
     port: int = 0
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
+    group_manager: str = groups.OPERATOR_MANAGED
 
 
 def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
@@ -176,6 +178,7 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         server=WebhookServer(registry_, metrics=WebhookMetrics(prom)),
         metrics=OperatorMetrics(prom),
     )
+    ctx.group_manager = await groups.discover_manager(ctx.kube)
     tls = None
     if config.webhook_tls_dir:
         tls = ServingCert(
@@ -258,6 +261,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             options=ctx.config.options,
             post_event=_event_poster(namespace=namespace, name=name, uid=uid),
             generation=int(meta.get("generation") or 0),
+            group_manager=ctx.group_manager,
         )
         ctx.runtimes[(namespace, name)] = runtime
         try:

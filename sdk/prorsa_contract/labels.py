@@ -7,6 +7,13 @@ labelled ``app.kubernetes.io/managed-by: prorsa``, ``prorsa.io/cluster`` and
 ``sglang.ai/bootstrap-port`` annotation (any pod may become prefill), and a switch in
 progress carries the ``prorsa.io/switch`` intent annotation, so an operator that restarts
 mid-switch can finish it.
+
+An instance that spans several nodes (``engine.nodesPerInstance`` > 1) is a group of pods:
+the leader ``<cluster>-engine-<i>`` (node rank 0, SGLang's HTTP server and the agent) and
+the workers ``<cluster>-engine-<i>-node-<r>``. Every pod of a group carries
+``prorsa.io/group`` (the leader's name), ``prorsa.io/node-rank``, ``prorsa.io/nodes`` and the
+group's role label; only the leader carries the bootstrap and the intent annotations, and
+only leaders are router workers.
 """
 
 from __future__ import annotations
@@ -21,14 +28,24 @@ INDEX_LABEL = "prorsa.io/index"
 BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
 SWITCH_ANNOTATION = "prorsa.io/switch"
 DRAINING = "draining"
+GROUP_LABEL = "prorsa.io/group"
+NODE_RANK_LABEL = "prorsa.io/node-rank"
+NODES_LABEL = "prorsa.io/nodes"
 
 ENGINE_PORT = 30000
 BOOTSTRAP_PORT = 8998
 AGENT_PORT = 8080
+DIST_INIT_PORT = 5000
+"""SGLang's ``--dist-init-addr`` port on a multi-node leader (torch.distributed rendezvous)."""
 
 
 def engine_name(cluster: str, index: int) -> str:
     return f"{cluster}-engine-{index}"
+
+
+def worker_name(cluster: str, index: int, rank: int) -> str:
+    """A multi-node instance's pod of node rank ``rank`` >= 1."""
+    return f"{engine_name(cluster, index)}-node-{rank}"
 
 
 def agent_secret_name(cluster: str) -> str:

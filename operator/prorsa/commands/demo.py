@@ -72,6 +72,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="live trajectories at once (default 24 per instance)",
     )
+    parser.add_argument(
+        "--nodes-per-instance",
+        type=int,
+        default=1,
+        choices=(1, 2, 4, 8),
+        metavar="N",
+        help="pods per engine instance: a leader and N-1 worker ranks sharing its 8 GPUs "
+        "(engine.nodesPerInstance; default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload random seed")
 
 
@@ -88,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             phase_seconds=args.phase_seconds,
             concurrency=args.trajectories,
+            nodes_per_instance=args.nodes_per_instance,
         )
     except ValueError as exc:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)

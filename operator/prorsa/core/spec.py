@@ -56,6 +56,15 @@ class EngineSpec(_Spec):
         description="m_P when prefill instances use another size than decode (Eq. 1); "
         "defaults to gpusPerInstance.",
     )
+    nodes_per_instance: Annotated[int, Field(ge=1, le=64)] = Field(
+        1,
+        alias="nodesPerInstance",
+        description="Nodes (pods) one engine instance spans: a leader (SGLang's HTTP server "
+        "and the agent) and nodesPerInstance - 1 worker ranks started with SGLang's "
+        "--nnodes/--node-rank/--dist-init-addr. Each pod gets gpusPerInstance / "
+        "nodesPerInstance GPUs; the group is switched, routed and restarted as one "
+        "(docs/multinode.md).",
+    )
     tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
     transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
@@ -104,6 +113,11 @@ class EngineSpec(_Spec):
     @property
     def m_decode(self) -> int:
         return self.gpus_per_instance
+
+    def gpus_per_node(self, role: str) -> int:
+        """GPUs of each pod of an instance in ``role``: the instance's m over its nodes."""
+        m = self.m_prefill if role == "prefill" else self.m_decode
+        return m // self.nodes_per_instance
 
     @property
     def prefix_cache_scale(self) -> float:
@@ -296,6 +310,16 @@ class RolloutClusterSpec(_Spec):
             raise ValueError(
                 f"gpuBudget ({self.gpu_budget}) must be a multiple of engine.gpusPerInstance ({m})"
             )
+        nodes = self.engine.nodes_per_instance
+        for field, gpus in (
+            ("gpusPerInstance", m),
+            ("prefillGpusPerInstance", self.engine.prefill_gpus_per_instance),
+        ):
+            if gpus is not None and gpus % nodes:
+                raise ValueError(
+                    f"engine.nodesPerInstance ({nodes}) must divide engine.{field} ({gpus}): "
+                    "every node of an instance holds the same number of GPUs"
+                )
         if self.engine.tensor_parallel_size > m:
             raise ValueError(
                 f"engine.tensorParallelSize ({self.engine.tensor_parallel_size}) exceeds "
@@ -435,6 +459,16 @@ class Condition(_Status):
     last_transition_time: str = Field("", alias="lastTransitionTime")
 
 
+class StatusGroups(_Status):
+    nodes_per_instance: int = Field(1, alias="nodesPerInstance")
+    pods: int = Field(0, description="Engine pods, workers of multi-node instances included.")
+    managed_by: str = Field(
+        "",
+        alias="managedBy",
+        description="Who keeps multi-node groups whole (found at the operator's start-up).",
+    )
+
+
 class RolloutClusterStatus(_Status):
     phase: Literal["Pending", "Running", "Degraded"] = "Pending"
     observed_generation: int = Field(0, alias="observedGeneration")
@@ -446,3 +480,4 @@ class RolloutClusterStatus(_Status):
     switch_history: list[SwitchRecord] = Field(default_factory=list, alias="switchHistory")
     conditions: list[Condition] = Field(default_factory=list)
     epoch: str = Field("", description="The webhook epoch trainers see (changes on restart).")
+    groups: StatusGroups = StatusGroups()

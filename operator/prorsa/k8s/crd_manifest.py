@@ -36,6 +36,15 @@ SPEC_RULES: list[dict[str, str]] = [
         "reason": "FieldValueInvalid",
     },
     {
+        "rule": "self.engine.gpusPerInstance % self.engine.nodesPerInstance == 0 && "
+        "(!has(self.engine.prefillGpusPerInstance) || "
+        "self.engine.prefillGpusPerInstance % self.engine.nodesPerInstance == 0)",
+        "message": "engine.nodesPerInstance must divide engine.gpusPerInstance (and "
+        "engine.prefillGpusPerInstance): every node of an instance holds the same GPUs",
+        "fieldPath": ".engine.nodesPerInstance",
+        "reason": "FieldValueInvalid",
+    },
+    {
         "rule": "self.engine.tensorParallelSize <= self.engine.gpusPerInstance",
         "message": "engine.tensorParallelSize must not exceed engine.gpusPerInstance",
         "fieldPath": ".engine.tensorParallelSize",

@@ -23,11 +23,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
+from prorsa.k8s import groups
 from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.kube import Kube
 from prorsa_contract.agent_api import RoleResult
 from prorsa_contract.labels import (
     DRAINING,
+    GROUP_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
     parse_intent,
@@ -163,6 +165,11 @@ class SwitchExecutor:
                 }
             },
         )
+        # A multi-node group drains as one (its workers are no router workers, but every pod
+        # of an instance shows the instance's role).
+        grouped = GROUP_LABEL in (pod["metadata"].get("labels") or {})
+        if grouped:
+            await groups.label_workers(self.kube, ns, name, DRAINING)
         ip = (pod.get("status") or {}).get("podIP")
         if self.router is not None and s.router_url and ip:
             await self._wait_router_drop(ip)
@@ -185,23 +192,30 @@ class SwitchExecutor:
 
         # Steps 5–6.
         if result.ok:
-            await self._relabel(name, to)
+            await self._relabel(name, to, grouped=grouped)
             done = outcome("succeeded", result.message or f"{origin} -> {to}", result)
         elif result.safe_to_restore:
             # Label the role the engine is actually in: a switch can fail after the flip
             # (verification) or be refused once it already happened.
             state = await self.agents.state(address) if address else None
             back = state.role if state is not None else (result.old_role or origin)
-            await self._relabel(name, back)
+            await self._relabel(name, back, grouped=grouped)
             done = outcome("restored", result.message, result)
         else:
+            # A multi-node group is replaced whole: its other ranks cannot join a new rank 0.
             await self.kube.delete_pod(ns, name)
+            if grouped:
+                await groups.delete_workers(self.kube, ns, name)
             done = outcome("replaced", result.message or "engine unhealthy after a failed switch")
         self.history.append(done)
         await self.on_done(done)
         return done
 
-    async def _relabel(self, name: str, role: str) -> None:
+    async def _relabel(self, name: str, role: str, *, grouped: bool) -> None:
+        # Workers first: the leader's label and intent go last, so a crash in between
+        # leaves the intent, and the next operator finishes the whole group.
+        if grouped:
+            await groups.label_workers(self.kube, self.namespace, name, role)
         await self.kube.patch_pod(
             self.namespace,
             name,

@@ -19,6 +19,7 @@ from prorsa_contract.labels import (
     ENGINE_PORT,
     INDEX_LABEL,
     MANAGED_BY,
+    NODE_RANK_LABEL,
     ROLE_LABEL,
     agent_secret_name,
     agent_tls_secret_name,
@@ -256,8 +257,13 @@ def engines_service(*, cluster: str, namespace: str) -> dict[str, Any]:
 
 
 def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> list[str]:
-    """smg with Kubernetes discovery; ``draining`` matches neither selector (sglang.md)."""
+    """smg with Kubernetes discovery; ``draining`` matches neither selector (sglang.md).
+
+    With multi-node instances only leaders (node rank 0) are workers of the router: the
+    other ranks carry the same role label but serve no HTTP API.
+    """
     base = f"{CLUSTER_LABEL}={cluster}"
+    leaders = [f"{NODE_RANK_LABEL}=0"] if spec.engine.nodes_per_instance > 1 else []
     return [
         "launch",
         "--host",
@@ -273,9 +279,11 @@ def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> li
         "--prefill-selector",
         base,
         f"{ROLE_LABEL}=prefill",
+        *leaders,
         "--decode-selector",
         base,
         f"{ROLE_LABEL}=decode",
+        *leaders,
         "--policy",
         spec.router.policy,
     ]

@@ -23,6 +23,7 @@ from typing import Any
 from prorsa.clusters import ClusterHandle
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.k8s import groups
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agent_tls import issue_agent_cert
 from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
@@ -80,6 +81,8 @@ class ClusterRuntime:
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
+    group_manager: str = groups.OPERATOR_MANAGED
+    engine_pods: int = 0
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -278,6 +281,16 @@ class ClusterRuntime:
         n = self.spec.instances
         by_index: dict[int, dict[str, Any]] = {}
         busy = self.executor.busy() if self.executor else set()
+        view = await groups.reconcile_groups(
+            kube=self.kube,
+            namespace=ns,
+            pods=pods,
+            nodes=self.spec.engine.nodes_per_instance,
+            instances=n,
+            busy=busy,
+            post_event=self.post_event,
+        )
+        pods, self.engine_pods = view.leaders, view.pods
         for pod in pods:
             meta = pod["metadata"]
             try:
@@ -304,14 +317,15 @@ class ClusterRuntime:
             # rotation), and trust whatever CA it now holds.
             await self._ensure_agent_tls()
         for index in range(n):
-            if index not in by_index:
-                manifest = self._owned(
-                    obj.engine_pod(
-                        cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
-                    )
-                )
-                if await self.kube.ensure(manifest):
-                    await self.post_event("Normal", "EngineCreated", manifest["metadata"]["name"])
+            if index not in by_index and index not in view.hold:
+                created = []
+                for manifest in groups.group_pods(
+                    cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
+                ):
+                    if await self.kube.ensure(self._owned(manifest)):
+                        created.append(manifest["metadata"]["name"])
+                if created:
+                    await self.post_event("Normal", "EngineCreated", ", ".join(created))
         return [p for _, p in sorted(by_index.items())]
 
     async def _poll(self, pods: list[dict[str, Any]]) -> dict[str, EngineState]:
@@ -463,6 +477,11 @@ class ClusterRuntime:
             "switchHistory": [o.record() for o in (self.executor.history if self.executor else [])],
             "conditions": list(self._conditions.values()),
             "epoch": str(self.handle.epoch),
+            "groups": {
+                "nodesPerInstance": self.spec.engine.nodes_per_instance,
+                "pods": self.engine_pods,
+                "managedBy": self.group_manager,
+            },
         }
         self.last_status = status
         await self.kube.patch_status(ns, name, status)

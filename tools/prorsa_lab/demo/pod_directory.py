@@ -21,6 +21,7 @@ from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
     CLUSTER_LABEL,
     COMPONENT_LABEL,
+    NODE_RANK_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
     parse_intent,
@@ -99,6 +100,8 @@ class PodDirectory:
             meta = item.get("metadata") or {}
             if meta.get("deletionTimestamp"):
                 continue
+            if (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0":
+                continue  # a multi-node instance's worker rank: only leaders serve
             intent = None
             raw = (meta.get("annotations") or {}).get(SWITCH_ANNOTATION)
             parsed = parse_intent(raw) if raw else None

@@ -131,6 +131,7 @@ class DemoOptions:
     seed: int = 0
     phase_seconds: float | None = None  # default: default_phase_seconds(duration)
     concurrency: int | None = None  # live trajectories; TRAJECTORIES_PER_INSTANCE each
+    nodes_per_instance: int = 1  # pods per instance: a leader and its worker ranks
     model: EngineModel = field(default_factory=EngineModel)
 
     def __post_init__(self) -> None:
@@ -142,6 +143,8 @@ class DemoOptions:
             raise ValueError("instances must be between 2 and 64 (one prefill, one decode)")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
+        if self.nodes_per_instance not in (1, 2, 4, 8):
+            raise ValueError("nodes per instance must divide the 8 GPUs of an instance")
 
     @property
     def trajectories(self) -> int:
@@ -161,6 +164,7 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
             "image": "prorsa/engine-double:demo",
             "gpusPerInstance": GPUS_PER_INSTANCE,
             "tensorParallelSize": GPUS_PER_INSTANCE,
+            "nodesPerInstance": options.nodes_per_instance,
         },
         gpuBudget=options.instances * GPUS_PER_INSTANCE,
         roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
@@ -226,6 +230,8 @@ class DemoSummary:
     phase_lag_seconds: list[float | None] = field(default_factory=list)
     phase_changes: list[PhaseChange] = field(default_factory=list)
     prefill_backlog_at_phase_end: list[PhaseBacklog] = field(default_factory=list)
+    nodes_per_instance: int = 1
+    pods: int = 0  # engine pods at the end: instances × nodes_per_instance when whole
 
     @property
     def ok(self) -> bool:
@@ -244,7 +250,8 @@ class DemoSummary:
         anomalies = sum(self.anomalies.values())
         return [
             f"prorsa demo summary: task {self.task}, {self.instances} instances "
-            f"({self.gpus} GPUs), {self.seconds:.0f} s of rollout "
+            f"({self.gpus} GPUs, {self.pods} pods, {self.nodes_per_instance} per instance), "
+            f"{self.seconds:.0f} s of rollout "
             f"(+{self.finish_seconds:.0f} s for the last requests)",
             f"  switches      {self.switches} ({results}); {directions or 'no direction'}; {mean}",
             f"  forecast WAPE prefill {_fmt(self.prefill_wape)}, decode {_fmt(self.decode_wape)}"
@@ -297,8 +304,11 @@ async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> Non
     async def ready() -> bool:
         if stop.is_set():
             raise DemoInterrupted("interrupted while the engines were starting")
-        counts = await env.count_roles(CLUSTER)
-        return counts.get("prefill", 0) >= 1 and sum(counts.values()) == options.instances
+        counts = await env.count_roles(CLUSTER)  # every pod of a group shows its role
+        pods = options.instances * options.nodes_per_instance
+        return counts.get("prefill", 0) >= options.nodes_per_instance and (
+            sum(counts.values()) == pods
+        )
 
     await env.wait_for(ready, timeout=120, what="the engine pods and the first prefill engine")
     router = env.kubelet.router
@@ -495,6 +505,7 @@ async def _run(
             router_version=smg_version(binary) or "unknown", trainer_t0=trainer.t0,
             seconds=seconds, finish_seconds=finish, emitter=stats,
         )  # fmt: skip
+        summary = replace(summary, pods=len(await env.pods(CLUSTER)))
         timeline = out / "timeline.png"
         try:
             from prorsa_lab.demo.timeline_plot import plot_timeline
@@ -553,6 +564,7 @@ def _summarise(
     return DemoSummary(
         task=options.task,
         instances=options.instances,
+        nodes_per_instance=options.nodes_per_instance,
         gpus=options.instances * GPUS_PER_INSTANCE,
         seconds=seconds,
         finish_seconds=finish_seconds,

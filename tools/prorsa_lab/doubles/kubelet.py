@@ -12,6 +12,11 @@ token, the engine admin key and the certificate files as a real one would), and 
 engine at ``<podIP>:<engine port>``. When the pod is deleted its engine and agent stop; a
 failed pod can be simulated by :meth:`FakeKubelet.fail`. Used by the operator's end-to-end
 tests and by ``make demo``.
+
+The pods of a multi-node instance (``prorsa.io/node-rank`` >= 1) run the engine double's
+worker mode (:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by
+the group label, they exit (pod phase Failed) when the leader goes, and the leader serves
+only while every rank is there.
 """
 
 from __future__ import annotations
@@ -31,8 +36,17 @@ from typing import Any
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import cancel_and_wait
-from prorsa_contract.labels import BOOTSTRAP_ANNOTATION, BOOTSTRAP_PORT, COMPONENT_LABEL, MANAGED_BY
+from prorsa_contract.labels import (
+    BOOTSTRAP_ANNOTATION,
+    BOOTSTRAP_PORT,
+    COMPONENT_LABEL,
+    GROUP_LABEL,
+    MANAGED_BY,
+    NODE_RANK_LABEL,
+    NODES_LABEL,
+)
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
 
@@ -53,10 +67,22 @@ class PodRuntime:
     uid: str
     ip: str
     pod: EnginePod
+    group: NodeGroup | None = None
+    """The leader of a multi-node instance: its ranks."""
 
     @property
     def engine(self) -> EngineDouble:
         return self.pod.double
+
+
+@dataclass
+class WorkerRuntime:
+    """A worker rank's pod: its address and its rank of the group."""
+
+    name: str
+    uid: str
+    ip: str
+    rank: WorkerRank
 
 
 @dataclass(kw_only=True)
@@ -78,6 +104,10 @@ class FakeKubelet:
     ip_prefix: str = field(
         default_factory=lambda: f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
     )
+    """The pods that run an engine and its agent (one-node instances and leaders)."""
+    workers: dict[str, WorkerRuntime] = field(default_factory=dict)
+    """The worker ranks of multi-node instances, by pod name."""
+    groups: dict[str, NodeGroup] = field(default_factory=dict)
     _next_ip: int = 10
     _free_ips: list[str] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
@@ -89,7 +119,7 @@ class FakeKubelet:
 
     async def __aexit__(self, *exc: object) -> None:
         await cancel_and_wait(self._task)
-        for name in list(self.pods):
+        for name in [*self.pods, *self.workers]:
             await self._stop(name)
         for name in list(self.routers):
             self._stop_router(name)
@@ -112,6 +142,9 @@ class FakeKubelet:
     async def fail(self, name: str) -> None:
         """The pod's container dies for good: phase Failed (the operator must replace it)."""
         await self._stop(name)
+        await self._failed(name)
+
+    async def _failed(self, name: str) -> None:
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
             name,
@@ -124,21 +157,21 @@ class FakeKubelet:
         while True:
             try:
                 listed = await self.kube.list_pods(self.namespace, selector)
-                seen = set()
+                seen = {pod["metadata"]["name"] for pod in listed}
+                # Gone pods first: a recreated group must not meet its predecessor's ranks.
+                for name in [*self.pods, *self.workers]:
+                    if name not in seen:
+                        await self._stop(name)
                 for pod in listed:
                     meta = pod["metadata"]
                     name, uid = meta["name"], meta.get("uid", "")
                     phase = (pod.get("status") or {}).get("phase")
-                    seen.add(name)
-                    current = self.pods.get(name)
+                    current = self.pods.get(name) or self.workers.get(name)
                     if current is not None and current.uid != uid:
                         await self._stop(name)  # deleted and recreated under the same name
                         current = None
                     if current is None and phase not in ("Failed", "Succeeded"):
                         await self._start(pod)
-                for name in list(self.pods):
-                    if name not in seen:
-                        await self._stop(name)
                 if self.run_routers:
                     await self._sync_routers()
             except asyncio.CancelledError:
@@ -154,9 +187,46 @@ class FakeKubelet:
         self._next_ip += 1
         return ip
 
+    def _group(self, pod: dict[str, Any]) -> NodeGroup | None:
+        labels = pod["metadata"].get("labels") or {}
+        nodes = int(labels.get(NODES_LABEL, "1") or 1)
+        if nodes <= 1 or GROUP_LABEL not in labels:
+            return None
+        name = labels[GROUP_LABEL]
+        # One world per generation: once formed and left by its rank 0, it is dead, and the
+        # recreated group's pods start a fresh one.
+        group = self.groups.get(name)
+        if group is None or (group.formed and group.leader is None) or group.nnodes != nodes:
+            group = self.groups[name] = NodeGroup(name=name, nnodes=nodes)
+        return group
+
+    async def _start_worker(self, pod: dict[str, Any], group: NodeGroup, ip: str) -> None:
+        meta = pod["metadata"]
+        name, uid = meta["name"], meta.get("uid", "")
+        rank = int((meta.get("labels") or {}).get(NODE_RANK_LABEL, "1"))
+        worker = WorkerRank(instance=name, rank=rank, group=group, on_exit=self._worker_exited)
+        await worker.start()
+        self.workers[name] = WorkerRuntime(name=name, uid=uid, ip=ip, rank=worker)
+        await self._running(name, ip)
+        log.info("worker %s (rank %d of %s) running at %s", name, rank, group.name, ip)
+
+    async def _worker_exited(self, worker: WorkerRank) -> None:
+        """The rank's process ended (its rank 0 is gone): the container fails."""
+        runtime = self.workers.get(worker.instance)
+        if runtime is None or runtime.rank is not worker:
+            return
+        del self.workers[worker.instance]
+        self._free_ips.append(runtime.ip)
+        with contextlib.suppress(Exception):
+            await self._failed(worker.instance)
+
     async def _start(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
+        group = self._group(pod)
+        if group is not None and (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0":
+            await self._start_worker(pod, group, self._ip())
+            return
         token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
         key = await self._mounted(pod, "PRORSA_ENGINE_API_KEY_FILE")
         cert = await self._mounted(pod, "PRORSA_AGENT_TLS_CERT_FILE")
@@ -189,7 +259,13 @@ class FakeKubelet:
             tls_key=cert_key or None,
         )
         await engine_pod.start()
-        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod)
+        if group is not None:
+            group.join_leader(engine_pod.double)
+        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod, group=group)
+        await self._running(name, ip)
+        log.info("pod %s running at %s", name, ip)
+
+    async def _running(self, name: str, ip: str) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
@@ -205,7 +281,6 @@ class FakeKubelet:
                 }
             },
         )
-        log.info("pod %s running at %s", name, ip)
 
     async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
         """What the file that env ``variable`` names holds in the pod, as a kubelet would
@@ -283,9 +358,16 @@ class FakeKubelet:
             entry[1].stop()
 
     async def _stop(self, name: str) -> None:
+        worker = self.workers.pop(name, None)
+        if worker is not None:
+            await worker.rank.stop()
+            self._free_ips.append(worker.ip)
+            return
         pod = self.pods.pop(name, None)
         if pod is None:
             return
+        if pod.group is not None:
+            pod.group.leave_leader()  # its workers exit
         with contextlib.suppress(Exception):
             await pod.pod.stop()
         self._free_ips.append(pod.ip)

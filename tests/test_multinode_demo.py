@@ -1,0 +1,30 @@
+"""``prorsa demo --nodes-per-instance 2``: the demo on two-pod instances loses nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_on_two_node_instances_moves_both_ways_and_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "prorsa.cli", "demo", "--nodes-per-instance", "2",
+         "--duration", "30", "--instances", "4", "--no-live", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nodes_per_instance"] == 2
+    assert summary["pods"] == 8  # four instances, a leader and a worker each
+    assert summary["switch_directions"].get("decode->prefill", 0) >= 1, summary
+    assert summary["switch_directions"].get("prefill->decode", 0) >= 1, summary
+    assert summary["requests_sent"] > 20
+    assert summary["requests_completed"] == summary["requests_sent"]
+    assert summary["requests_failed"] == 0 and summary["tokens_lost"] == 0
+    assert summary["events_dropped"] == 0
+    assert "8 pods, 2 per instance" in proc.stdout
