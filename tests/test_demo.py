@@ -29,7 +29,7 @@ from prorsa_lab.demo.phases import (
 )
 from prorsa_lab.demo.pod_directory import LabelChange
 from prorsa_lab.demo.smg_client import PrefillJob
-from prorsa_lab.demo.workload import PhaseSchedule, default_phase_seconds
+from prorsa_lab.demo.workload import PhaseSchedule
 from prorsa_lab.doubles.smg_router import smg_binary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -131,7 +131,7 @@ def test_demo_reports_phase_lag_and_prefill_backlog(demo_run: Run) -> None:
     proc, out = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    phases = PhaseSchedule(seconds=default_phase_seconds(20)).spans(20)
+    phases = PhaseSchedule(seconds=20).spans(60)
     lags, changes = summary["phase_lag_seconds"], summary["phase_changes"]
     assert len(lags) == len(changes) == len(phases) - 1, summary
     for lag, change, (start, end, phase) in zip(lags, changes, phases[1:], strict=True):

@@ -12,10 +12,11 @@ def test_demo_on_two_node_instances_moves_both_ways_and_loses_nothing(tmp_path: 
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "prorsa.cli", "demo", "--nodes-per-instance", "2",
-         "--duration", "30", "--instances", "4", "--no-live", "--out", str(out)],
+         "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
+         "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=420,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

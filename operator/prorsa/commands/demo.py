@@ -70,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="live trajectories at once (default 24 per instance)",
+        help="live trajectories at once (default 48 per instance)",
     )
     parser.add_argument(
         "--nodes-per-instance",

@@ -118,7 +118,7 @@ class EngineModel:
 # Live trajectories per instance by default: enough that a phase's imbalance outlasts what a
 # switch costs (smg drains a worker for about 6 s before it flips), so the Controller has
 # something worth switching for.
-TRAJECTORIES_PER_INSTANCE = 24
+TRAJECTORIES_PER_INSTANCE = 48
 
 
 @dataclass(frozen=True, kw_only=True)
