@@ -157,7 +157,7 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
     watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
-    from prorsa.k8s import handlers
+    from prorsa import kopf_handlers as handlers
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(
