@@ -155,9 +155,9 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
 ) -> None:
     """With --namespace the chart binds Roles only: kopf must not list namespaces or
     watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
+    from prorsa import kopf_handlers as handlers
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
-    from prorsa import kopf_handlers as handlers
 
     seen: dict[str, object] = {}
     monkeypatch.setattr(
