@@ -10,7 +10,7 @@ import json
 
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
-from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
+from prorsa_lab.doubles.stack import NAMESPACE, PATIENCE, Stack, cluster_manifest, stack
 
 
 async def ready_split(env: Stack, prefill: int, decode: int) -> bool:
@@ -29,8 +29,8 @@ async def corrections(env: Stack, pod: str) -> list[dict]:
 async def test_a_label_edited_by_hand_is_corrected_with_an_event() -> None:
     async with stack() as env:
         await env.create_cluster(cluster_manifest())
-        await env.kubelet.wait_running(4, timeout=60)
-        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=60, what="1P:3D")
+        await env.kubelet.wait_running(4)
+        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=2 * PATIENCE, what="1P:3D")
         roles = await env.roles()
         victim = sorted(n for n, r in roles.items() if r == "decode")[0]
         assert env.kubelet.pods[victim].engine.role == "decode"
@@ -42,7 +42,7 @@ async def test_a_label_edited_by_hand_is_corrected_with_an_event() -> None:
             back = (await env.roles())[victim] == "decode"
             return await corrections(env, victim) if back else []
 
-        events = await env.wait_for(corrected, timeout=60, what="the label corrected")
+        events = await env.wait_for(corrected, timeout=2 * PATIENCE, what="the label corrected")
         event = events[0]
         assert event["type"] == "Warning"
         assert event["involvedObject"]["kind"] == "RolloutCluster"
@@ -69,7 +69,7 @@ async def test_an_agent_lost_mid_switch_leaves_the_pod_unrouted_until_it_answers
             return None
 
         # The bootstrap flip to 1P:3D takes 3 s: the agent goes away while it runs.
-        name = await env.wait_for(someone_switching, timeout=60, what="a pod switching")
+        name = await env.wait_for(someone_switching, timeout=2 * PATIENCE, what="a pod switching")
         engine_pod = env.kubelet.pods[name].pod
         await engine_pod.stop_agent()
 
@@ -79,7 +79,7 @@ async def test_an_agent_lost_mid_switch_leaves_the_pod_unrouted_until_it_answers
             return SWITCH_ANNOTATION not in (meta.get("annotations") or {})
 
         # Three failed tries later the switch ends: role unknown, still out of the router.
-        await env.wait_for(given_up, timeout=60, what="the executor to give up")
+        await env.wait_for(given_up, timeout=2 * PATIENCE, what="the executor to give up")
         assert (await env.roles())[name] == DRAINING
         reasons = [e.get("reason") for e in await env.events()]
         assert "SwitchLost" in reasons
@@ -94,6 +94,6 @@ async def test_an_agent_lost_mid_switch_leaves_the_pod_unrouted_until_it_answers
             labelled = (await env.roles())[name]
             return await corrections(env, name) if labelled != DRAINING else []
 
-        events = await env.wait_for(reconciled, timeout=60, what="the label reconciled")
+        events = await env.wait_for(reconciled, timeout=2 * PATIENCE, what="the label reconciled")
         assert f"{DRAINING} -> {actual}" in events[0]["message"]
-        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=90, what="1P:3D again")
+        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=2 * PATIENCE, what="1P:3D again")

@@ -10,7 +10,7 @@ from conftest import make_spec
 from prorsa.clusters import ClusterRegistry
 from prorsa.core.controller import Controller
 from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
-from prorsa_lab.doubles.stack import cluster_manifest, stack
+from prorsa_lab.doubles.stack import PATIENCE, cluster_manifest, stack
 
 
 async def test_a_spec_update_waits_for_the_tick_that_holds_the_controller() -> None:
@@ -50,24 +50,24 @@ async def test_a_smoothing_edit_reaches_the_running_operator() -> None:
     split is now planned on (the Controller's smoother, not only its spec, changed)."""
     async with stack() as env:
         await env.create_cluster(cluster_manifest())
-        await env.kubelet.wait_running(4, timeout=60)
+        await env.kubelet.wait_running(4)
 
         async def reason() -> str:
             status = (await env.get_cluster()).get("status") or {}
             return str((status.get("target") or {}).get("reason") or "")
 
-        await env.wait_for(reason, timeout=60, what="a first status")
+        await env.wait_for(reason, timeout=2 * PATIENCE, what="a first status")
         assert "planned on" not in await reason()  # smoothingSeconds 0: each horizon
         await env.patch_cluster("demo", {"spec": {"switching": {"smoothingSeconds": 120}}})
 
         async def smoothed() -> bool:
             return "over 120s" in await reason()
 
-        await env.wait_for(smoothed, timeout=60, what="the split planned over 120 s")
+        await env.wait_for(smoothed, timeout=2 * PATIENCE, what="the split planned over 120 s")
         generation = int((await env.get_cluster())["metadata"]["generation"])
 
         async def observed() -> bool:
             status = (await env.get_cluster()).get("status") or {}
             return int(status.get("observedGeneration") or 0) == generation
 
-        await env.wait_for(observed, timeout=60, what="the new generation observed")
+        await env.wait_for(observed, timeout=2 * PATIENCE, what="the new generation observed")

@@ -73,7 +73,7 @@ class FakeKubelet:
         for name in list(self.pods):
             await self._stop(name)
 
-    async def wait_running(self, count: int, *, timeout: float = 30.0) -> None:
+    async def wait_running(self, count: int, *, timeout: float = 90.0) -> None:
         """Until ``count`` engine pods run with a healthy engine."""
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:
