@@ -190,12 +190,14 @@ class ClusterRuntime:
 
     async def _close(self) -> None:
         self.stop()
+        # Switches first: from here on their intents are for the next process to finish,
+        # and a tick still running can start none.
+        if self.executor is not None:
+            await self.executor.cancel_all()
         loop = self._loop
         if loop is None:
             # Set-up never finished: nothing was restored, so nothing may be persisted over
-            # what the last process saved; only switches resumed during set-up are stopped.
-            if self.executor is not None:
-                await self.executor.cancel_all()
+            # what the last process saved.
             return
         if not loop.done():
             done, _ = await asyncio.wait({loop}, timeout=LOOP_STOP_TIMEOUT)
