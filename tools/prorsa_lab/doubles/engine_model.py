@@ -522,20 +522,14 @@ class Rank:
     async def _prefill(self, batch: list[Request]) -> None:
         tokens = sum(r.prompt_tokens for r in batch)
         mode = self.core.mode
-        # The busy-time counters report the modelled GPU time, as a GPU's would: a loaded
-        # host that wakes this task late does not make the simulated GPU slower (else
-        # θ_P read from the counters of tiny health probes falls a thousandfold).
-        gpu = (
-            self.core.config.timing.prefill_seconds(tokens) * self.core.faults.step_time_multiplier
-        )
         try:
             elapsed = await self._work(self.core.config.timing.prefill_seconds(tokens))
         finally:
             self.prefilling = []
         now = time.monotonic()
         self.total_prefill_tokens += tokens
-        self.total_prefill_busy_us += round(gpu * 1e6)
-        self.core.note_prefill(tokens, gpu)
+        self.total_prefill_busy_us += int(elapsed * 1e6)
+        self.core.note_prefill(tokens, elapsed)
         self._busy.append((now, elapsed, 0))
         for req in batch:
             if req.finished:
