@@ -44,6 +44,7 @@ def derived(c: Controller) -> dict[str, Any]:
         "smoothing": c.smoother.seconds,
         "ttl": c.ttl,
         "payoff prior": c.persistence.seconds,
+        "decode share smoothing": c.share_smoother.seconds,
         "assumed prefill": c._assumed_prefill,
     }
 
@@ -60,7 +61,7 @@ FIELDS = [
     ("capacity.prefillTokensPerSecond", 25_000, {"profiled theta"}),
     ("switching.smoothingSeconds", 0, {"smoothing"}),
     ("switching.smoothingSeconds", 600, {"smoothing"}),
-    ("switching.payoffSeconds", 900, {"payoff prior"}),
+    ("switching.payoffSeconds", 900, {"payoff prior", "decode share smoothing"}),
     ("roles.prefill", {"min": 1, "initial": 5}, {"assumed prefill"}),
     ("gpuBudget", 128, {"assumed prefill"}),
 ]

@@ -169,7 +169,7 @@ class Controller:
         """Follow an edited spec without forgetting what was learned.
 
         Everything ``__init__`` derived from the spec is derived again: the horizon and the
-        forecast settings, the profiled θ_P, the hit-ratio window, the smoothing time, the
+        forecast settings, the profiled θ_P, the hit-ratio window, the smoothing times, the
         payoff prior, the TTL and the split assumed before any engine answers. What was
         measured stays: the trajectory table, duration statistics, busy intervals, cache
         hits, smoothed demand, switch costs and cooldowns. Settings read from ``spec`` at
@@ -188,6 +188,7 @@ class Controller:
         ttl = self._ttl_override
         self.ttl = ttl if ttl is not None else max(3600.0, 100 * self.horizon)
         payoff = spec.switching.payoff_seconds
+        self.share_smoother.seconds = payoff
         if self.persistence.seconds == self._payoff_prior:  # no run of demand measured yet
             self.persistence.seconds = payoff
         self._payoff_prior = payoff
