@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -77,8 +77,21 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 async def closed_within_patience(reader: asyncio.StreamReader) -> bytes:
-    """Everything the server sends until it closes the connection."""
-    return await asyncio.wait_for(reader.read(), timeout=PATIENCE)
+    """Everything the server sends until it closes the connection.
+
+    A server that closes while bytes the client trickled are still unread in its socket
+    makes the kernel answer with a reset instead of an orderly close (on a loaded machine
+    the trickle often gets there first): closed all the same, with nothing answered.
+    """
+    chunks: list[bytes] = []
+
+    async def drain() -> None:
+        while chunk := await reader.read(65536):
+            chunks.append(chunk)
+
+    with suppress(ConnectionResetError):
+        await asyncio.wait_for(drain(), timeout=PATIENCE)
+    return b"".join(chunks)
 
 
 def request_head(*, length: int | None, extra: str = "") -> bytes:

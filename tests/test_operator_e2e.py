@@ -20,7 +20,7 @@ from prorsa_contract.labels import (
     SWITCH_ANNOTATION,
 )
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
-from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
+from prorsa_lab.doubles.stack import NAMESPACE, PATIENCE, Stack, cluster_manifest, stack
 
 
 def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict]:
@@ -183,7 +183,9 @@ def before_prefill(roles: dict[str, str]) -> int:
 
 
 async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None:
-    slow = TimingModel(switch_seconds=3.0)
+    # The flip outlasts the operator's shutdown even on a loaded machine, so the new process
+    # really finds the pod mid-switch.
+    slow = TimingModel(switch_seconds=6.0)
     async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(cluster_manifest())
         await env.wait_for(lambda: _count(env.pods(), 4), what="4 engine pods")
@@ -194,8 +196,8 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
                     return name
             return None
 
-        # The bootstrap flip to 1P:3D is slow (3 s): stop the operator while it runs.
-        name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
+        # The bootstrap flip to 1P:3D is slow (6 s): stop the operator while it runs.
+        name = await env.wait_for(someone_draining, timeout=2 * PATIENCE, what="a pod draining")
         pod = next(p for p in await env.pods() if p["metadata"]["name"] == name)
         intent = json.loads(pod["metadata"]["annotations"][SWITCH_ANNOTATION])
         assert intent["to"] == "prefill"
@@ -222,7 +224,7 @@ async def test_restart_mid_switch_converges_with_nothing_left_draining() -> None
                 for p in pods
             ) and await ready_split(env, 1, 3)
 
-        await env.wait_for(converged, timeout=60, what="convergence after the restart")
+        await env.wait_for(converged, timeout=2 * PATIENCE, what="convergence after the restart")
 
 
 async def test_pod_deleted_mid_switch_is_recreated() -> None:
@@ -236,15 +238,15 @@ async def test_pod_deleted_mid_switch_is_recreated() -> None:
                     return name
             return None
 
-        name = await env.wait_for(someone_draining, timeout=60, what="a pod draining")
+        name = await env.wait_for(someone_draining, timeout=2 * PATIENCE, what="a pod draining")
         await env.kube.delete_pod(NAMESPACE, name)
 
         async def replaced() -> bool:
             pods = {p["metadata"]["name"]: p for p in await env.pods()}
             return name in pods and pods[name]["metadata"]["labels"][ROLE_LABEL] != "draining"
 
-        await env.wait_for(replaced, timeout=60, what="the pod recreated")
-        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=60, what="1P:3D again")
+        await env.wait_for(replaced, timeout=2 * PATIENCE, what="the pod recreated")
+        await env.wait_for(lambda: ready_split(env, 1, 3), timeout=2 * PATIENCE, what="1P:3D again")
 
 
 async def test_unsafe_switch_failure_replaces_the_pod() -> None:
@@ -267,7 +269,7 @@ async def test_unsafe_switch_failure_replaces_the_pod() -> None:
                     return True
             return False
 
-        await env.wait_for(some_pod_replaced, timeout=60, what="a failed pod replaced")
+        await env.wait_for(some_pod_replaced, timeout=2 * PATIENCE, what="a failed pod replaced")
         reasons = {e.get("reason") for e in await env.events()}
         assert "SwitchReplaced" in reasons
 

@@ -112,9 +112,9 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
         ctx: OperatorContext | None = getattr(memo, "prorsa", None)
         if ctx is None:
             return
-        for runtime in list(ctx.runtimes.values()):  # daemons may still be winding down
-            runtime.stop()
-            await runtime.shutdown()
+        # Daemons may still be winding down (or were cancelled before their runtime
+        # finished): every switch must be cancelled before the agents' client closes.
+        await asyncio.gather(*(runtime.close() for runtime in list(ctx.runtimes.values())))
         if ctx.runner is not None:
             await ctx.runner.cleanup()
         await ctx.agents.aclose()
@@ -264,18 +264,22 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             group_manager=ctx.group_manager,
         )
         ctx.runtimes[(namespace, name)] = runtime
-        try:
-            await runtime.setup()
-            task = asyncio.create_task(runtime.run())
-            try:
-                await stopped.wait()
-            finally:
-                runtime.stop()
-                await asyncio.shield(task)
-        finally:
-            ctx.runtimes.pop((namespace, name), None)
+
+        def forget(_: object) -> None:
+            # Only once the runtime is closed: until then cleanup must find it to await it.
+            if ctx.runtimes.get((namespace, name)) is runtime:
+                ctx.runtimes.pop((namespace, name))
             if ctx.registry.get(namespace, name) is handle:
                 ctx.registry.remove(namespace=namespace, name=name)
+
+        try:
+            await runtime.setup()
+            runtime.start()
+            await stopped.wait()
+        finally:
+            closing = runtime.close()
+            closing.add_done_callback(forget)
+            await asyncio.shield(closing)
 
     @kopf.on.update(*_RESOURCE, registry=registry, field="spec", id="spec-update")
     async def update(
@@ -289,7 +293,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             cluster = parse_spec(new or {})
         except ValueError as exc:
             raise kopf.PermanentError(str(exc)) from None
-        runtime.update_spec(cluster)
+        await runtime.update_spec(cluster)
         runtime.generation = int(meta.get("generation") or 0)
         runtime.wake()
 

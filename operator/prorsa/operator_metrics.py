@@ -145,6 +145,12 @@ class OperatorMetrics:
             _CLUSTER,
             registry=r,
         )
+        self.label_corrections = Counter(
+            "prorsa_role_label_corrections",
+            "Engine pods relabelled because their role label disagreed with their engine.",
+            _CLUSTER,
+            registry=r,
+        )
         self.forecast_age = Gauge(
             "prorsa_trainer_silence_seconds",
             "Seconds since the last trainer event (trainer clock).",
@@ -202,6 +208,7 @@ class OperatorMetrics:
             for result in SWITCH_RESULTS:
                 self.switches.labels(namespace, cluster, origin, to, result)
         self.agent_errors.labels(namespace, cluster)
+        self.label_corrections.labels(namespace, cluster)
 
     def forget(self, namespace: str, cluster: str) -> None:
         """Drop a deleted cluster's series so dashboards do not show it forever."""
@@ -210,7 +217,7 @@ class OperatorMetrics:
             self.theta, self.cache_hit, self.instances, self.target, self.demand, self.planned,
             self.margin, self.mode,
             self.wape, self.switches, self.switch_seconds, self.tick_seconds, self.trajectories,
-            self.anomalies, self.agent_errors, self.forecast_age,
+            self.anomalies, self.agent_errors, self.label_corrections, self.forecast_age,
         ):  # fmt: skip
             for labels in list(metric._metrics):
                 if labels[:2] == (namespace, cluster):

@@ -108,6 +108,20 @@ class DemandSource(Protocol):
     def __call__(self, controller: Controller, inputs: DemandInputs) -> Demand: ...
 
 
+def _forecast_config(spec: RolloutClusterSpec, base: ForecastConfig) -> ForecastConfig:
+    """``base`` with the spec's forecast settings (the rest are not part of the spec)."""
+    f = spec.forecast
+    return replace(
+        base,
+        horizon=f.horizon_seconds,
+        tool_alpha=f.tool_ema_alpha,
+        bias_correction=f.bias_correction,
+        policy=f.injection.policy,
+        group_size=f.injection.group_size,
+        rate_per_second=f.injection.rate_per_second,
+    )
+
+
 class Controller:
     """Forecast (Appendix B), allocate (Eq. 1) and plan switches (Appendix C)."""
 
@@ -120,18 +134,9 @@ class Controller:
     ) -> None:
         self.spec = spec
         self.demand_source: DemandSource = demand_source or forecast_demand
-        f = spec.forecast
-        self.horizon = f.horizon_seconds
-        self.forecaster = Forecaster(
-            ForecastConfig(
-                horizon=f.horizon_seconds,
-                tool_alpha=f.tool_ema_alpha,
-                bias_correction=f.bias_correction,
-                policy=f.injection.policy,
-                group_size=f.injection.group_size,
-                rate_per_second=f.injection.rate_per_second,
-            )
-        )
+        self.horizon = spec.forecast.horizon_seconds
+        self._ttl_override = ttl_seconds
+        self.forecaster = Forecaster(_forecast_config(spec, ForecastConfig()))
         self.table = TrajectoryTable(observer=self.forecaster)
         profiled = spec.capacity.prefill_tokens_per_second
         # θ_P from trainer events counts full prompts, as §4.2 asks; the agents' counters
@@ -158,6 +163,7 @@ class Controller:
         self.switch_costs = SwitchCosts()
         self.regret = Regret()
         self.persistence = Persistence(prior=spec.switching.payoff_seconds)
+        self._payoff_prior = spec.switching.payoff_seconds
         self.last_moves: tuple[Move, ...] = ()  # the moves priced at the last tick
         self.last_decision: Decision | None = None
         self.last_forecast: ForecastResult | None = None
@@ -168,6 +174,36 @@ class Controller:
         self.last_decode_share = PRIOR_DECODE_SHARE  # of a turn's prefill and decode time
         self.last_kv_now = 0.0
         self.ticks = 0
+
+    def apply_spec(self, spec: RolloutClusterSpec) -> None:
+        """Follow an edited spec without forgetting what was learned.
+
+        Everything ``__init__`` derived from the spec is derived again: the horizon and the
+        forecast settings, the profiled θ_P, the hit-ratio window, the smoothing times, the
+        payoff prior, the TTL and the split assumed before any engine answers. What was
+        measured stays: the trajectory table, duration statistics, busy intervals, cache
+        hits, smoothed demand, switch costs and cooldowns. Settings read from ``spec`` at
+        each tick (budget, roles, hysteresis, cooldown...) follow by the swap itself.
+        """
+        self.spec = spec
+        self.horizon = spec.forecast.horizon_seconds
+        forecaster = self.forecaster
+        forecaster.config = _forecast_config(spec, forecaster.config)
+        for ema in (forecaster.tool, forecaster.growth, forecaster.template):
+            ema.alpha = spec.forecast.tool_ema_alpha
+        profiled = spec.capacity.prefill_tokens_per_second
+        self.theta_events.profiled = self.theta_engines.profiled = profiled
+        self.cache_hits.window = HIT_WINDOW_HORIZONS * self.horizon
+        self.smoother.seconds = spec.switching.smoothing_seconds
+        ttl = self._ttl_override
+        self.ttl = ttl if ttl is not None else max(3600.0, 100 * self.horizon)
+        payoff = spec.switching.payoff_seconds
+        self.share_smoother.seconds = payoff
+        if self.persistence.seconds == self._payoff_prior:  # no run of demand measured yet
+            self.persistence.seconds = payoff
+        self._payoff_prior = payoff
+        if self.last_decision is None and not self._engines:
+            self._assumed_prefill = spec.initial_prefill()
 
     # -- inputs ------------------------------------------------------------------------------
 

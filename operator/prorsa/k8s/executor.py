@@ -3,8 +3,10 @@
 1. (Controller) pick the instance; 2. write the intent annotation and relabel the pod
 ``draining`` (it then matches neither router selector), wait until the router has dropped
 it; 3–4. ask the agent to drain, abort, flip and verify (``POST /v1/role``); 5. relabel the
-pod with its new role and clear the intent; 6. on failure, restore the old label when the
-engine says it is safe, else delete the pod so that it is recreated.
+pod with its new role and clear the intent; 6. on failure, label the role the engine reports when it
+says restoring is safe, else delete the pod so that it is recreated. When its agent cannot
+be reached at all, the role is unknown: the pod keeps ``draining`` (out of the router) and
+loses its intent, and the runtime's label reconcile labels it once the agent answers.
 
 The intent annotation makes every step resumable: an operator that restarts mid-switch
 finds it on the pod and finishes the switch (the agent's role call is idempotent) or rolls
@@ -90,13 +92,15 @@ class SwitchExecutor:
     active: dict[str, asyncio.Task[SwitchOutcome]] = field(default_factory=dict)
     history: deque[SwitchOutcome] = field(default_factory=lambda: deque(maxlen=5))
 
+    closed: bool = False
+
     def busy(self) -> set[str]:
         return set(self.active)
 
     def start(self, switch: Switch, *, pod: dict[str, Any]) -> bool:
-        """Begin a switch unless that pod is already switching."""
+        """Begin a switch unless that pod is already switching or the executor is closed."""
         name = pod["metadata"]["name"]
-        if name in self.active:
+        if name in self.active or self.closed:
             return False
         task = asyncio.create_task(self._run(pod, switch.from_, switch.to, resume=False))
         self._track(name, task)
@@ -106,7 +110,7 @@ class SwitchExecutor:
         """Finish a switch whose intent a previous operator process left on the pod."""
         name = pod["metadata"]["name"]
         intent = parse_intent((pod["metadata"].get("annotations") or {}).get(SWITCH_ANNOTATION))
-        if intent is None or name in self.active:
+        if intent is None or name in self.active or self.closed:
             return False
         origin = intent.get("from") or ("decode" if intent["to"] == "prefill" else "prefill")
         task = asyncio.create_task(
@@ -126,11 +130,19 @@ class SwitchExecutor:
         task.add_done_callback(done)
 
     async def cancel_all(self) -> None:
-        """Stop watching switches (operator shutdown); intents stay for the next process."""
-        tasks = list(self.active.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop watching switches (operator shutdown); intents stay for the next process.
+
+        Closes the executor first: a tick still running cannot start a switch that would
+        outlive this call and talk to an agent through a client about to be closed.
+        """
+        self.closed = True
+        while self.active:
+            tasks = list(self.active.values())
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for name in [n for n, t in self.active.items() if t.done()]:
+                self.active.pop(name, None)
 
     async def _run(
         self, pod: dict[str, Any], origin: str, to: str, *, resume: bool, started: str | None = None
@@ -196,11 +208,20 @@ class SwitchExecutor:
             done = outcome("succeeded", result.message or f"{origin} -> {to}", result)
         elif result.safe_to_restore:
             # Label the role the engine is actually in: a switch can fail after the flip
-            # (verification) or be refused once it already happened.
+            # (verification) or be refused once it already happened. An agent that does not
+            # answer leaves the role unknown; a guess would route requests to the wrong
+            # side, so the pod stays out of the router until the reconcile sees its role.
             state = await self.agents.state(address) if address else None
-            back = state.role if state is not None else (result.old_role or origin)
-            await self._relabel(name, back, grouped=grouped)
-            done = outcome("restored", result.message, result)
+            if state is not None:
+                await self._relabel(name, state.role, grouped=grouped)
+                done = outcome("restored", result.message, result)
+            elif address is None:
+                # Never reached: unchanged.
+                await self._relabel(name, result.old_role or origin, grouped=grouped)
+                done = outcome("restored", result.message, result)
+            else:
+                await self._relabel(name, DRAINING, grouped=grouped)
+                done = outcome("lost", f"engine role unknown: {result.message}", result)
         else:
             # A multi-node group is replaced whole: its other ranks cannot join a new rank 0.
             await self.kube.delete_pod(ns, name)

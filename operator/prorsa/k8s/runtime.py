@@ -4,7 +4,9 @@ The loop runs every ``forecast.horizonSeconds``: make the objects match the spec
 pods by index, router, services), poll every agent concurrently, feed the Controller
 through the webhook's handle (which serialises access and runs ticks off the event loop),
 execute the Decision through the switch executor according to ``switching.mode``, and
-write status, metrics and Kubernetes Events.
+write status, metrics and Kubernetes Events. Each tick also reconciles role labels with
+what the agents report (:meth:`ClusterRuntime._reconcile_labels`): the router routes by
+label, so a label that disagrees with its engine sends requests to the wrong side.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from prorsa_contract.labels import (
     CLUSTER_LABEL,
     COMPONENT_LABEL,
     INDEX_LABEL,
+    ROLE_LABEL,
     SWITCH_ANNOTATION,
     agent_secret_name,
     agent_tls_secret_name,
@@ -44,6 +47,8 @@ from prorsa_contract.labels import (
 log = logging.getLogger("prorsa.runtime")
 
 PERSIST_EVERY_TICKS = 6
+# How long closing waits for a tick in progress to end before it cancels the loop.
+LOOP_STOP_TIMEOUT = 30.0
 EventPoster = Callable[[str, str, str], Awaitable[None]]  # (type, reason, message)
 
 
@@ -83,6 +88,9 @@ class ClusterRuntime:
     _last_advice: tuple[tuple[str, str, str], ...] = ()
     group_manager: str = groups.OPERATOR_MANAGED
     engine_pods: int = 0
+    _loop: asyncio.Task[None] | None = None
+    _shutdown: asyncio.Future[None] | None = None
+    _closing: asyncio.Future[None] | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -175,19 +183,58 @@ class ClusterRuntime:
             )
         self.agent_ca = ca or None
 
-    def update_spec(self, spec: RolloutClusterSpec) -> None:
-        """A spec change: the Controller keeps what it learned; settings follow the spec."""
-        self.spec = spec
-        self.handle.controller.spec = spec
-        if self.executor is not None:
-            self.executor.settings.drain_timeout = spec.switching.drain_timeout_seconds
-            self.executor.settings.router_url = self.router_url()
+    async def update_spec(self, spec: RolloutClusterSpec) -> None:
+        """A spec change, applied whole between two Controller calls.
+
+        Under the handle's lock, so no tick or batch sees half the old spec and half the
+        new; the Controller keeps what it learned (see :meth:`Controller.apply_spec`).
+        """
+        async with self.handle.exclusive() as controller:
+            controller.apply_spec(spec)
+            self.spec = spec
+            if self.executor is not None:
+                self.executor.settings.drain_timeout = spec.switching.drain_timeout_seconds
+                self.executor.settings.router_url = self.router_url()
 
     # -- the loop ------------------------------------------------------------------------------
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def start(self) -> asyncio.Task[None]:
+        """Run the control loop as a task this runtime keeps, so closing can await it."""
+        if self._loop is None:
+            self._loop = asyncio.create_task(self.run(), name=f"prorsa-{self.name}")
+        return self._loop
+
+    def close(self) -> asyncio.Future[None]:
+        """Stop the loop, wait for it, then cancel switches and persist; once, for every caller.
+
+        The operator closes the shared agent client only after this: a switch started by
+        the last tick must not outlive the client it calls agents through.
+        """
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
+
+    async def _close(self) -> None:
+        self.stop()
+        # Switches first: from here on their intents are for the next process to finish,
+        # and a tick still running can start none.
+        if self.executor is not None:
+            await self.executor.cancel_all()
+        loop = self._loop
+        if loop is None:
+            # Set-up never finished: nothing was restored, so nothing may be persisted over
+            # what the last process saved.
+            return
+        if not loop.done():
+            done, _ = await asyncio.wait({loop}, timeout=LOOP_STOP_TIMEOUT)
+            if not done:
+                loop.cancel()
+                await asyncio.wait({loop})
+        await self.shutdown()
 
     def wake(self) -> None:
         """Tick now instead of at the end of the period (a pod failed or was deleted)."""
@@ -213,6 +260,12 @@ class ClusterRuntime:
             await asyncio.shield(self.shutdown())
 
     async def shutdown(self) -> None:
+        """Cancel switches in flight (their intents stay) and persist; once, however called."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._shut_down())
+        await asyncio.shield(self._shutdown)
+
+    async def _shut_down(self) -> None:
         if self.executor is not None:
             await self.executor.cancel_all()
         await self._persist()
@@ -221,6 +274,7 @@ class ClusterRuntime:
         self.ticks += 1
         pods = await self._reconcile_pods()
         states = await self._poll(pods)
+        await self._reconcile_labels(pods, states)
         await self.handle.observe_engines(list(states.values()))
         start = time.perf_counter()
         decision = await self.handle.tick()
@@ -350,6 +404,44 @@ class ClusterRuntime:
                 state = state.model_copy(update={"switching": True})
             out[name] = state
         return out
+
+    async def _reconcile_labels(
+        self, pods: list[dict[str, Any]], states: dict[str, EngineState]
+    ) -> None:
+        """Relabel a pod whose role label disagrees with the role its agent reports.
+
+        Labels drift when a switch ends without knowing the engine's role (its agent was
+        unreachable: the pod stays ``draining``), when a previous process died between
+        the flip and the relabel, or when someone edits a label by hand. A pod mid-switch
+        (intent annotation, or a switch of this executor) is left to its switch; a pod
+        whose agent does not answer keeps its label until it does.
+        """
+        busy = self.executor.busy() if self.executor else set()
+        for pod in pods:
+            meta = pod["metadata"]
+            name = meta["name"]
+            state = states.get(name)
+            if state is None or state.switching or name in busy:
+                continue
+            if SWITCH_ANNOTATION in (meta.get("annotations") or {}):
+                continue
+            label = (meta.get("labels") or {}).get(ROLE_LABEL)
+            if label == state.role:
+                continue
+            await self.kube.patch_pod(
+                self.namespace, name, {"metadata": {"labels": {ROLE_LABEL: state.role}}}
+            )
+            meta.setdefault("labels", {})[ROLE_LABEL] = state.role
+            self.metrics.label_corrections.labels(self.namespace, self.name).inc()
+            log.warning(
+                "%s/%s: %s labelled %s, engine reports %s: relabelled",
+                self.namespace, self.name, name, label, state.role,
+            )  # fmt: skip
+            await self.post_event(
+                "Warning",
+                "RoleLabelCorrected",
+                f"{name}: label {label or '(none)'} -> {state.role}, the role its engine reports",
+            )
 
     async def _switch_done(self, outcome: SwitchOutcome) -> None:
         ns, name = self.namespace, self.name

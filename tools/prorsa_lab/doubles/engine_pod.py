@@ -86,17 +86,29 @@ class EnginePod:
     async def start(self) -> EnginePod:
         await self.double.start()
         self._dir = Path(tempfile.mkdtemp(prefix="prorsa-pod-"))
-        token_file = self._dir / "token"
-        token_file.write_text(self.token)
-        key_file = None
+        (self._dir / "token").write_text(self.token)
         if self.engine_api_key is not None:
-            key_file = self._dir / "engine-admin-key"
-            key_file.write_text(self.engine_api_key)
-        cert_file = tls_key_file = None
+            (self._dir / "engine-admin-key").write_text(self.engine_api_key)
         if self._tls is not None:
-            cert_file, tls_key_file = self._dir / "tls.crt", self._dir / "tls.key"
-            cert_file.write_text(self._tls[0])
-            tls_key_file.write_text(self._tls[1])
+            (self._dir / "tls.crt").write_text(self._tls[0])
+            (self._dir / "tls.key").write_text(self._tls[1])
+        await self.start_agent()
+        return self
+
+    async def stop_agent(self) -> None:
+        """The agent goes away (crash, network partition); the engine keeps its role."""
+        if self.agent is not None:
+            await self.agent.stop()
+            self.agent = None
+
+    async def start_agent(self) -> None:
+        """A fresh agent on the same address, as after a container restart."""
+        if self._dir is None:
+            raise RuntimeError("the pod is not started")
+        token_file = self._dir / "token"
+        key_file = self._dir / "engine-admin-key" if self.engine_api_key is not None else None
+        cert_file = self._dir / "tls.crt" if self._tls is not None else None
+        tls_key_file = self._dir / "tls.key" if self._tls is not None else None
         self.agent = Agent(
             AgentConfig(
                 engine_url=self.double.url,
@@ -112,11 +124,9 @@ class EnginePod:
             )
         )
         await self.agent.start()
-        return self
 
     async def stop(self) -> None:
-        if self.agent is not None:
-            await self.agent.stop()
+        await self.stop_agent()
         await self.double.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

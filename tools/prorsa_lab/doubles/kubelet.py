@@ -130,7 +130,7 @@ class FakeKubelet:
         running = [smg for _, smg in self.routers.values() if smg.port == self.router_port]
         return running[0] if running else None
 
-    async def wait_running(self, count: int, *, timeout: float = 30.0) -> None:
+    async def wait_running(self, count: int, *, timeout: float = 90.0) -> None:
         """Until ``count`` engine pods run with a healthy engine."""
         deadline = asyncio.get_running_loop().time() + timeout
         while asyncio.get_running_loop().time() < deadline:

@@ -50,6 +50,10 @@ NAMESPACE = "rl"
 TOKEN = "trainer-secret-token"
 TOKEN_SECRET = "trainer-token"
 OPERATOR_USER = "system:serviceaccount:prorsa-system:prorsa"
+# Deadlines of the waits below: bounds, not delays (every wait returns once its condition
+# holds). Generous, so that a loaded 2-core machine, where starting kopf or one switch can
+# take several times as long as idle, fails only what would never happen.
+PATIENCE = 90.0
 """Who the operator is to the API emulator (its audit log: ``server.emulator.api_calls``)."""
 
 
@@ -156,15 +160,15 @@ class Stack:
                 ready_flag=ready,
             )
         )
-        await asyncio.wait_for(ready.wait(), 30)
-        await self.wait_for(self._webhook_up, timeout=15, what="the webhook listener")
+        await asyncio.wait_for(ready.wait(), PATIENCE)
+        await self.wait_for(self._webhook_up, what="the webhook listener")
 
     async def stop_operator(self) -> None:
         if self.operator_task is None or self.stop_flag is None:
             return
         self.stop_flag.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self.operator_task, 60)
+            await asyncio.wait_for(self.operator_task, 2 * PATIENCE)
         self.operator_task = None
 
     @property
@@ -255,7 +259,11 @@ class Stack:
         return [self.kube._plain(e) for e in result.items]
 
     async def wait_for(
-        self, check: Callable[[], Awaitable[Any]], *, timeout: float = 30, what: str = "condition"
+        self,
+        check: Callable[[], Awaitable[Any]],
+        *,
+        timeout: float = PATIENCE,
+        what: str = "condition",
     ) -> Any:
         """Poll ``check`` every 0.1 s until it returns something truthy; return that."""
         deadline = time.monotonic() + timeout

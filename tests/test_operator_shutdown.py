@@ -1,0 +1,102 @@
+"""Shutdown order (issue 13 item 11): the operator closes the agents' shared HTTP client
+only after every cluster's control loop and switches have stopped, so no switch calls an
+agent through a closed client (``RuntimeError: Cannot send a request, as the client has
+been closed``), not even one that the last tick started while shutdown was under way."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from conftest import make_spec
+from prometheus_client import CollectorRegistry
+
+from prorsa.clusters import ClusterRegistry
+from prorsa.core.controller import Controller
+from prorsa.core.decision import Switch
+from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
+from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+from prorsa.operator_metrics import OperatorMetrics
+from prorsa_contract.agent_api import RoleResult
+
+POD = {"metadata": {"name": "c-engine-1"}, "status": {"podIP": "127.0.0.9"}}
+
+
+class Kube:
+    async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        return None
+
+
+class Agents:
+    """An agent client that fails as httpx does once closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.calls: list[str] = []
+
+    async def set_role(self, address: Any, **_: Any) -> RoleResult:
+        if self.closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        self.calls.append(address.instance)
+        await asyncio.sleep(3600)  # a long drain: still running at shutdown
+        raise AssertionError("unreachable")
+
+
+async def test_closing_stops_the_loop_and_its_switches_before_the_client_closes() -> None:
+    agents, kube = Agents(), Kube()
+    spec = make_spec()
+    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
+    done: list[SwitchOutcome] = []
+
+    async def on_done(outcome: SwitchOutcome) -> None:
+        done.append(outcome)
+
+    async def post_event(kind: str, reason: str, message: str) -> None:
+        return None
+
+    runtime = ClusterRuntime(
+        namespace="rl",
+        name="c",
+        spec=spec,
+        uid="u",
+        handle=handle,
+        kube=kube,  # type: ignore[arg-type]
+        agents=agents,  # type: ignore[arg-type]
+        metrics=OperatorMetrics(CollectorRegistry()),
+        options=OperatorOptions(persist=False),
+        post_event=post_event,
+    )
+    executor = runtime.executor = SwitchExecutor(
+        kube=kube,  # type: ignore[arg-type]
+        agents=agents,  # type: ignore[arg-type]
+        router=None,
+        namespace="rl",
+        token=lambda: "t",
+        settings=ExecutorSettings(),
+        on_done=on_done,
+    )
+    in_tick, finish_tick = asyncio.Event(), asyncio.Event()
+    switch = Switch(instance="c-engine-0", **{"from": "decode"}, to="prefill")
+    late = Switch(instance="c-engine-1", **{"from": "decode"}, to="prefill")
+
+    async def tick_once() -> None:
+        # The tick's decision: one switch now, one more after shutdown has begun.
+        executor.start(switch, pod={**POD, "metadata": {"name": "c-engine-0"}})
+        in_tick.set()
+        await finish_tick.wait()
+        executor.start(late, pod=POD)
+
+    runtime.tick_once = tick_once  # type: ignore[method-assign]
+    runtime.start()
+    await asyncio.wait_for(in_tick.wait(), 5)
+    await asyncio.sleep(0.05)
+    assert agents.calls == ["c-engine-0"]  # a switch is draining
+    closing = runtime.close()
+    await asyncio.sleep(0.05)
+    finish_tick.set()
+    await asyncio.wait_for(closing, 10)
+    assert not executor.active  # nothing left to talk to an agent
+    agents.closed = True  # what the operator's cleanup does next
+    await asyncio.sleep(0.1)
+    assert agents.calls == ["c-engine-0"] and not done  # the late switch never started
+    assert runtime.close() is closing  # cleanup and the daemon share one close
