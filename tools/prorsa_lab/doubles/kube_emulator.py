@@ -81,6 +81,7 @@ from prorsa_lab.doubles.kube_resources import (
 )
 from prorsa_lab.doubles.kube_schema import FieldIssue, apply_structural_schema, validate
 from prorsa_lab.doubles.kube_select import FieldSelector, LabelSelector, SelectorError
+from prorsa_lab.doubles.pod_status import kubelet_pod_status
 
 __all__ = [
     "ApiError",
@@ -1251,61 +1252,20 @@ class KubeEmulator(kmock.KubernetesEmulator):
             pod = self._current(spec, namespace, name)
             if pod is None:
                 raise ApiError.not_found(spec, name)
-            old_status = pod.get("status") or {}
-            ready = phase == "Running" if ready is None else ready
-            now = _now()
-            ip = pod_ip or old_status.get("podIP")
+            ip = pod_ip or (pod.get("status") or {}).get("podIP")
             if ip is None and phase != "Pending":
                 n = next(self._ips)
                 ip = f"10.244.{n // 250}.{n % 250 + 1}"
-            running = phase == "Running"
-            conditions = [
-                {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
-                {"type": "Initialized", "status": "True", "lastTransitionTime": now},
-                {"type": "ContainersReady", "status": str(ready), "lastTransitionTime": now},
-                {"type": "Ready", "status": str(ready), "lastTransitionTime": now},
-            ]
-            containers = []
-            for container in (pod.get("spec") or {}).get("containers") or []:
-                if running:
-                    state: dict[str, Any] = {"running": {"startedAt": now}}
-                elif phase in ("Succeeded", "Failed"):
-                    state = {
-                        "terminated": {
-                            "exitCode": 0 if phase == "Succeeded" else 1,
-                            "reason": reason or ("Completed" if phase == "Succeeded" else "Error"),
-                            "message": message or "",
-                            "startedAt": now,
-                            "finishedAt": now,
-                        }
-                    }
-                else:
-                    state = {"waiting": {"reason": reason or "ContainerCreating"}}
-                containers.append(
-                    {
-                        "name": container.get("name", ""),
-                        "image": container.get("image", ""),
-                        "imageID": "",
-                        "ready": ready and running,
-                        "started": running,
-                        "restartCount": restarts,
-                        "state": state,
-                    }
-                )
-            status: dict[str, Any] = {
-                "phase": phase,
-                "conditions": conditions,
-                "containerStatuses": containers,
-                "hostIP": "10.0.0.1",
-                "startTime": old_status.get("startTime") or now,
-                "qosClass": old_status.get("qosClass", "BestEffort"),
-            }
-            if ip:
-                status["podIP"], status["podIPs"] = ip, [{"ip": ip}]
-            if reason:
-                status["reason"] = reason
-            if message:
-                status["message"] = message
+            status = kubelet_pod_status(
+                pod,
+                phase=phase,
+                now=_now(),
+                ready=ready,
+                ip=ip,
+                restarts=restarts,
+                reason=reason,
+                message=message,
+            )
             body = {**pod, "status": status}
             return self.replace_object(spec, name, body, namespace=namespace, subresource="status")
 

@@ -23,9 +23,14 @@ from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import COMPONENT_LABEL, MANAGED_BY
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 
 log = logging.getLogger("prorsa.kubelet")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,12 +90,17 @@ class FakeKubelet:
     async def fail(self, name: str) -> None:
         """The pod's container dies for good: phase Failed (the operator must replace it)."""
         await self._stop(name)
-        await self.kube._call(
-            self.kube.core.patch_namespaced_pod_status,
-            name,
-            self.namespace,
-            {"status": {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}},
+        pod = await self.kube.get_pod(self.namespace, name)
+        if pod is None:
+            return
+        status = kubelet_pod_status(
+            pod,
+            phase="Failed",
+            now=_now(),
+            reason="Error",
+            message="the engine exited",
         )
+        await self._write_status(name, status)
 
     async def _loop(self) -> None:
         selector = f"{MANAGED_BY}=prorsa,{COMPONENT_LABEL}=engine"
@@ -135,7 +145,7 @@ class FakeKubelet:
         ip = self._ip()
         # Only the agent talks to its engine, so any free port will do for the engine.
         config = dataclasses.replace(self.engine_config(name), host=ip, port=0)
-        pod = EnginePod(
+        runtime = EnginePod(
             instance=name,
             token=token,
             engine=config,
@@ -144,24 +154,20 @@ class FakeKubelet:
             agent_port=self.agent_port,
             engine_api_key=key or None,
         )
-        await pod.start()
-        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=pod)
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await runtime.start()
+        self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=runtime)
+        await self._write_status(name, kubelet_pod_status(pod, phase="Running", now=_now(), ip=ip))
+        log.info("pod %s running at %s", name, ip)
+
+    async def _write_status(self, name: str, status: dict[str, Any]) -> None:
+        """Replace the whole status, as a kubelet's status manager does: a merge patch would
+        keep the list entries of an earlier status."""
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
             name,
             self.namespace,
-            {
-                "status": {
-                    "phase": "Running",
-                    "podIP": ip,
-                    "podIPs": [{"ip": ip}],
-                    "startTime": now,
-                    "conditions": [{"type": "Ready", "status": "True"}],
-                }
-            },
+            [{"op": "replace", "path": "/status", "value": status}],
         )
-        log.info("pod %s running at %s", name, ip)
 
     async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
         """What the file that env ``variable`` names holds in the pod, as a kubelet would
