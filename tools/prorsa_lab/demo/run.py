@@ -360,6 +360,7 @@ async def _run(
             f"    export KUBECONFIG={kubeconfig}\n"
             "    kubectl get rolloutclusters -A\n"
             "    kubectl get pods -n rl -L prorsa.io/role -w\n"
+            "    kubectl describe rolloutcluster -n rl demo   # status, then one Event per switch\n"
             f"    curl -s {env.webhook}/metrics | grep ^prorsa_instances\n"
             "    # the latest Decision (the trainer's token opens the webhook's endpoints):\n"
             f"    curl -s -H 'Authorization: Bearer {env.token}' "
