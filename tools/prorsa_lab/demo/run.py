@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ import httpx
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_lab.demo.demo_trainer import DemoTrainer, TrainerStats
+from prorsa_lab.demo.frame import wrap_lines
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.phases import (
     PhaseBacklog,
@@ -417,7 +419,11 @@ async def _run(
             f"    export KUBECONFIG={kubeconfig}\n"
             "    kubectl get rolloutclusters -A\n"
             "    kubectl get pods -n rl -L prorsa.io/role -w\n"
+            "    kubectl describe rolloutcluster -n rl demo   # status, then one Event per switch\n"
             f"    curl -s {env.webhook}/metrics | grep ^prorsa_instances\n"
+            "    # the latest Decision (the trainer's token opens the webhook's endpoints):\n"
+            f"    curl -s -H 'Authorization: Bearer {env.token}' "
+            f"{env.webhook}{env.cluster_path(CLUSTER)}/forecast\n"
             "  (kubectl apply/create need --validate=false against the emulator)\n"
             f"  Logs: {out / 'demo.log'}",
             file=stream,
@@ -528,7 +534,8 @@ async def _run(
     with (out / "requests.jsonl").open("w", encoding="utf-8") as f:
         for record in trainer.stats.requests:
             f.write(json.dumps(record.wire()) + "\n")
-    for line in summary.lines():
+    width = shutil.get_terminal_size().columns if stream.isatty() else None
+    for line in wrap_lines(summary.lines(), width):
         print(line, file=stream)
     stream.flush()
     return summary

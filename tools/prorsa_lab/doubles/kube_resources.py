@@ -16,6 +16,8 @@ from typing import Any
 
 import kmock
 
+from prorsa_lab.doubles.kube_event_table import EVENTS_KEY, event_columns, event_row, human_age
+
 __all__ = [
     "BUILTIN_RESOURCES",
     "CRD_KEY",
@@ -331,23 +333,8 @@ def crd_manifest(
 
 
 def _age(timestamp: str | None, now: datetime.datetime) -> str:
-    """Kubernetes' short human duration (``5s``, ``3m``, ``2h``, ``4d``)."""
-    if not timestamp:
-        return "<unknown>"
-    try:
-        then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=datetime.UTC
-        )
-    except ValueError:
-        return "<invalid>"
-    seconds = max(0, int((now - then).total_seconds()))
-    if seconds < 120:
-        return f"{seconds}s"
-    if seconds < 7200:
-        return f"{seconds // 60}m"
-    if seconds < 48 * 3600:
-        return f"{seconds // 3600}h"
-    return f"{seconds // 86400}d"
+    """Kubernetes' short human duration (``5s``, ``3m12s``, ``2h``, ``4d``)."""
+    return human_age(timestamp, now)
 
 
 def _json_path(obj: Any, path: str) -> Any:
@@ -401,6 +388,8 @@ def table_columns(spec: ResourceSpec) -> list[dict[str, Any]]:
             "description": "Name of the object",
         }
     ]
+    if spec.key == EVENTS_KEY:
+        return event_columns()
     if spec.key == PODS_KEY:
         columns += [
             {"name": "Ready", "type": "string", "format": "", "priority": 0, "description": ""},
@@ -441,6 +430,8 @@ def table_columns(spec: ResourceSpec) -> list[dict[str, Any]]:
 
 
 def table_row(spec: ResourceSpec, obj: Mapping[str, Any], now: datetime.datetime) -> list[Any]:
+    if spec.key == EVENTS_KEY:
+        return event_row(obj, now)
     meta = obj.get("metadata") or {}
     cells: list[Any] = [meta.get("name", "")]
     if spec.key == PODS_KEY:

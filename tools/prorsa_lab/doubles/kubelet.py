@@ -47,10 +47,15 @@ from prorsa_contract.labels import (
 )
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
+from prorsa_lab.doubles.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
 
 log = logging.getLogger("prorsa.kubelet")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,12 +150,17 @@ class FakeKubelet:
         await self._failed(name)
 
     async def _failed(self, name: str) -> None:
-        await self.kube._call(
-            self.kube.core.patch_namespaced_pod_status,
-            name,
-            self.namespace,
-            {"status": {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}},
+        pod = await self.kube.get_pod(self.namespace, name)
+        if pod is None:
+            return
+        status = kubelet_pod_status(
+            pod,
+            phase="Failed",
+            now=_now(),
+            reason="Error",
+            message="the engine exited",
         )
+        await self._write_status(name, status)
 
     async def _loop(self) -> None:
         selector = f"{MANAGED_BY}=prorsa,{COMPONENT_LABEL}=engine"
@@ -207,7 +217,7 @@ class FakeKubelet:
         worker = WorkerRank(instance=name, rank=rank, group=group, on_exit=self._worker_exited)
         await worker.start()
         self.workers[name] = WorkerRuntime(name=name, uid=uid, ip=ip, rank=worker)
-        await self._running(name, ip)
+        await self._running(pod, name, ip)
         log.info("worker %s (rank %d of %s) running at %s", name, rank, group.name, ip)
 
     async def _worker_exited(self, worker: WorkerRank) -> None:
@@ -262,24 +272,20 @@ class FakeKubelet:
         if group is not None:
             group.join_leader(engine_pod.double)
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod, group=group)
-        await self._running(name, ip)
+        await self._running(pod, name, ip)
         log.info("pod %s running at %s", name, ip)
 
-    async def _running(self, name: str, ip: str) -> None:
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    async def _running(self, pod: dict[str, Any], name: str, ip: str) -> None:
+        await self._write_status(name, kubelet_pod_status(pod, phase="Running", now=_now(), ip=ip))
+
+    async def _write_status(self, name: str, status: dict[str, Any]) -> None:
+        """Replace the whole status, as a kubelet's status manager does: a merge patch would
+        keep the list entries of an earlier status."""
         await self.kube._call(
             self.kube.core.patch_namespaced_pod_status,
             name,
             self.namespace,
-            {
-                "status": {
-                    "phase": "Running",
-                    "podIP": ip,
-                    "podIPs": [{"ip": ip}],
-                    "startTime": now,
-                    "conditions": [{"type": "Ready", "status": "True"}],
-                }
-            },
+            [{"op": "replace", "path": "/status", "value": status}],
         )
 
     async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
