@@ -62,6 +62,8 @@ async def registered_as_labelled(env: Stack) -> dict[str, str] | None:
     }
     if len(want) != 4 or DRAINING in want.values():
         return None
+    if env.kubelet.router is None:
+        return None  # the kubelet starts smg once it sees the router Deployment
     workers = await smg(env).workers(httpx.AsyncClient(trust_env=False))
     got = worker_types(workers or [])
     return got if got == want else None

@@ -22,9 +22,11 @@ The request id carries the trajectory: ``rid = "<trajectory>@<turn>"`` (a resume
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,12 +53,17 @@ class PrefillJob:
     aborted: bool = False
 
 
+# How long a request is sent again while smg answers 503 (no worker of a role to pick).
+BUSY_RETRY_SECONDS = 60.0
+
+
 @dataclass(slots=True)
 class SmgCounters:
     requests: int = 0  # /generate posted to smg, resends after an abort included
     prefill_aborts: int = 0  # aborted before any token (in prefill or in the KV transfer)
     decode_aborts: int = 0  # aborted while decoding (partial output returned)
     errors: int = 0  # smg answered an HTTP error or could not be reached
+    busy: int = 0  # 503 answers retried: no worker of a role at that moment (a switch)
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -113,6 +120,24 @@ class SmgClient(httpx.AsyncBaseTransport):
             return httpx.Response(400, json={"error": str(exc)})
         return await self.generate(body)
 
+    @contextlib.asynccontextmanager
+    async def _stream_when_served(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """The streamed reply, retrying smg's 503: while the only worker of a role drains
+        for a switch, smg has none to pick, and a trainer sends the request again."""
+        deadline = self.clock() + BUSY_RETRY_SECONDS
+        delay = 0.25
+        while True:
+            async with self._http.stream(
+                "POST", f"{self.url}/generate", json={**body, "model": self.model, "stream": True}
+            ) as reply:
+                if reply.status_code != 503 or self.clock() + delay > deadline:
+                    yield reply
+                    return
+                self.counters.busy += 1
+                await reply.aread()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
     async def generate(self, body: dict[str, Any]) -> httpx.Response:
         self.counters.requests += 1
         rid = str(body.get("rid") or "")
@@ -125,9 +150,7 @@ class SmgClient(httpx.AsyncBaseTransport):
         ids: list[Any] = []
         text: list[str] = []
         try:
-            async with self._http.stream(
-                "POST", f"{self.url}/generate", json={**body, "model": self.model, "stream": True}
-            ) as reply:
+            async with self._stream_when_served(body) as reply:
                 if reply.status_code != 200:
                     self.counters.errors += 1
                     job.done, job.aborted = self.clock(), True
