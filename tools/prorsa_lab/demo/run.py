@@ -33,6 +33,7 @@ import httpx
 
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
+from prorsa_contract.labels import NODE_RANK_LABEL, ROLE_LABEL
 from prorsa_lab.demo.demo_trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.frame import wrap_lines
 from prorsa_lab.demo.monitor import Monitor
@@ -326,12 +327,14 @@ async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> Non
 
 
 async def _smg_lists_every_engine(env: Stack, router: SmgRouter) -> bool:
-    """smg's workers are the engine pods, each with the type of its role label."""
+    """smg's workers are the engine pods that serve (one-node instances, the leaders of
+    multi-node ones), each with the type of its role label."""
     pods = await env.pods(CLUSTER)
     want = {
-        p["status"]["podIP"]: p["metadata"]["labels"].get("prorsa.io/role")
+        p["status"]["podIP"]: p["metadata"]["labels"].get(ROLE_LABEL)
         for p in pods
         if (p.get("status") or {}).get("podIP")
+        and p["metadata"]["labels"].get(NODE_RANK_LABEL, "0") == "0"
     }
     async with httpx.AsyncClient(trust_env=False) as client:
         workers = await router.workers(client)
