@@ -596,9 +596,9 @@ class Controller:
         """
         if waiting_tokens <= 0:
             return 1.0
-        prefill = [s for s in self._engines.values() if s.role == "prefill" and s.healthy]
         if not self._engines:
             return 0.0
+        prefill = [s for s in self._engines.values() if s.role == "prefill" and s.healthy]
         held = inflight + sum(s.waiting_tokens for s in prefill)
         return min(held / waiting_tokens, 1.0)
 
