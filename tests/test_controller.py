@@ -11,7 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prorsa.core.controller import Controller
+from prorsa.core.decision import Decision
+from prorsa.core.diagnostics import Diagnostics
 from prorsa_contract.agent_api import EngineState
+
+
+def seen(c: Controller) -> Diagnostics:
+    """The diagnostics the last tick handed out with its Decision."""
+    d = c.last_decision
+    assert d is not None and d.diagnostics is not None
+    return d.diagnostics
+
 
 DECISION_KEYS = {
     "at",
@@ -503,21 +513,21 @@ def test_eq13_cost_is_calibrated_against_what_the_engines_computed(log) -> None:
     c = Controller(spec8())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
     c.tick(1.0)
-    assert c.last_calibration is None  # nothing prefilled yet: g is the paper's x / θ_P
+    assert seen(c).calibration is None  # nothing prefilled yet: g is the paper's x / θ_P
     # Ten new trajectories: the table expects every prompt token computed (100k), and the
     # engines computed 100k: calibration 1.
     prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
     c.tick(11.0)
-    assert c.last_calibration == pytest.approx(1.0)
+    assert seen(c).calibration == pytest.approx(1.0)
     # Next horizon the engines computed 300k for another 100k expected: over the window,
     # 400k computed against 200k expected (a cache the table did not know was flushed).
     prefill_round(log, 10, 10_000, 12.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 400_000}}))
     c.tick(21.0)
-    assert c.last_calibration == pytest.approx(2.0)
+    assert seen(c).calibration == pytest.approx(2.0)
 
 
 def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
@@ -537,7 +547,7 @@ def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
         c.observe(log.take())
         c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
         c.tick(11.0)
-        return c.last_demand[0]
+        return seen(c).demand[0]
 
     flat = demand({})
     assert flat > 0
@@ -594,8 +604,25 @@ def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None
     c.observe_engines(engines(2, 6))
     c.tick(10.0)
     # 2.4M tokens in 0.8 x 2M: the host tier (twice the GPU pool) holds the GPU's copy too.
-    assert c.last_cache_demand == pytest.approx(1.5)
+    assert seen(c).cache_floor == pytest.approx(1.5)
     log.cluster("weight_update_started", 15.0, version=1, expected_seconds=30.0)
     c.observe(log.take())
     c.tick(20.0)
-    assert c.last_cache_demand == 0.0, "the new weights flush every cache anyway"
+    assert seen(c).cache_floor == 0.0, "the new weights flush every cache anyway"
+
+
+def test_each_decision_carries_what_its_tick_saw_and_the_wire_form_does_not(log) -> None:
+    c = Controller(spec8())
+    c.observe_engines(engines(2, 6))
+    queue(log, 40, 10_000, 1.0)
+    c.observe(log.take())
+    first = c.tick(2.0)
+    c.tick(12.0)  # a later tick does not rewrite what the first one explained
+    diag = first.diagnostics
+    assert diag is not None and c.last_decision is not first
+    assert diag.demand[0] > 0 and diag.trajectories["ready"] == 40
+    assert diag.forecast is not None and diag.forecast.ready > 0
+    with pytest.raises(AttributeError):
+        diag.demand = (0.0, 0.0)  # type: ignore[misc]
+    assert "diagnostics" not in first.wire()
+    assert Decision.model_validate(first.wire()).diagnostics is None

@@ -9,7 +9,16 @@ import pytest
 from conftest import EventLog, make_spec
 
 from prorsa.core.controller import Controller
+from prorsa.core.diagnostics import Diagnostics
 from prorsa_contract.agent_api import EngineState
+
+
+def seen(c: Controller) -> Diagnostics:
+    """The diagnostics the last tick handed out with its Decision."""
+    d = c.last_decision
+    assert d is not None and d.diagnostics is not None
+    return d.diagnostics
+
 
 BASE: dict[str, Any] = {
     "gpuBudget": 64,
@@ -147,7 +156,7 @@ def test_smoothing_switched_off_plans_on_each_horizon(log: EventLog) -> None:
         log("request_queued", f"q{i}", 60.0, prompt_tokens=10_000, turn=0)
     c.observe(log.take())
     c.tick(61.0)
-    assert c.last_planned[0] < c.last_demand[0]  # smoothed: the old calm weighs in
+    assert seen(c).planned[0] < seen(c).demand[0]  # smoothed: the old calm weighs in
     c.apply_spec(make_spec(**edited("switching.smoothingSeconds", 0)))
     c.tick(62.0)
-    assert c.last_planned[0] == pytest.approx(c.last_demand[0])
+    assert seen(c).planned[0] == pytest.approx(seen(c).demand[0])

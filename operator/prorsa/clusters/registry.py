@@ -364,6 +364,7 @@ class ClusterHandle:
     def status(self) -> dict[str, Any]:
         """The handle's state for ``GET .../status`` (camelCase, like the CRD status)."""
         decision = self.controller.last_decision
+        diag = None if decision is None else decision.diagnostics
         return {
             "namespace": self.namespace,
             "name": self.name,
@@ -380,8 +381,13 @@ class ClusterHandle:
                 "anomalies": self.anomalies,
             },
             "snapshots": self.snapshots,
+            # Counts as they stand (plain integers, read whole); the accuracy from the last
+            # tick's snapshot, since the next tick may be closing windows in a thread.
             "liveTrajectories": self.controller.live_trajectories(),
-            "accuracy": self.controller.accuracy(),
+            "accuracy": {
+                "prefillWape": None if diag is None else diag.prefill_wape,
+                "decodeWape": None if diag is None else diag.decode_wape,
+            },
             "lastDecisionAt": None if decision is None else decision.at,
         }
 

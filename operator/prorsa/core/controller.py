@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Literal, Protocol
 
 import numpy as np
 
 from prorsa.core.allocate import Allocation, keep_split, margin_of, solve
 from prorsa.core.decision import Capacity, Components, Decision, Forecast, Switch, Target
+from prorsa.core.diagnostics import Diagnostics
 from prorsa.core.estimators import DemandSmoother, PrefillSpeed, PrefixCacheHits
 from prorsa.core.forecast.model import ForecastConfig, Forecaster, ForecastResult, PrefillSite
 from prorsa.core.forecast.persist import export_state, restore_state
@@ -149,11 +151,11 @@ class Controller:
         self._computed: dict[str, int] = {}  # instance -> agent's uncached-token counter
         self._computed_new = 0
         self._prefilled_seen = 0.0
-        self.last_miss_ratio: float | None = None
+        self._miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
         self.share_smoother = DemandSmoother(seconds=spec.switching.payoff_seconds)
         self._expected_seen = 0.0
-        self.last_calibration: float | None = None
+        self._calibration: float | None = None
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
         self._engines: dict[str, EngineState] = {}
         self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
@@ -164,15 +166,11 @@ class Controller:
         self.regret = Regret()
         self.persistence = Persistence(prior=spec.switching.payoff_seconds)
         self._payoff_prior = spec.switching.payoff_seconds
-        self.last_moves: tuple[Move, ...] = ()  # the moves priced at the last tick
+        # This tick's priced moves and forecast, for its Diagnostics.
+        self._moves: tuple[Move, ...] = ()
+        self._forecast: ForecastResult | None = None
+        # The latest Decision: one reference to a frozen object, safe to read from any task.
         self.last_decision: Decision | None = None
-        self.last_forecast: ForecastResult | None = None
-        # The last tick's demand in instances (a, b of Eq. 1) and K_D, for metrics.
-        self.last_demand: tuple[float, float] = (0.0, 0.0)
-        self.last_planned: tuple[float, float] = (0.0, 0.0)  # after smoothing
-        self.last_cache_demand = 0.0  # prefill instances the live contexts need cached
-        self.last_decode_share = PRIOR_DECODE_SHARE  # of a turn's prefill and decode time
-        self.last_kv_now = 0.0
         self.ticks = 0
 
     def apply_spec(self, spec: RolloutClusterSpec) -> None:
@@ -297,8 +295,8 @@ class Controller:
         expected = self.forecaster.prefilled_computed
         self.cache_hits.add_expected(now, expected - self._expected_seen)
         self._expected_seen = expected
-        self.last_calibration = self.cache_hits.calibration(now)
-        miss = self.last_miss_ratio = self.cache_hits.miss_ratio(now)
+        self._calibration = self.cache_hits.calibration(now)
+        miss = self._miss_ratio = self.cache_hits.miss_ratio(now)
         if miss is not None:
             return self.spec.capacity.prefill_tokens_per_second / max(miss, MIN_MISS_RATIO)
         return self.theta.value
@@ -328,6 +326,7 @@ class Controller:
         if not math.isfinite(now):
             raise ValueError(f"tick time must be finite, got {now}")
         self.ticks += 1
+        self._moves, self._forecast = (), None
         evict = now if evict_now is None else min(now, evict_now)
         self.table.evict_older_than(evict - self.ttl)
         self._infer_admissions(now)
@@ -345,7 +344,7 @@ class Controller:
         theta = self._theta_now(now)
         c_kv = self._kv_capacity()
         capacity = Capacity(prefill_tokens_per_second=round(theta, 3), decode_kv_tokens=c_kv)
-        self.last_kv_now = k_d = self._decode_kv_now()
+        k_d = self._decode_kv_now()
         inputs = DemandInputs(
             now=now, kv_now=k_d, theta=theta, kv_capacity=c_kv, prefill_names=roles.names
         )
@@ -353,7 +352,6 @@ class Controller:
         demand = replace(
             demand, b=max(demand.b, self.decode_throughput_demand(demand.decoding, cur_d))
         )
-        self.last_demand = (demand.a, demand.b)
         cache_now = demand.cache if demand.cache is not None else self._cache_demand()
         if self.table.weight_update.in_progress(now):
             # New weights flush every prefix cache: nothing cached is worth protecting.
@@ -375,10 +373,7 @@ class Controller:
         # is averaged over the payoff horizon, so a burst of queued prompts does not turn
         # long reasoning decodes into prefill-bound turns just when a move is priced.
         (share,) = self.share_smoother.update(now, self._decode_share_now())
-        self.last_decode_share = share
-        self.last_cache_demand = cache
         a = max(a, cache)
-        self.last_planned = (a, b)
         # Switches are priced on arrivals (rates) plus the backlog drained once.
         now_demand = (max(rate_now, cache), demand.b)
         ahead = (max(rate, cache), b)
@@ -433,8 +428,8 @@ class Controller:
         reason += f"; best margin at {best.prefill}P:{best.decode}D"
         if cache > 0 and cache >= a:
             notes.append(f"live contexts fill the prefix caches of {cache:.2f} prefill instances")
-        if self.last_miss_ratio is not None:
-            hit = 1.0 - self.last_miss_ratio
+        if self._miss_ratio is not None:
+            hit = 1.0 - self._miss_ratio
             notes.append(f"θ_P {theta:.0f} tok/s at prefix-cache hit ratio {hit:.0%}")
         if notes:
             reason += "; " + "; ".join(notes)
@@ -447,9 +442,46 @@ class Controller:
             capacity=capacity,
             switches=tuple(switches),
             reason=reason,
+        ).explained(
+            self._diagnostics(
+                now,
+                demand=(demand.a, demand.b),
+                planned=(a, b),
+                cache=cache,
+                share=share,
+                kv_now=k_d,
+            )
         )
         self.last_decision = decision
         return decision
+
+    def _diagnostics(
+        self,
+        now: float,
+        *,
+        demand: tuple[float, float],
+        planned: tuple[float, float],
+        cache: float,
+        share: float,
+        kv_now: float,
+    ) -> Diagnostics:
+        acc = self.forecaster.accuracy
+        return Diagnostics(
+            demand=demand,
+            planned=planned,
+            cache_floor=cache,
+            decode_share=share,
+            kv_now=kv_now,
+            miss_ratio=self._miss_ratio,
+            calibration=self._calibration,
+            moves=self._moves,
+            forecast=self._forecast,
+            prefill_wape=acc.prefill_wape,
+            decode_wape=acc.decode_wape,
+            trajectories=MappingProxyType(self.table.state_counts()),
+            anomalies=MappingProxyType(dict(self.table.anomalies)),
+            last_event_ts=self.table.last_event_ts,
+        )
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -622,7 +654,7 @@ class Controller:
             # g of Eq. 13 per request, once the agents count computed tokens: its expected
             # computed tokens at the profiled speed, calibrated against what the engines
             # really computed; before, its full prompt at θ_P.
-            k = self.last_calibration
+            k = self._calibration
             cap = self.spec.capacity
             site = PrefillSite(
                 names=inputs.prefill_names,
@@ -632,7 +664,7 @@ class Controller:
                 ranks=self.spec.engine.attention_dp_size,
             )
             f = self.forecaster.forecast(self.table, now=now, site=site)
-            self.last_forecast = f
+            self._forecast = f
             kv = k_d + f.admission_kv
             b = kv / c_kv
             # Requests queued for or in prefill decode next: a prefill burst hands its whole
@@ -780,7 +812,7 @@ class Controller:
         switches, moves = self._plan_switches(
             target, current, now=now, demand=load, forced=forced, regret=regret, payoff=payoff
         )
-        self.last_moves = tuple(moves)
+        self._moves = tuple(moves)
         made = [m for m in moves if m.worth_it or forced]
         notes = []
         if made:
@@ -851,7 +883,7 @@ class Controller:
             )
         sw = self.spec.switching
         cap = self.spec.capacity
-        per_token = (self.last_calibration or 1.0) / cap.prefill_tokens_per_second
+        per_token = (self._calibration or 1.0) / cap.prefill_tokens_per_second
         switches: list[Switch] = []
         moves: list[Move] = []
         split = current

@@ -6,11 +6,14 @@ Frozen and serialised with exactly the keys of docs/architecture.md ("The Decisi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from prorsa_contract.agent_api import Role
+
+if TYPE_CHECKING:
+    from prorsa.core.diagnostics import Diagnostics
 
 
 class _Wire(BaseModel):
@@ -59,6 +62,19 @@ class Decision(_Wire):
     capacity: Capacity
     switches: tuple[Switch, ...] = ()
     reason: str
+    # Not a field: never serialised, validated or part of the contract.
+    _diagnostics: Diagnostics | None = PrivateAttr(default=None)
+
+    @property
+    def diagnostics(self) -> Diagnostics | None:
+        """What the Controller saw when it decided (None for a Decision read off the wire)."""
+        return self._diagnostics
+
+    def explained(self, diagnostics: Diagnostics) -> Decision:
+        """This Decision carrying ``diagnostics``: a copy, since both are frozen."""
+        copy = self.model_copy()
+        copy._diagnostics = diagnostics
+        return copy
 
     def wire(self) -> dict[str, object]:
         return self.model_dump(by_alias=True, mode="json")

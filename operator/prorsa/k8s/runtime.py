@@ -478,7 +478,6 @@ class ClusterRuntime:
         self, decision: Decision, pods: list[dict[str, Any]], states: dict[str, EngineState]
     ) -> None:
         ns, name = self.namespace, self.name
-        controller = self.handle.controller
         roles = {"prefill": 0, "decode": 0, "switching": 0, "unavailable": 0}
         for pod in pods:
             state = states.get(pod["metadata"]["name"])
@@ -490,28 +489,31 @@ class ClusterRuntime:
                 roles[state.role] += 1
         for role, count in roles.items():
             self.metrics.instances.labels(ns, name, role).set(count)
-        a, b = controller.last_demand
-        miss = controller.last_miss_ratio
+        # Every figure comes from the tick that made ``decision``, not from the Controller,
+        # which the next tick may be updating in a worker thread.
+        diag = decision.diagnostics
+        if diag is None:
+            raise ValueError("a Decision from the Controller carries its diagnostics")
+        a, b = diag.demand
         self.metrics.record_decision(
             ns,
             name,
             decision,
             demand_prefill=a,
             demand_decode=b,
-            kv_now=controller.last_kv_now,
-            planned=controller.last_planned,
-            cache_hit_ratio=None if miss is None else 1.0 - miss,
-            cache_floor=controller.last_cache_demand,
+            kv_now=diag.kv_now,
+            planned=diag.planned,
+            cache_hit_ratio=diag.cache_hit_ratio,
+            cache_floor=diag.cache_floor,
         )
-        acc = controller.accuracy()
-        for kind, value in (("prefill", acc["prefillWape"]), ("decode", acc["decodeWape"])):
+        for kind, value in (("prefill", diag.prefill_wape), ("decode", diag.decode_wape)):
             if value is not None:
                 self.metrics.wape.labels(ns, name, kind).set(value)
-        for state_name, count in controller.live_trajectories().items():
+        for state_name, count in diag.trajectories.items():
             self.metrics.trajectories.labels(ns, name, state_name).set(count)
-        for kind, count in controller.table.anomalies.items():
+        for kind, count in diag.anomalies.items():
             self.metrics.anomalies.labels(ns, name, kind).set(count)
-        last = controller.table.last_event_ts
+        last = diag.last_event_ts
         silence = math.inf if last is None else max(0.0, decision.at - last)
         if math.isfinite(silence):
             self.metrics.forecast_age.labels(ns, name).set(silence)
@@ -565,7 +567,7 @@ class ClusterRuntime:
             },
             "forecast": decision.forecast.model_dump(by_alias=True),
             "capacity": decision.capacity.model_dump(by_alias=True),
-            "accuracy": acc,
+            "accuracy": {"prefillWape": diag.prefill_wape, "decodeWape": diag.decode_wape},
             "switchHistory": [o.record() for o in (self.executor.history if self.executor else [])],
             "conditions": list(self._conditions.values()),
             "epoch": str(self.handle.epoch),

@@ -1,0 +1,39 @@
+"""What the Controller saw at one tick, handed out with the Decision it explains.
+
+The operator's metrics and ``GET .../status`` read these figures from another task than
+the one that ticks. A frozen snapshot taken at the end of the tick, carried by the frozen
+Decision, keeps every figure consistent with the decision it explains, with no lock and
+no attributes of the Controller read halfway through the next tick. The idea follows
+NVIDIA Dynamo's planner, whose effects carry their diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prorsa.core.forecast.model import ForecastResult
+from prorsa.core.switch_cost import Move
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnostics:
+    # a and b of Eq. 1 at this tick, in instances, before and after smoothing.
+    demand: tuple[float, float]
+    planned: tuple[float, float]
+    cache_floor: float  # prefill instances the live contexts need cached
+    decode_share: float  # of a turn's prefill and decode time, averaged over the payoff
+    kv_now: float  # K_D: decode KV tokens in use
+    miss_ratio: float | None  # prefix-cache miss ratio behind θ_P, when measured
+    calibration: float | None  # Eq. 13's per-request g over the profiled speed
+    moves: tuple[Move, ...]  # every move priced, made or not
+    forecast: ForecastResult | None  # None in reactive mode
+    prefill_wape: float | None
+    decode_wape: float | None
+    trajectories: Mapping[str, int]  # live trajectories per lifecycle state
+    anomalies: Mapping[str, int]  # trainer-event anomalies per kind, since start
+    last_event_ts: float | None  # trainer clock of the newest event applied
+
+    @property
+    def cache_hit_ratio(self) -> float | None:
+        return None if self.miss_ratio is None else 1.0 - self.miss_ratio
