@@ -131,6 +131,29 @@ def test_oracle_demand_counts_the_queue_and_known_arrivals() -> None:
     assert w_p == soon > 0 and a > 0 and b > 0 and 0 < adm <= w_p
 
 
+def test_oracle_counts_queued_prefill_as_work_not_as_requests() -> None:
+    # Prompts already queued at a prefill engine stay there (the Controller's pinned load):
+    # the oracle reports them in instance-seconds of prefill work, like the forecast does.
+    sim = Simulation(scenario(task="coding"), Oracle())
+    sim.policy.attach(sim)
+    sim.trainer.start()
+    queued_requests = tokens = 0
+    now = 0.0
+    while queued_requests < 4 and now < 600.0:  # until a wave queues at the prefill side
+        now += 2.0
+        with contextlib.suppress(SimulationError):
+            sim.loop.run(until=now)
+        ranks = [r for i in sim.cluster.instances if i.role == "prefill" for r in i.ranks]
+        queued_requests = sum(1 for r in ranks for q in r.pq if not q.silent)
+        tokens = sum(q.prompt - q.done for r in ranks for q in r.pq if not q.silent)
+    assert queued_requests >= 4 and tokens > 0
+    *_, (queued, _waiting), _decoding = sim.policy.demand(now)  # type: ignore[attr-defined]
+    lone = sim.profile.prefill_seconds(sim.profile.chunk, 0) / sim.profile.chunk
+    work = tokens * lone / sim.profile.ranks
+    assert queued == pytest.approx(work, rel=0.5)
+    assert queued != pytest.approx(queued_requests / sim.profile.ranks, rel=0.1)
+
+
 def test_oracle_knows_when_decoding_trajectories_come_back_from_their_tools() -> None:
     # The oracle reads each decoding turn's script (output left, tool time): the prefill
     # demand it feeds the solver is the demand the next horizon then measures (reading only

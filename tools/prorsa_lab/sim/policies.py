@@ -377,9 +377,11 @@ class Oracle(Prorsa):
                 admissions += 1
         # The Controller's decode demand: KV (Eq. 1) or concurrency, the larger; requests
         # queued for prefill now decode next, as the Controller counts them.
-        queued = len([at for at, _x, _w in work if at <= now])
-        decoding += max(admissions, queued)
+        pending = sum(1 for at, _x, _w in work if at <= now)
+        decoding += max(admissions, pending)
         b = (k_d + admitted) / self.kv_capacity
+        # Work that has arrived but is not routed yet: everything due now less what is
+        # already queued at a prefill instance (both in rank-seconds).
         waiting = sum(w for at, _x, w in work if at <= now) - queued
         return a, b, prefill_tokens, admitted, (queued / p.ranks, waiting / p.ranks), decoding
 
