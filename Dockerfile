@@ -11,7 +11,8 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 # -- build: install the distribution with the `operator` extra (kopf, kubernetes) into a venv;
 # no test, bench or aiconfigurator extras. Only the operator's source roots are copied: the
 # operator, the wire contract, and the in-pod agent (`prorsa agent` is a subcommand of the
-# same CLI; the operator never runs it). The trainer SDK (sdk/prorsa_sdk) and the lab
+# same CLI; the operator never runs it, and engine pods run the engine image's light
+# `prorsa-agent` distribution instead). The trainer SDK (sdk/prorsa_sdk) and the lab
 # (tools/: simulator, benchmarks, demo, test doubles) stay out; setuptools installs what
 # it finds.
 FROM ${PYTHON_IMAGE} AS build

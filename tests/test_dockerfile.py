@@ -2,7 +2,7 @@
 
 hadolint runs when it is on PATH; the instruction-level checks below always run: the base is
 the official SGLang 0.5.23 image, the agent is installed from sources that exist, it runs as
-a non-root user, the entrypoint is ``prorsa agent --launch``, and every ``PRORSA_*`` variable
+a non-root user, the entrypoint is ``prorsa-agent --launch``, and every ``PRORSA_*`` variable
 the image sets is one the agent reads.
 """
 
@@ -14,16 +14,21 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_agent_distribution import IMAGE_SOURCES
+from test_operator_image import ignore_patterns, ignored
 
 from prorsa_agent import agent_cli
 from prorsa_agent.config import ENV_VARS
+from prorsa_contract.labels import AGENT_COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
+AGENT_PYPROJECT = ROOT / "engine_image" / "pyproject.toml"
 
 
 @dataclass(frozen=True)
@@ -111,15 +116,20 @@ def test_the_agent_is_installed_from_sources_that_exist(instructions):
     sources = [src for c in copies for src in shlex.split(c.value)[:-1] if not src.startswith("--")]
     for src in sources:
         assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
-    assert "operator" in sources and "engine_image/prorsa_agent" in sources
-    assert "pyproject.toml" in sources
-    # The agent's one Prorsa dependency is the wire contract; the lab (simulator, demo,
-    # test doubles) and the trainer SDK never reach SGLang's interpreter.
-    assert "sdk/prorsa_contract" in sources
-    assert not [s for s in sources if s.startswith(("tools", "sdk/prorsa_sdk")) or s == "sdk"]
+    # The light prorsa-agent distribution and the one part of sdk/ it holds, at the same
+    # relative places (engine_image/pyproject.toml reaches ../sdk/prorsa_contract). The
+    # operator, the lab (simulator, demo, test doubles) and the trainer SDK never reach
+    # SGLang's interpreter.
+    assert sorted(sources) == sorted(IMAGE_SOURCES)
+    places = {src: shlex.split(c.value)[-1] for c in copies for src in shlex.split(c.value)[:-1]}
+    assert places == {src: f"/opt/prorsa-src/{src}" for src in IMAGE_SOURCES}
+    assert not ignored("engine_image/pyproject.toml", ignore_patterns())
     runs = " ".join(i.value for i in instructions if i.keyword == "RUN")
-    assert "pip install --no-cache-dir /opt/prorsa-src" in runs
+    # SGLang's image has the agent's dependencies: pip adds nothing and upgrades nothing.
+    assert "pip install --no-cache-dir --no-deps /opt/prorsa-src/engine_image" in runs
     assert "--upgrade" not in runs and " -U " not in runs  # never disturb SGLang's pins
+    # The build proves the command starts and that the image has what the server imports.
+    assert "prorsa-agent --help" in runs and 'python3 -c "import prorsa_agent.server"' in runs
 
 
 def test_runs_as_a_non_root_user(instructions):
@@ -133,8 +143,11 @@ def test_runs_as_a_non_root_user(instructions):
 
 def test_entrypoint_is_the_agent_in_exec_form(instructions):
     (entry,) = [i for i in instructions if i.keyword == "ENTRYPOINT"]
-    assert json.loads(entry.value) == ["prorsa", "agent", "--launch"]
+    assert json.loads(entry.value) == ["prorsa-agent", "--launch"]
     assert not [i for i in instructions if i.keyword == "CMD"]
+    # The command the operator gives engine pods, and the script the installed wheel has.
+    scripts = tomllib.loads(AGENT_PYPROJECT.read_text())["project"]["scripts"]
+    assert AGENT_COMMAND in scripts and json.loads(entry.value)[0] == AGENT_COMMAND
 
 
 def test_environment_matches_what_the_agent_reads(instructions):
@@ -201,7 +214,15 @@ def test_the_agent_needs_nothing_of_prorsa_but_the_contract():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
-def test_the_image_check_prorsa_agent_help_runs_without_the_lab_and_the_sdk():
+def test_the_image_check_prorsa_agent_help_runs_without_the_rest_of_prorsa():
+    code = "from prorsa_agent.agent_cli import main; sys.exit(main(['--help']))"
+    result = probe(["prorsa", "prorsa_sdk", "prorsa_lab"], code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: prorsa-agent")
+
+
+def test_prorsa_agent_still_runs_from_the_full_cli():
+    """Images built with the whole distribution, and a development checkout, keep it."""
     code = "from prorsa.cli import main; sys.exit(main(['agent', '--help']))"
     result = probe(["prorsa_sdk", "prorsa_lab"], code)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -88,7 +88,7 @@ def test_a_two_node_instance_is_a_leader_and_a_worker_rank() -> None:
         (container,) = pod["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"  # 16 over 2 nodes
     (worker_container,) = worker["spec"]["containers"]
-    assert worker_container["command"] == ["prorsa", "agent", "--worker"]
+    assert worker_container["command"] == ["prorsa-agent", "--worker"]
     # The worker's SGLang answers only /health on the engine port: no agent probes there.
     assert worker_container["livenessProbe"]["httpGet"] == {"path": "/health", "port": 30000}
     assert "readinessProbe" not in worker_container

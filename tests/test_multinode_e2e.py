@@ -89,7 +89,7 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways() -> None:
                 assert env_vars["PRORSA_DIST_INIT_ADDR"] == f"{name}.demo-engines.rl.svc:5000"
                 # Eq. 1's m = 8 GPUs per instance, spread over its two nodes.
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
-            assert worker["spec"]["containers"][0]["command"] == ["prorsa", "agent", "--worker"]
+            assert worker["spec"]["containers"][0]["command"] == ["prorsa-agent", "--worker"]
             assert "sglang.ai/bootstrap-port" not in worker["metadata"].get("annotations", {})
 
         # Only leaders run an agent; workers are the double's worker ranks.

@@ -326,5 +326,7 @@ def test_copy_sources_exist_and_stay_in_the_build_context(dockerfile):
 def test_build_context_leaves_out_local_state():
     patterns = ignore_patterns()
     for path in (".git/HEAD", ".venv/bin/python", ".cache/tools/helm", "tests/test_chart.py",
-                 "operator/prorsa/__pycache__/cli.cpython-311.pyc", "bench-out/x.png"):  # fmt: skip
+                 "operator/prorsa/__pycache__/cli.cpython-311.pyc", "bench-out/x.png",
+                 "engine_image/build/lib/prorsa_agent/server.py",
+                 "engine_image/prorsa_agent.egg-info/PKG-INFO"):  # fmt: skip
         assert ignored(path, patterns), path

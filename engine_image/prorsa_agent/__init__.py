@@ -1,6 +1,6 @@
 """The Prorsa in-pod agent: supervises an SGLang engine, reports its load, flips its PD role.
 
-``prorsa agent`` runs it (see :mod:`prorsa_agent.agent_cli`); :class:`prorsa_agent.server.Agent` is
+``prorsa-agent`` runs it (see :mod:`prorsa_agent.agent_cli`); :class:`prorsa_agent.server.Agent` is
 the programmatic entry point. The wire bodies are the CONTRACT models of
 :mod:`prorsa_contract.agent_api`.
 """

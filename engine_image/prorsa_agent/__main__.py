@@ -1,13 +1,7 @@
-"""``python -m prorsa_agent ...`` is ``prorsa agent ...``, without the other subcommands.
+"""``python -m prorsa_agent ...`` is ``prorsa-agent ...``, for an interpreter without the script."""
 
-A fallback entry point for the engine image: it loads nothing but the agent.
-"""
-
-import argparse
 import sys
 
-from prorsa_agent.agent_cli import HELP, configure, run
+from prorsa_agent.agent_cli import main
 
-parser = argparse.ArgumentParser(prog="prorsa agent", description=HELP)
-configure(parser)
-sys.exit(run(parser.parse_args()))
+sys.exit(main())

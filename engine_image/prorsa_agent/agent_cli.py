@@ -1,8 +1,10 @@
-"""``prorsa agent``: flags, their environment defaults, and the process main loop.
+"""``prorsa-agent``: flags, their environment defaults, and the process main loop.
 
 Every flag has a ``PRORSA_*`` environment default, because the operator configures engine
-pods through their environment (the image's entrypoint is just ``prorsa agent --launch``).
-This module stays light to import (no aiohttp): ``prorsa --help`` loads it.
+pods through their environment (the image's entrypoint is just ``prorsa-agent --launch``).
+:func:`main` is the ``prorsa-agent`` command of the light distribution the engine image
+installs (``engine_image/pyproject.toml``); ``prorsa agent`` runs the same flags from the
+full CLI. This module stays light to import (no aiohttp): ``prorsa --help`` loads it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from prorsa_agent.config import (
 )
 from prorsa_agent.redact import redact_argv
 from prorsa_contract.aio import stop_requested
+from prorsa_contract.labels import AGENT_COMMAND
 
 HELP = "run the in-pod agent: supervise SGLang, report its state, flip its PD role"
 
@@ -263,3 +266,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"prorsa agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``prorsa-agent`` command: engine pods run it without the ``prorsa`` CLI."""
+    parser = argparse.ArgumentParser(prog=AGENT_COMMAND, description=HELP)
+    configure(parser)
+    return run(parser.parse_args(argv))

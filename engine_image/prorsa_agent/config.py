@@ -1,7 +1,7 @@
 """The agent's configuration and how the SGLang command line is assembled.
 
 The operator configures an engine pod through environment variables (the image's entrypoint
-is ``prorsa agent --launch``), so that one image serves every model and size. The engine's
+is ``prorsa-agent --launch``), so that one image serves every model and size. The engine's
 flags come from ``PRORSA_*`` variables, then from the arguments after ``--``, then the flags
 every Prorsa engine needs are added when missing: it starts as ``decode`` (so that decode
 CUDA graphs are captured at start-up and any flip back to decode finds them), with role
@@ -60,7 +60,7 @@ AGENT_ENV = frozenset(
         "PRORSA_LOG_LEVEL",
     }
 )
-"""The agent's own settings (``prorsa agent`` flag defaults)."""
+"""The agent's own settings (``prorsa-agent`` flag defaults)."""
 
 ALLOW_HICACHE_STORAGE_ENV = "PRORSA_ALLOW_HICACHE_STORAGE"
 """``1``: accept ``--hicache-storage-backend`` although every role flip clears that store."""

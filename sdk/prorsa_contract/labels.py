@@ -37,6 +37,9 @@ BOOTSTRAP_PORT = 8998
 AGENT_PORT = 8080
 DIST_INIT_PORT = 5000
 """SGLang's ``--dist-init-addr`` port on a multi-node leader (torch.distributed rendezvous)."""
+AGENT_COMMAND = "prorsa-agent"
+"""The command of every engine pod (``--worker`` added on a worker rank): the engine image's
+entry point, which the ``prorsa-agent`` distribution installs (engine_image/pyproject.toml)."""
 
 
 def engine_name(cluster: str, index: int) -> str:

@@ -1,4 +1,9 @@
-"""``prorsa agent``: the in-pod agent of an engine pod (package ``prorsa_agent``)."""
+"""``prorsa agent``: the in-pod agent of an engine pod (package ``prorsa_agent``).
+
+Engine pods run ``prorsa-agent``, the light distribution's command with the same flags;
+this subcommand keeps the agent one command away in a checkout and in images that carry
+the whole ``prorsa`` distribution.
+"""
 
 from __future__ import annotations
 

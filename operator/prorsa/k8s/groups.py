@@ -25,6 +25,7 @@ from typing import Any
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s.objects import engine_pod
 from prorsa_contract.labels import (
+    AGENT_COMMAND,
     BOOTSTRAP_ANNOTATION,
     DIST_INIT_PORT,
     ENGINE_PORT,
@@ -95,7 +96,7 @@ def group_pods(
         else:
             meta["name"] = worker_name(cluster, index, rank)
             meta["annotations"].pop(BOOTSTRAP_ANNOTATION, None)
-            container["command"] = ["prorsa", "agent", "--worker"]
+            container["command"] = [AGENT_COMMAND, "--worker"]
             # The worker's SGLang serves only /health (its dummy health server): open it
             # to the kubelet; the agent's probes do not exist here.
             container["env"].append({"name": "PRORSA_ENGINE_HOST", "value": "0.0.0.0"})

@@ -11,6 +11,7 @@ from typing import Any
 
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa_contract.labels import (
+    AGENT_COMMAND,
     AGENT_PORT,
     BOOTSTRAP_ANNOTATION,
     BOOTSTRAP_PORT,
@@ -138,8 +139,9 @@ def engine_pod(
                 {
                     "name": "engine",
                     "image": e.image,
-                    # Explicit, so any image with the prorsa distribution can run an engine.
-                    "command": ["prorsa", "agent"],
+                    # Explicit, so any image with the agent installed (the light
+                    # prorsa-agent distribution, or the whole prorsa one) can run an engine.
+                    "command": [AGENT_COMMAND],
                     "env": env,
                     "ports": [
                         {"name": "http", "containerPort": ENGINE_PORT},

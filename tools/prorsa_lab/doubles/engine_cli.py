@@ -1,7 +1,7 @@
 """Command line of the SGLang double: SGLang's launch flags plus ``--double-*`` knobs.
 
 The flag names are ``python -m sglang.launch_server``'s, so the in-pod agent can launch the
-double exactly as it launches SGLang (``prorsa agent --engine-command 'python -m
+double exactly as it launches SGLang (``prorsa-agent --engine-command 'python -m
 prorsa_lab.doubles.sglang_double' --launch -- ...``).
 ``python -m prorsa_lab.doubles.sglang_double`` ignores SGLang flags it does not model (with a
 warning); ``prorsa engine-double`` refuses them.

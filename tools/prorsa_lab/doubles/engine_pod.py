@@ -63,7 +63,7 @@ class EnginePod:
         self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
         config = engine or EngineConfig()
         if engine_api_key is not None:
-            # As `prorsa agent --launch` would start SGLang: --admin-api-key from the file.
+            # As `prorsa-agent --launch` would start SGLang: --admin-api-key from the file.
             config = dataclasses.replace(config, admin_api_key=engine_api_key)
         self.double = EngineDouble(config, faults=faults)
         self._timeouts = timeouts

@@ -17,6 +17,11 @@ The pods of a multi-node instance (``prorsa.io/node-rank`` >= 1) run the engine 
 worker mode (:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by
 the group label, they exit (pod phase Failed) when the leader goes, and the leader serves
 only while every rank is there.
+
+A pod runs only if the engine image could run its command: the image's entry point
+``prorsa-agent`` (with ``--worker`` on a worker rank). The image installs the light
+``prorsa-agent`` distribution, not the ``prorsa`` CLI, so any other command stays Pending
+here, as it would fail to start in a cluster.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
+    AGENT_COMMAND,
     BOOTSTRAP_ANNOTATION,
     BOOTSTRAP_PORT,
     COMPONENT_LABEL,
@@ -56,6 +62,15 @@ log = logging.getLogger("prorsa.kubelet")
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def runs_in_the_engine_image(container: dict[str, Any], *, worker: bool) -> bool:
+    """Whether the engine image has the container's command: ``prorsa-agent``, with
+    ``--worker`` exactly when the pod is a worker rank (a leader with it would serve no API)."""
+    command = [*(container.get("command") or []), *(container.get("args") or [])]
+    if not command or Path(command[0]).name != AGENT_COMMAND:
+        return False
+    return ("--worker" in command[1:]) == worker
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,6 +132,7 @@ class FakeKubelet:
     _free_ips: list[str] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
     _warned: bool = False
+    _unrunnable: set[str] = field(default_factory=set)  # pods warned about, by uid
 
     async def __aenter__(self) -> FakeKubelet:
         self._task = asyncio.create_task(self._loop(), name="fake-kubelet")
@@ -234,7 +250,15 @@ class FakeKubelet:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
         group = self._group(pod)
-        if group is not None and (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0":
+        worker = group is not None and (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0"
+        (container,) = pod["spec"]["containers"]
+        if not runs_in_the_engine_image(container, worker=worker):
+            if uid not in self._unrunnable:
+                self._unrunnable.add(uid)
+                command = [*(container.get("command") or []), *(container.get("args") or [])]
+                log.warning("pod %s runs %r, not %s: not started", name, command, AGENT_COMMAND)
+            return
+        if worker and group is not None:
             await self._start_worker(pod, group, self._ip())
             return
         token = await self._mounted(pod, "PRORSA_AGENT_TOKEN_FILE")
