@@ -166,7 +166,7 @@ class Kube:
             self.lws.list_namespaced_custom_object,
             LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, label_selector=selector,
         )  # fmt: skip
-        return list(found.get("items") or [])
+        return list(self._plain(found).get("items") or [])
 
     async def create_leader_worker_set(self, namespace: str, body: dict[str, Any]) -> bool:
         """Create the set; False when one of that name exists already."""

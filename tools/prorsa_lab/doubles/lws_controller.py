@@ -183,9 +183,11 @@ class FakeLwsController:
 
     async def sync(self) -> None:
         """One pass over every set: create what is missing, recreate what broke."""
-        listed = await self.kube._call(
-            self.kube.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL
+        api = self.kube.custom
+        found_sets = await self.kube._call(
+            api.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL
         )
+        listed = self.kube._plain(found_sets)
         found = await self.kube.list_pods(self.namespace, NAME_LABEL)
         pods = {p["metadata"]["name"]: p for p in found}
         for lws in listed.get("items") or []:
