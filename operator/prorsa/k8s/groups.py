@@ -1,12 +1,11 @@
 """Multi-node engine instances: one instance as a group of pods, kept whole.
 
 An instance of ``engine.nodesPerInstance`` n > 1 nodes is n pods: the leader (node rank 0,
-named like a one-node instance, so the Controller, the executor and the router see one
-engine per instance) runs SGLang's HTTP server and the agent; each worker runs one more
-rank of the same SGLang server, started with ``--nnodes``, ``--node-rank`` and
-``--dist-init-addr`` pointing at the leader's stable name under the engines' headless
-Service. SGLang's rank 0 broadcasts every control request (the role switch included) to
-all ranks, so the operator talks to the leader alone.
+the group's one pod the Controller, the executor and the router see) runs SGLang's HTTP
+server and the agent; each worker runs one more rank of the same SGLang server, started
+with ``--nnodes``, ``--node-rank`` and ``--dist-init-addr`` pointing at the leader's stable
+name under a headless Service. SGLang's rank 0 broadcasts every control request (the role
+switch included) to all ranks, so the operator talks to the leader alone.
 
 A group is all-or-nothing: torch.distributed cannot replace one rank of a live server, so
 a pod that fails or disappears takes its whole group down, and all of it is recreated.
