@@ -42,7 +42,7 @@ from prorsa.cli import build_parser
 from prorsa.clusters import ClusterRegistry
 from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.ingest import WebhookServer
-from prorsa.k8s import objects
+from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
 from prorsa_contract.labels import DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
@@ -553,13 +553,16 @@ def test_dashboard_config_map_carries_the_dashboard_and_the_sidecar_label(helm):
 _API_GROUPS = {"core": "", "apps": "apps", "rbac": "rbac.authorization.k8s.io"}
 _VERBS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
           "delete": "delete", "replace": "update"}  # fmt: skip
+# Custom objects by the Kube attribute that calls them: the CR, and LeaderWorkerSets.
+_CUSTOM = {"custom": (GROUP, PLURAL), "lws": (lws.GROUP, lws.PLURAL)}
 WATCH_RL = ("--set=operator.watchNamespaces={rl}",)
+LWS_API = ("--api-versions=leaderworkerset.x-k8s.io/v1",)
 
 
 def api_calls_in_operator_code() -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) of every kubernetes-client call in prorsa's source.
 
-    Finds ``<x>.core/apps/rbac/custom.<verb>_namespaced_<kind>`` attribute uses (the way
+    Finds ``<x>.core/apps/rbac/custom/lws.<verb>_namespaced_<kind>`` attribute uses (the way
     ``prorsa.k8s.kube.Kube`` calls the API), so a call no end-to-end run reaches still shows
     up here.
     """
@@ -571,12 +574,12 @@ def api_calls_in_operator_code() -> set[tuple[str, str, str]]:
             if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)):
                 continue
             api, match = node.value.attr, pattern.fullmatch(node.attr)
-            if match is None or api not in (*_API_GROUPS, "custom"):
+            if match is None or api not in (*_API_GROUPS, *_CUSTOM):
                 continue
             verb, kind = _VERBS[match.group(1)], match.group(2)
             kind, status = kind.removesuffix("_status"), kind.endswith("_status")
-            if api == "custom":
-                group, resource = GROUP, PLURAL
+            if api in _CUSTOM:
+                group, resource = _CUSTOM[api]
             else:
                 group, resource = _API_GROUPS[api], kind.replace("_", "") + "s"
             needs.add((group, resource + ("/status" if status else ""), verb))
@@ -666,21 +669,32 @@ KOPF_NEEDS = {
 
 
 def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
-    held = grants(one(render(helm), "ClusterRole"))
+    held = grants(one(render(helm, *LWS_API), "ClusterRole"))
     calls = api_calls_in_operator_code()
     assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
     assert calls - held == set()
     assert KOPF_NEEDS - held == set()
+    # Without the LeaderWorkerSet API the chart grants everything but the LWS calls.
+    sets = {c for c in calls if c[0] == lws.GROUP}
+    assert {v for _, _, v in sets} == {"list", "create", "delete"}
+    assert calls - grants(one(render(helm), "ClusterRole")) == sets
 
 
-async def operator_api_calls(watch: tuple[str, ...]) -> set[ApiCall]:
+async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool) -> set[ApiCall]:
     """The operator's API calls over the main end-to-end scenario (a router this time),
-    a scale-down, a restart and the cluster's deletion, from the emulator's audit log."""
+    a scale-down, a restart and the cluster's deletion, from the emulator's audit log.
+
+    With ``leader_worker_set`` the LeaderWorkerSet API is installed, and a second cluster
+    of two-pod instances (LeaderWorkerSets) is scaled up and down on the way.
+    """
     async with stack(
         tick_seconds=0.3, watch_timeout=2.0, watch_namespaces=watch,
         operator_namespace=NAMESPACE, router_settle_timeout=0.2,
+        leader_worker_set=leader_worker_set,
     ) as env:  # fmt: skip
         await comes_up_and_follows_demand_both_ways(env, cluster_manifest(router={"enabled": True}))
+        if leader_worker_set:
+            await two_node_sets_come_and_go(env)
         await env.patch_cluster("demo", {"spec": {"gpuBudget": 24}})
 
         async def scaled_down() -> bool:
@@ -706,20 +720,41 @@ async def operator_api_calls(watch: tuple[str, ...]) -> set[ApiCall]:
         return set(env.server.emulator.api_calls(OPERATOR_USER))
 
 
+async def two_node_sets_come_and_go(env: Any) -> None:
+    """A cluster of two-pod instances: three LeaderWorkerSets, then two, then none."""
+    big = cluster_manifest("big", engine={"nodesPerInstance": 2}, gpuBudget=24)
+    await env.create_cluster(big)
+
+    async def groups(n: int) -> bool:
+        return len(await env.pods("big")) == 2 * n
+
+    await env.wait_for(lambda: groups(3), what="3 two-pod groups")
+    await env.patch_cluster("big", {"spec": {"gpuBudget": 16}})
+    await env.wait_for(lambda: groups(2), what="2 two-pod groups")
+    await env.kube._call(
+        env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL, "big"
+    )
+    await env.wait_for(lambda: groups(0), what="the two-pod cluster gone")
+
+
 async def ready(env: Any) -> bool:
     status = (await env.get_cluster()).get("status") or {}
     return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
 
 
-@pytest.mark.parametrize("watch", [(), ("rl",)], ids=["all-namespaces", "watch-namespaces"])
+@pytest.mark.parametrize(
+    ("watch", "leader_worker_set"),
+    [((), False), (("rl",), False), ((), True)],
+    ids=["all-namespaces", "watch-namespaces", "all-namespaces-leaderworkerset"],
+)
 async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not(
-    helm, watch
+    helm, watch, leader_worker_set
 ):
-    docs = render(helm, *(WATCH_RL if watch else ()))
+    docs = render(helm, *(WATCH_RL if watch else ()), *(LWS_API if leader_worker_set else ()))
     account = one(docs, "ServiceAccount")["metadata"]
     assert service_account_user(account["namespace"], account["name"]) == OPERATOR_USER
     held = grants_of(docs, OPERATOR_USER)
-    calls = await operator_api_calls(watch)
+    calls = await operator_api_calls(watch, leader_worker_set=leader_worker_set)
     assert len(calls) >= 20, calls
     denied = sorted(str(c) for c in calls if not any(g.allows(c) for g in held))
     assert denied == []
@@ -730,6 +765,8 @@ async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_d
     if watch:
         assert {c.namespace for c in calls} == {"rl", NAMESPACE}
         assert not [g for g in held if g.namespace is None]  # nothing cluster-wide
+    sets = {c.verb for c in calls if c.group == lws.GROUP}
+    assert sets == ({"list", "create", "delete"} if leader_worker_set else set())
 
 
 def test_watch_namespaces_get_roles_and_nothing_cluster_wide(helm):
@@ -781,6 +818,16 @@ def test_rbac_is_least_privilege(helm):
     held = grants(role)
     # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
     assert {r for g, r, v in held if v == "delete"} == {"pods"}
+    # LeaderWorkerSets only where the cluster serves the API (or the values say so).
+    with_sets = grants(one(render(helm, *LWS_API), "ClusterRole"))
+    assert with_sets - held == {
+        (lws.GROUP, lws.PLURAL, verb) for verb in ("list", "create", "delete")
+    }
+    forced = render(helm, "--set=rbac.leaderWorkerSets=true", *WATCH_RL)
+    (watched,) = [d for d in forced if d["kind"] == "Role" and d["metadata"]["namespace"] == "rl"]
+    assert grants(watched) >= with_sets - held
+    assert grants(one(render(helm, *LWS_API, "--set=rbac.leaderWorkerSets=false"),
+                      "ClusterRole")) == held  # fmt: skip
     assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
     assert not {v for g, r, v in held if r == "secrets"} - {"get", "create"}
     assert not {r for g, r, v in held if v == "update"}

@@ -1,13 +1,20 @@
 """Two-pod engine instances end to end: the operator (kopf) against the API emulator, each
 instance a leader (engine double + real agent) and a worker rank (the double's worker
-mode) run by the fake kubelet."""
+mode) run by the fake kubelet. Every test runs twice: with groups the operator manages
+itself, and with the LeaderWorkerSet API installed (a fake LWS controller creating the
+pods of the sets the operator creates)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from test_operator_e2e import prefill_heavy
 
 from prorsa_contract.labels import (
@@ -17,8 +24,66 @@ from prorsa_contract.labels import (
     ROLE_LABEL,
     SWITCH_ANNOTATION,
 )
+from prorsa_lab.doubles import lws_controller as fake_lws
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
-from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
+from prorsa_lab.doubles.stack import NAMESPACE, OPERATOR_USER, Stack, cluster_manifest, stack
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a two-pod instance is laid out, by who keeps its group."""
+
+    lws: bool
+
+    def leader(self, index: int) -> str:
+        return f"demo-engine-{index}-0" if self.lws else f"demo-engine-{index}"
+
+    def worker(self, leader: str) -> str:
+        return f"{leader}-1" if self.lws else f"{leader}-node-1"
+
+    def rendezvous(self, index: int) -> str:
+        """SGLang's --dist-init-addr: the leader's name under the group's headless Service."""
+        if self.lws:
+            return f"{self.leader(index)}.demo-engine-{index}.{NAMESPACE}:5000"
+        return f"{self.leader(index)}.demo-engines.{NAMESPACE}.svc:5000"
+
+    @property
+    def managed_by(self) -> str:
+        return "LeaderWorkerSet" if self.lws else "Operator"
+
+    @property
+    def group_restart(self) -> str:
+        """The event that says a group was recreated whole (by LWS, or by the operator)."""
+        return "RecreateGroup" if self.lws else "GroupRestarted"
+
+    @asynccontextmanager
+    async def stack(self, **kwargs: Any) -> AsyncIterator[Stack]:
+        async with stack(leader_worker_set=self.lws, **kwargs) as env:
+            yield env
+
+
+@pytest.fixture(params=[False, True], ids=["operator", "leaderworkerset"])
+def layout(request: pytest.FixtureRequest) -> Layout:
+    return Layout(lws=request.param)
+
+
+async def leader_worker_sets(env: Stack) -> dict[str, dict[str, Any]]:
+    listed = await env.kube._call(
+        env.kube.custom.list_namespaced_custom_object,
+        fake_lws.GROUP, fake_lws.VERSION, env.namespace, fake_lws.PLURAL,
+    )  # fmt: skip
+    return {s["metadata"]["name"]: s for s in listed["items"]}
+
+
+def operator_writes(env: Stack, resource: str) -> set[str]:
+    """The write verbs the operator used on ``resource`` (the emulator's audit log)."""
+    calls = env.server.emulator.api_calls(OPERATOR_USER)
+    return {c.verb for c in calls if c.resource == resource} & {"create", "patch", "delete"}
+
+
+def expanded(value: str, env_vars: dict[str, str]) -> str:
+    """A container variable as the kubelet passes it: $(NAME) replaced by NAME's value."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env_vars.get(m.group(1), m.group(0)), value)
 
 
 def two_node(**spec: Any) -> dict[str, Any]:
@@ -72,25 +137,49 @@ async def someone_draining(env: Stack) -> str | None:
     return None
 
 
-async def test_two_node_instances_come_up_and_follow_demand_both_ways() -> None:
-    async with stack() as env:
+async def test_two_node_instances_come_up_and_follow_demand_both_ways(layout: Layout) -> None:
+    async with layout.stack() as env:
         await env.create_cluster(two_node())
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="1P:3D of 4 groups")
         found = await groups(env)
-        assert sorted(found) == [f"demo-engine-{i}" for i in range(4)]
-        for name, (head, worker) in found.items():
+        assert sorted(found) == [layout.leader(i) for i in range(4)]
+        for index, (name, (head, worker)) in enumerate(sorted(found.items())):
             assert head["metadata"]["name"] == name
-            assert worker["metadata"]["name"] == f"{name}-node-1"
+            assert worker["metadata"]["name"] == layout.worker(name)
             for rank, pod in enumerate((head, worker)):
                 (container,) = pod["spec"]["containers"]
-                env_vars = {e["name"]: e.get("value") for e in container["env"]}
+                env_vars = {e["name"]: e.get("value") or "" for e in container["env"]}
                 assert env_vars["PRORSA_NNODES"] == "2"
-                assert env_vars["PRORSA_NODE_RANK"] == str(rank)
-                assert env_vars["PRORSA_DIST_INIT_ADDR"] == f"{name}.demo-engines.rl.svc:5000"
+                assert expanded(env_vars["PRORSA_NODE_RANK"], env_vars) == str(rank)
+                assert expanded(env_vars["PRORSA_DIST_INIT_ADDR"], env_vars) == (
+                    layout.rendezvous(index)
+                )
+                # The agent reports the instance by the leader's pod name.
+                assert env_vars["PRORSA_INSTANCE"] == name
                 # Eq. 1's m = 8 GPUs per instance, spread over its two nodes.
                 assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
             assert worker["spec"]["containers"][0]["command"] == ["prorsa-agent", "--worker"]
             assert "sglang.ai/bootstrap-port" not in worker["metadata"].get("annotations", {})
+            # Only leaders match the router's selectors (prorsa.io/node-rank=0).
+            assert head["metadata"]["labels"][NODE_RANK_LABEL] == "0"
+            assert worker["metadata"]["labels"].get(NODE_RANK_LABEL) != "0"
+        if layout.lws:
+            sets = await leader_worker_sets(env)
+            assert sorted(sets) == [f"demo-engine-{i}" for i in range(4)]
+            for set_name, lws in sets.items():
+                assert lws["spec"]["replicas"] == 1
+                template = lws["spec"]["leaderWorkerTemplate"]
+                assert template["size"] == 2
+                assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+                assert lws["metadata"]["ownerReferences"][0]["kind"] == "RolloutCluster"
+                head, worker = found[f"{set_name}-0"]
+                for rank, pod in enumerate((head, worker)):
+                    labels = pod["metadata"]["labels"]
+                    assert labels[fake_lws.NAME_LABEL] == set_name
+                    assert labels[fake_lws.WORKER_INDEX_LABEL] == str(rank)
+                    assert labels[fake_lws.GROUP_INDEX_LABEL] == "0"
+                    key = fake_lws.group_key(NAMESPACE, head["metadata"]["name"])
+                    assert labels[fake_lws.GROUP_KEY_LABEL] == key
 
         # Only leaders run an agent; workers are the double's worker ranks.
         async def all_running() -> bool:
@@ -98,21 +187,22 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways() -> None:
 
         await env.wait_for(all_running, what="4 leaders and 4 worker ranks running")
         assert sorted(env.kubelet.pods) == sorted(found)
-        assert sorted(env.kubelet.workers) == sorted(f"{n}-node-1" for n in found)
+        assert sorted(env.kubelet.workers) == sorted(layout.worker(n) for n in found)
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()}
 
         phase_a = prefill_heavy(env)
         assert (await env.post(phase_a)).status_code == 200
         await env.wait_for(lambda: split(env, 2, 2), timeout=60, what="a flip to 2P:2D")
         history = env.label_history
-        flipped = [n for n, h in history.items() if DRAINING in h and not n.endswith("node-1")]
+        flipped = [n for n, h in history.items() if DRAINING in h and n in found]
         assert flipped, history
         for name in flipped:  # the worker hopped through draining with its leader
-            assert history[f"{name}-node-1"] == history[name], history
+            assert history[layout.worker(name)] == history[name], history
 
         roles = {
             p["metadata"]["name"]: p["metadata"]["labels"][ROLE_LABEL] for p in await env.pods()
         }
-        prefill_pod = next(n for n, r in roles.items() if r == "prefill" and n.count("-") == 2)
+        prefill_pod = next(n for n, r in roles.items() if r == "prefill" and n in found)
         gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
         assert (await env.post(gone)).status_code == 200
         assert (await env.post(decoding(env, prefill_pod))).status_code == 200
@@ -126,79 +216,92 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways() -> None:
         status = await env.wait_for(settled, what="a status with all 4 instances serving")
         assert status["groups"]["nodesPerInstance"] == 2
         assert status["groups"]["pods"] == 8
-        assert status["groups"]["managedBy"].startswith("Operator")
-        # No group was restarted on the way: every switch went to a leader's agent.
+        assert status["groups"]["managedBy"] == layout.managed_by
+        # No group was restarted on the way: every switch went to a leader's agent, and the
+        # relabelled pods are the ones first created (LWS did not roll anything out).
         reasons = [e.get("reason") for e in await env.events()]
-        assert "GroupRestarted" not in reasons and "SwitchSucceeded" in reasons
+        assert "SwitchSucceeded" in reasons
+        assert not {"GroupRestarted", "RecreateGroup"} & set(reasons)
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()} == uids
+        if layout.lws:  # the operator created sets, and only relabelled the pods LWS made
+            assert operator_writes(env, "pods") == {"patch"}
+            assert operator_writes(env, "leaderworkersets") == {"create"}
 
 
-async def test_a_worker_killed_mid_switch_restarts_its_whole_group() -> None:
+async def test_a_worker_killed_mid_switch_restarts_its_whole_group(layout: Layout) -> None:
     slow = TimingModel(switch_seconds=3.0)
-    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with layout.stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(two_node())
         name = await env.wait_for(lambda: someone_draining(env), timeout=60, what="a drain")
+        worker = layout.worker(name)
         before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()}
-        await env.kubelet.fail(f"{name}-node-1")  # the worker's node dies mid-switch
+        await env.kubelet.fail(worker)  # the worker's node dies mid-switch
 
         async def recreated() -> bool:
             now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()}
-            return all(n in now and now[n] != before[n] for n in (name, f"{name}-node-1"))
+            return all(n in now and now[n] != before[n] for n in (name, worker))
 
         await env.wait_for(recreated, timeout=60, what="the whole group recreated")
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="1P:3D again")
-        events = {
-            (e.get("reason"), (e.get("message") or "").split(":")[0]) for e in await env.events()
+        events = {(e.get("reason"), e.get("message") or "") for e in await env.events()}
+        # The rank-0 switch failed unsafe (the lost rank) and the leader was replaced, or
+        # the group's keeper (the operator's reconcile, or LWS) saw the dead worker first:
+        # either way the group went as a whole.
+        restarts = {
+            reason
+            for reason, message in events
+            if (reason == "SwitchReplaced" and message.startswith(f"{name}:"))
+            or (reason == layout.group_restart and name in message)
         }
-        # The rank-0 switch failed unsafe (the lost rank) or the reconcile saw the dead
-        # worker first: either way the group went as a whole.
-        assert {("GroupRestarted", name), ("SwitchReplaced", name)} & events, events
-        # The other groups were left alone.
+        assert restarts, events
+        # Nothing is left draining or mid-switch (split() checks every label and intent),
+        # and the other groups were left alone.
         now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()}
         untouched = [n for n in before if not n.startswith(f"{name}-") and n != name]
         assert untouched and all(now[n] == before[n] for n in untouched)
 
 
-async def test_a_dead_leader_takes_its_workers_and_the_group_is_recreated() -> None:
-    async with stack() as env:
+async def test_a_dead_leader_takes_its_workers_and_the_group_is_recreated(layout: Layout) -> None:
+    async with layout.stack() as env:
         await env.create_cluster(two_node())
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="1P:3D")
-        worker = env.kubelet.workers["demo-engine-2-node-1"].rank
-        uid = next(
-            p["metadata"]["uid"]
-            for p in await env.pods()
-            if p["metadata"]["name"] == "demo-engine-2"
-        )
-        await env.kubelet.fail("demo-engine-2")
+        head = layout.leader(2)
+        worker = env.kubelet.workers[layout.worker(head)].rank
+        uid = next(p["metadata"]["uid"] for p in await env.pods() if p["metadata"]["name"] == head)
+        await env.kubelet.fail(head)
         await asyncio.wait_for(worker.exited.wait(), 10)  # the worker rank follows its leader
 
         async def recreated() -> bool:
             pods = {p["metadata"]["name"]: p for p in await env.pods()}
-            head = pods.get("demo-engine-2")
-            return head is not None and head["metadata"]["uid"] != uid
+            found = pods.get(head)
+            return found is not None and found["metadata"]["uid"] != uid
 
         await env.wait_for(recreated, timeout=60, what="the group recreated")
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="1P:3D again")
 
 
-async def test_operator_restarted_mid_switch_converges_for_the_whole_group() -> None:
+async def test_operator_restarted_mid_switch_converges_for_the_whole_group(
+    layout: Layout,
+) -> None:
     slow = TimingModel(switch_seconds=3.0)
-    async with stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
+    async with layout.stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(two_node())
         name = await env.wait_for(lambda: someone_draining(env), timeout=60, what="a drain")
+        worker = layout.worker(name)
         pods = {p["metadata"]["name"]: p for p in await env.pods()}
         intent = json.loads(pods[name]["metadata"]["annotations"][SWITCH_ANNOTATION])
         assert intent["to"] == "prefill"
         # The intent lives on the leader alone; the worker shows the group's role.
-        assert SWITCH_ANNOTATION not in pods[f"{name}-node-1"]["metadata"].get("annotations", {})
+        assert SWITCH_ANNOTATION not in pods[worker]["metadata"].get("annotations", {})
         await env.wait_for(
-            lambda: _role(env, f"{name}-node-1", DRAINING), timeout=10, what="the worker draining"
+            lambda: _role(env, worker, DRAINING), timeout=10, what="the worker draining"
         )
         await env.stop_operator()
         assert await _role(env, name, DRAINING)
         await env.start_operator()
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="convergence after restart")
         reasons = [e.get("reason") for e in await env.events()]
-        assert "GroupRestarted" not in reasons
+        assert not {"GroupRestarted", "RecreateGroup"} & set(reasons)
 
 
 async def _role(env: Stack, name: str, role: str) -> bool:
@@ -206,17 +309,23 @@ async def _role(env: Stack, name: str, role: str) -> bool:
     return pod is not None and pod["metadata"]["labels"].get(ROLE_LABEL) == role
 
 
-async def test_gpu_budget_change_scales_whole_groups() -> None:
-    async with stack() as env:
+async def test_gpu_budget_change_scales_whole_groups(layout: Layout) -> None:
+    async with layout.stack() as env:
         await env.create_cluster(two_node())
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="4 groups at 1P:3D")
         await env.patch_cluster("demo", {"spec": {"gpuBudget": 48}})
 
         async def count(n: int) -> bool:
             found = await groups(env)
-            return len(found) == n and all(len(m) == 2 for m in found.values())
+            whole = len(found) == n and all(len(m) == 2 for m in found.values())
+            # With LWS the operator adds and removes sets, never pods.
+            return whole and (not layout.lws or len(await leader_worker_sets(env)) == n)
 
         await env.wait_for(lambda: count(6), timeout=60, what="6 groups of 2 pods")
         await env.patch_cluster("demo", {"spec": {"gpuBudget": 24}})
         await env.wait_for(lambda: count(3), timeout=60, what="3 groups of 2 pods")
+        assert sorted(await groups(env)) == [layout.leader(i) for i in range(3)]
         assert len(await env.pods()) == 6
+        if layout.lws:
+            assert operator_writes(env, "leaderworkersets") == {"create", "delete"}
+            assert "create" not in operator_writes(env, "pods")

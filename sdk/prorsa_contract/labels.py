@@ -13,7 +13,10 @@ the leader ``<cluster>-engine-<i>`` (node rank 0, SGLang's HTTP server and the a
 the workers ``<cluster>-engine-<i>-node-<r>``. Every pod of a group carries
 ``prorsa.io/group`` (the leader's name), ``prorsa.io/node-rank``, ``prorsa.io/nodes`` and the
 group's role label; only the leader carries the bootstrap and the intent annotations, and
-only leaders are router workers.
+only leaders are router workers. When the cluster serves the LeaderWorkerSet API an instance
+is a LeaderWorkerSet ``<cluster>-engine-<i>``: LWS names the leader ``<cluster>-engine-<i>-0``
+and the workers ``<cluster>-engine-<i>-0-<r>``, and a worker's rank is its
+``leaderworkerset.sigs.k8s.io/worker-index`` label (one template serves every worker).
 """
 
 from __future__ import annotations

@@ -111,6 +111,29 @@ ClusterRole in all-namespaces mode). Each names the code path that needs it.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if include "prorsa.wantsLeaderWorkerSets" . }}
+# Multi-node instances as LeaderWorkerSets, when the operator finds the API at start-up
+# (docs/multinode.md): listed every tick, created per instance, deleted when an instance
+# goes or changes size. The API's discovery (GET /apis) needs no rule: every authenticated
+# user may read it.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["list", "create", "delete"]
+{{- end }}
+{{- end -}}
+
+{{/*
+Whether the operator may manage LeaderWorkerSets: "auto" when the cluster serves
+leaderworkerset.x-k8s.io/v1 (helm install/upgrade; helm template needs --api-versions),
+true always, false never.
+*/}}
+{{- define "prorsa.wantsLeaderWorkerSets" -}}
+{{- $enabled := .Values.rbac.leaderWorkerSets -}}
+{{- if eq (toString $enabled) "true" -}}
+true
+{{- else if and (eq (toString $enabled) "auto") (.Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1") -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/* The webhook's kubernetes.io/tls Secret (webhook.tls): yours, or cert-manager's. */}}

@@ -465,7 +465,10 @@ class StatusGroups(_Status):
     managed_by: str = Field(
         "",
         alias="managedBy",
-        description="Who keeps multi-node groups whole (found at the operator's start-up).",
+        description=(
+            "Who keeps multi-node groups whole: LeaderWorkerSet (the API was found at the "
+            "operator's start-up and nodesPerInstance > 1) or Operator."
+        ),
     )
 
 

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
-from prorsa.k8s import groups
+from prorsa.k8s import groups, lws
 from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.kube import Kube
 from prorsa_contract.agent_api import RoleResult
@@ -224,8 +224,11 @@ class SwitchExecutor:
                 done = outcome("lost", f"engine role unknown: {result.message}", result)
         else:
             # A multi-node group is replaced whole: its other ranks cannot join a new rank 0.
+            # A LeaderWorkerSet's controller recreates the group once its leader goes (the
+            # workers are the leader's dependents); deleting them too would restart the
+            # group it recreates.
             await self.kube.delete_pod(ns, name)
-            if grouped:
+            if grouped and not lws.owned(pod):
                 await groups.delete_workers(self.kube, ns, name)
             done = outcome("replaced", result.message or "engine unhealthy after a failed switch")
         self.history.append(done)

@@ -1,17 +1,19 @@
 """Multi-node engine instances: one instance as a group of pods, kept whole.
 
 An instance of ``engine.nodesPerInstance`` n > 1 nodes is n pods: the leader (node rank 0,
-named like a one-node instance, so the Controller, the executor and the router see one
-engine per instance) runs SGLang's HTTP server and the agent; each worker runs one more
-rank of the same SGLang server, started with ``--nnodes``, ``--node-rank`` and
-``--dist-init-addr`` pointing at the leader's stable name under the engines' headless
-Service. SGLang's rank 0 broadcasts every control request (the role switch included) to
-all ranks, so the operator talks to the leader alone.
+the group's one pod the Controller, the executor and the router see) runs SGLang's HTTP
+server and the agent; each worker runs one more rank of the same SGLang server, started
+with ``--nnodes``, ``--node-rank`` and ``--dist-init-addr`` pointing at the leader's stable
+name under a headless Service. SGLang's rank 0 broadcasts every control request (the role
+switch included) to all ranks, so the operator talks to the leader alone.
 
 A group is all-or-nothing: torch.distributed cannot replace one rank of a live server, so
-a pod that fails or disappears takes its whole group down, and the operator recreates all
-of it. The operator manages the group's pods itself; :func:`discover_manager` says whether
-the LeaderWorkerSet API is installed, which the status reports.
+a pod that fails or disappears takes its whole group down, and all of it is recreated.
+Who does that is decided once, at start-up (:func:`discover_manager`): a cluster that
+serves the LeaderWorkerSet API gets one LeaderWorkerSet per instance (:mod:`prorsa.k8s.lws`),
+whose controller recreates the group; otherwise the operator creates and replaces the pods
+itself. Either way the operator reads the pods the same way, keeps a broken group away from
+the Controller, and switches a group by relabelling its live pods.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.k8s import lws
 from prorsa.k8s.objects import engine_pod
 from prorsa_contract.labels import (
     AGENT_COMMAND,
@@ -41,9 +44,9 @@ from prorsa_contract.labels import (
 
 log = logging.getLogger("prorsa.groups")
 
+# Who keeps multi-node groups whole (status.groups.managedBy).
 OPERATOR_MANAGED = "Operator"
-LWS_AVAILABLE = "Operator (LeaderWorkerSet API found, not used)"
-LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_MANAGED = "LeaderWorkerSet"
 EventPoster = Callable[[str, str, str], Awaitable[None]]
 
 
@@ -110,8 +113,13 @@ def group_pods(
 
 
 def node_rank(pod: dict[str, Any]) -> int:
-    """0 for a leader and for a one-node instance's pod."""
-    value = (pod["metadata"].get("labels") or {}).get(NODE_RANK_LABEL, "0")
+    """0 for a leader and for a one-node instance's pod.
+
+    A LeaderWorkerSet's workers share one template, so their rank is the worker index LWS
+    labels each with.
+    """
+    labels = pod["metadata"].get("labels") or {}
+    value = labels.get(NODE_RANK_LABEL) or labels.get(lws.WORKER_INDEX_LABEL) or "0"
     return int(value) if value.isdigit() else 0
 
 
@@ -173,12 +181,15 @@ async def reconcile_groups(
     hold: set[int] = set()
     restarted: list[str] = []
     for index, members in sorted(groups.items()):
+        # A LeaderWorkerSet's group is recreated by its controller, and removed or resized
+        # with its set (lws.reconcile_sets): its pods are never deleted here.
+        by_lws = any(lws.owned(p) for p in members)
         if index >= instances or index < 0:
             # Scaled down: the workers go here, the leader where one-node pods go.
             for pod in members:
                 if node_rank(pod) == 0:
                     leaders.append(pod)
-                elif not pod["metadata"].get("deletionTimestamp"):
+                elif not pod["metadata"].get("deletionTimestamp") and not by_lws:
                     await kube.delete_pod(namespace, pod["metadata"]["name"])
             continue
         live = [p for p in members if not p["metadata"].get("deletionTimestamp")]
@@ -197,6 +208,8 @@ async def reconcile_groups(
             leaders.append(leader)  # let the switch end before the group is resized
             continue
         hold.add(index)
+        if by_lws:
+            continue  # unavailable until LWS has the whole group up again
         first = (live[0]["metadata"].get("labels") or {}).get(GROUP_LABEL)
         name = leader["metadata"]["name"] if leader else first or live[0]["metadata"]["name"]
         for pod in live:
@@ -265,13 +278,21 @@ async def delete_workers(kube: Any, namespace: str, leader: str) -> None:
 
 
 async def discover_manager(kube: Any) -> str:
-    """Who keeps groups whole, as the status says it (read once, at start-up)."""
+    """Who keeps multi-node groups whole: LWS_MANAGED when the cluster serves the
+    LeaderWorkerSet v1 API, else OPERATOR_MANAGED (read once, at start-up).
+
+    Discovery (``GET /apis``) is a non-resource URL every authenticated user may read
+    (the ``system:discovery`` ClusterRole): it needs no grant of the operator's own.
+    """
     from kubernetes import client
 
     try:
         found = await kube._call(client.ApisApi(kube.api).get_api_versions)
-    except Exception:  # discovery is advisory: never keep the operator from starting
+    except Exception:  # a failed discovery must not keep the operator from starting
         log.warning("API discovery failed; groups are managed by the operator", exc_info=True)
         return OPERATOR_MANAGED
-    names = {g.name for g in found.groups or []}
-    return LWS_AVAILABLE if LWS_GROUP in names else OPERATOR_MANAGED
+    for group in found.groups or []:
+        if group.name == lws.GROUP and any(v.version == lws.VERSION for v in group.versions or []):
+            log.info("LeaderWorkerSet API found: multi-node instances are LeaderWorkerSets")
+            return LWS_MANAGED
+    return OPERATOR_MANAGED

@@ -15,6 +15,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
+from prorsa.k8s.lws import GROUP as LWS_GROUP
+from prorsa.k8s.lws import PLURAL as LWS_PLURAL
+from prorsa.k8s.lws import VERSION as LWS_VERSION
 
 T = TypeVar("T")
 
@@ -22,7 +25,8 @@ MERGE = "application/merge-patch+json"
 
 
 class Kube:
-    """Async facade over ``kubernetes.client`` for pods, services, secrets and the CR."""
+    """Async facade over ``kubernetes.client`` for pods, services, secrets, LeaderWorkerSets
+    and the CR."""
 
     def __init__(self, api: client.ApiClient | None = None) -> None:
         self.api = api or client.ApiClient()
@@ -30,6 +34,9 @@ class Kube:
         self.apps = client.AppsV1Api(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        # LeaderWorkerSets only, on an attribute of their own: the chart's RBAC test finds the
+        # operator's API calls by attribute, and these are granted apart (rbac.yaml).
+        self.lws = client.CustomObjectsApi(self.api)
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -151,6 +158,38 @@ class Kube:
             if exc.status != 404:
                 raise
             await self._call(self.core.create_namespaced_config_map, namespace, body)
+
+    # -- LeaderWorkerSets (prorsa.k8s.lws) --------------------------------------------------------
+
+    async def list_leader_worker_sets(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        found = await self._call(
+            self.lws.list_namespaced_custom_object,
+            LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, label_selector=selector,
+        )  # fmt: skip
+        return list(self._plain(found).get("items") or [])
+
+    async def create_leader_worker_set(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create the set; False when one of that name exists already."""
+        try:
+            await self._call(
+                self.lws.create_namespaced_custom_object,
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, body,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
+
+    async def delete_leader_worker_set(self, namespace: str, name: str) -> None:
+        try:
+            await self._call(
+                self.lws.delete_namespaced_custom_object,
+                LWS_GROUP, LWS_VERSION, namespace, LWS_PLURAL, name,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     # -- the custom resource -----------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any
 from prorsa.clusters import ClusterHandle
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa.k8s import groups
+from prorsa.k8s import groups, lws
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agent_tls import issue_agent_cert
 from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
@@ -93,6 +93,11 @@ class ClusterRuntime:
     _closing: asyncio.Future[None] | None = None
 
     # -- set-up --------------------------------------------------------------------------------
+
+    @property
+    def uses_lws(self) -> bool:
+        """Multi-node instances as LeaderWorkerSets (the API was found at start-up)."""
+        return self.group_manager == groups.LWS_MANAGED and self.spec.engine.nodes_per_instance > 1
 
     @property
     def selector(self) -> str:
@@ -329,7 +334,8 @@ class ClusterRuntime:
         return [Switch(instance=s.instance, from_="decode", to="prefill") for s in todo]
 
     async def _reconcile_pods(self) -> list[dict[str, Any]]:
-        """One engine pod per index 0..n-1; failed ones are replaced, extra ones removed."""
+        """One engine pod (or group) per index 0..n-1; failed ones are replaced, extra ones
+        removed; a multi-node instance is a LeaderWorkerSet when :attr:`uses_lws`."""
         ns = self.namespace
         pods = await self.kube.list_pods(ns, self.selector)
         n = self.spec.instances
@@ -345,6 +351,19 @@ class ClusterRuntime:
             post_event=self.post_event,
         )
         pods, self.engine_pods = view.leaders, view.pods
+        sets: frozenset[int] = frozenset()
+        if self.group_manager == groups.LWS_MANAGED:
+            # Also with one node per instance: the sets of a former nodesPerInstance go.
+            sets = await lws.reconcile_sets(
+                kube=self.kube,
+                namespace=ns,
+                cluster=self.name,
+                selector=self.selector,
+                instances=n,
+                nodes=self.spec.engine.nodes_per_instance,
+                busy=busy,
+                post_event=self.post_event,
+            )
         for pod in pods:
             meta = pod["metadata"]
             try:
@@ -355,7 +374,7 @@ class ClusterRuntime:
             if meta.get("deletionTimestamp"):
                 continue
             if index < 0 or index >= n:
-                if meta["name"] not in busy:
+                if meta["name"] not in busy and not lws.owned(pod):  # sets go with their pods
                     await self.kube.delete_pod(ns, meta["name"])
                     await self.post_event("Normal", "ScaledDown", f"removed {meta['name']}")
                 continue
@@ -371,15 +390,24 @@ class ClusterRuntime:
             # rotation), and trust whatever CA it now holds.
             await self._ensure_agent_tls()
         for index in range(n):
-            if index not in by_index and index not in view.hold:
-                created = []
-                for manifest in groups.group_pods(
-                    cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
-                ):
+            if index in by_index or index in view.hold or index in sets:
+                continue
+            pods_of = groups.group_pods(
+                cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
+            )
+            created = []
+            if self.uses_lws:
+                manifest = lws.leader_worker_set(
+                    cluster=self.name, namespace=ns, index=index, pods=pods_of
+                )
+                if await self.kube.create_leader_worker_set(ns, self._owned(manifest)):
+                    created.append(f"LeaderWorkerSet {manifest['metadata']['name']}")
+            else:
+                for manifest in pods_of:
                     if await self.kube.ensure(self._owned(manifest)):
                         created.append(manifest["metadata"]["name"])
-                if created:
-                    await self.post_event("Normal", "EngineCreated", ", ".join(created))
+            if created:
+                await self.post_event("Normal", "EngineCreated", ", ".join(created))
         return [p for _, p in sorted(by_index.items())]
 
     async def _poll(self, pods: list[dict[str, Any]]) -> dict[str, EngineState]:
@@ -574,7 +602,7 @@ class ClusterRuntime:
             "groups": {
                 "nodesPerInstance": self.spec.engine.nodes_per_instance,
                 "pods": self.engine_pods,
-                "managedBy": self.group_manager,
+                "managedBy": groups.LWS_MANAGED if self.uses_lws else groups.OPERATOR_MANAGED,
             },
         }
         self.last_status = status

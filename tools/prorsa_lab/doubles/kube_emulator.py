@@ -332,6 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a namespace to create at start (repeatable)",
     )
     parser.add_argument(
+        "--leaderworkerset",
+        action="store_true",
+        help="install the LeaderWorkerSet CRD (leaderworkerset.x-k8s.io/v1); the fake LWS "
+        "controller that creates its pods runs with prorsa_lab's stack",
+    )
+    parser.add_argument(
         "--pod-startup-seconds",
         type=float,
         default=None,
@@ -343,6 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         emulator = KubeEmulator(
             namespaces=args.namespace, pod_startup_seconds=args.pod_startup_seconds
         )
+        if args.leaderworkerset:
+            from prorsa_lab.doubles.lws_controller import leader_worker_set_crd
+
+            emulator.add_crd(leader_worker_set_crd())
         server = KubeEmulatorServer(
             emulator, port=args.port, kubeconfig_path=args.kubeconfig, crds=args.crd
         )

@@ -13,10 +13,11 @@ engine at ``<podIP>:<engine port>``. When the pod is deleted its engine and agen
 failed pod can be simulated by :meth:`FakeKubelet.fail`. Used by the operator's end-to-end
 tests and by ``make demo``.
 
-The pods of a multi-node instance (``prorsa.io/node-rank`` >= 1) run the engine double's
-worker mode (:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by
-the group label, they exit (pod phase Failed) when the leader goes, and the leader serves
-only while every rank is there.
+The pods of a multi-node instance of node rank >= 1 (``prorsa.io/node-rank``, or the worker
+index of a LeaderWorkerSet's pod) run the engine double's worker mode
+(:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by the group
+label, they exit (pod phase Failed) when the leader goes, and the leader serves only while
+every rank is there.
 
 A pod runs only if the engine image could run its command: the image's entry point
 ``prorsa-agent`` (with ``--worker`` on a worker rank). The image installs the light
@@ -38,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from prorsa.k8s.groups import node_rank
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import cancel_and_wait
@@ -48,7 +50,6 @@ from prorsa_contract.labels import (
     COMPONENT_LABEL,
     GROUP_LABEL,
     MANAGED_BY,
-    NODE_RANK_LABEL,
     NODES_LABEL,
 )
 from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
@@ -229,7 +230,7 @@ class FakeKubelet:
     async def _start_worker(self, pod: dict[str, Any], group: NodeGroup, ip: str) -> None:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
-        rank = int((meta.get("labels") or {}).get(NODE_RANK_LABEL, "1"))
+        rank = node_rank(pod)
         worker = WorkerRank(instance=name, rank=rank, group=group, on_exit=self._worker_exited)
         await worker.start()
         self.workers[name] = WorkerRuntime(name=name, uid=uid, ip=ip, rank=worker)
@@ -250,7 +251,7 @@ class FakeKubelet:
         meta = pod["metadata"]
         name, uid = meta["name"], meta.get("uid", "")
         group = self._group(pod)
-        worker = group is not None and (meta.get("labels") or {}).get(NODE_RANK_LABEL, "0") != "0"
+        worker = group is not None and node_rank(pod) != 0
         (container,) = pod["spec"]["containers"]
         if not runs_in_the_engine_image(container, worker=worker):
             if uid not in self._unrunnable:

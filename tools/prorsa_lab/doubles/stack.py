@@ -44,6 +44,7 @@ from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
 from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
 from prorsa_lab.doubles.kube_resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
+from prorsa_lab.doubles.lws_controller import FakeLwsController, leader_worker_set_crd
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
 
 NAMESPACE = "rl"
@@ -336,6 +337,7 @@ async def stack(
     run_router: bool = False,
     log_dir: Path | None = None,
     webhook_tls: bool = False,
+    leader_worker_set: bool = False,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
@@ -348,11 +350,15 @@ async def stack(
     ``run_router`` runs a cluster's router Deployment (``router.enabled``) as the real smg
     binary (its log in ``log_dir``) and points the operator's switch executor at it.
     ``webhook_tls`` serves the webhook over HTTPS with a throwaway CA (``env.webhook_ca``).
+    ``leader_worker_set`` installs the LeaderWorkerSet CRD before the operator starts (so its
+    discovery finds the API) and runs a fake LWS controller (:mod:`.lws_controller`).
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
     the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
     server = KubeEmulatorServer(kubeconfig_path=kubeconfig_path)
     server.emulator.add_crd(crd.crd())
+    if leader_worker_set:
+        server.emulator.add_crd(leader_worker_set_crd())
     with server, tempfile.TemporaryDirectory(prefix="prorsa-operator-") as private:
         assert server.kubeconfig_path is not None
         kubeconfig = str(server.kubeconfig_path)
@@ -389,8 +395,9 @@ async def stack(
             kubeconfig=kubeconfig,
             log_dir=log_dir,
         )
+        lws = FakeLwsController(kube=kube, namespace=namespace) if leader_worker_set else None
         try:
-            async with kubelet:
+            async with kubelet, lws or contextlib.nullcontext():
                 env = Stack(
                     kube=kube,
                     server=server,
