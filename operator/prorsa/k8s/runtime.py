@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from prorsa.clusters import ClusterHandle
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
@@ -86,6 +88,7 @@ class ClusterRuntime:
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
+    _last_failure: str | None = None  # the failed tick last reported as an Event
     group_manager: str = groups.OPERATOR_MANAGED
     engine_pods: int = 0
     _loop: asyncio.Task[None] | None = None
@@ -254,7 +257,7 @@ class ClusterRuntime:
                     raise
                 except Exception as exc:  # keep controlling; report
                     log.exception("%s/%s: tick failed", self.namespace, self.name)
-                    self._condition("Degraded", "True", "TickFailed", repr(exc)[:300])
+                    await self._report_failure(exc)
                 period = self.options.tick_seconds or self.spec.forecast.horizon_seconds
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=period)
@@ -490,6 +493,30 @@ class ClusterRuntime:
 
     # -- status ------------------------------------------------------------------------------
 
+    async def _report_failure(self, exc: Exception) -> None:
+        """Put a failed tick where ``kubectl describe`` shows it: the Degraded condition in
+        the status and a Warning Event, once per distinct cause.
+
+        A tick that keeps failing (say the API server refuses a call the chart's RBAC does
+        not grant) never reaches :meth:`_write_status`, so the status is patched here.
+        """
+        reason, message = tick_failure(exc)
+        self._condition("Degraded", "True", reason, message)
+        if message != self._last_failure:
+            self._last_failure = message
+            with contextlib.suppress(Exception):  # the event is best effort
+                await self.post_event("Warning", reason, message)
+        try:
+            conditions = {"conditions": list(self._conditions.values())}
+            await self.kube.patch_status(self.namespace, self.name, conditions)
+        except Exception:
+            log.warning(
+                "%s/%s: could not report the failure in the status",
+                self.namespace,
+                self.name,
+                exc_info=True,
+            )
+
     def _condition(self, kind: str, status: str, reason: str, message: str) -> None:
         old = self._conditions.get(kind)
         changed = old is None or old["status"] != status
@@ -607,6 +634,7 @@ class ClusterRuntime:
         }
         self.last_status = status
         await self.kube.patch_status(ns, name, status)
+        self._last_failure = None  # a cause that comes back is reported again
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -644,3 +672,26 @@ class ClusterRuntime:
             log.warning(
                 "%s/%s: ignoring unreadable learned statistics: %s", self.namespace, self.name, exc
             )
+
+
+def tick_failure(exc: Exception) -> tuple[str, str]:
+    """The Degraded reason and message for a failed tick.
+
+    An API server refusal carries the server's own sentence (which verb on which resource,
+    for whom); a 403 also says how to fix it, since the usual cause is RBAC the chart did
+    not grant, such as LeaderWorkerSets installed after the chart.
+    """
+    if not isinstance(exc, ApiException):
+        return "TickFailed", repr(exc)[:300]
+    detail = exc.reason or ""
+    try:
+        body = json.loads(exc.body or "")
+        detail = str(body.get("message") or detail) if isinstance(body, dict) else detail
+    except ValueError:
+        pass
+    if exc.status == 403:
+        return "Forbidden", (
+            f"the API server refused a call: {detail}. Grant the operator that permission "
+            "(helm upgrade with the chart; rbac.leaderWorkerSets=true for LeaderWorkerSets)"
+        )[:600]
+    return "APIError", f"the API server answered {exc.status}: {detail}"[:600]
