@@ -117,6 +117,23 @@ def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> 
     assert nxt and nxt[0].instance != first  # cooldown keeps the fresh one out
 
 
+def test_a_switch_resumed_after_an_operator_restart_counts_as_its_destination(log) -> None:
+    # A fresh Controller (the operator restarted) finds c-engine-0 mid-switch to prefill,
+    # the only prefill instance to be. Counted as unavailable, prefill would be below its
+    # minimum and a second decode instance would be switched to prefill as well.
+    spec = spec8(maxConcurrent=2)
+    states = engines(0, 4, **{"c-engine-0": {"switching": True}})
+    fresh = Controller(spec)
+    fresh.observe_engines(states)
+    assert [s.to for s in fresh.tick(2.0).switches] == ["prefill"]  # what went wrong
+
+    c = Controller(spec)
+    c.resume_switch("c-engine-0", to="prefill")
+    c.observe_engines(states)
+    d = c.tick(2.0)
+    assert d.switches == () and d.target.prefill == 1, d.reason
+
+
 def test_cooldown_excludes_recently_switched_instances(log) -> None:
     c = Controller(spec8(cooldownSeconds=100))
     queue(log, 60, 10_000, 1.0)

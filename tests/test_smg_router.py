@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 
-from prorsa_contract.labels import DRAINING
+from prorsa_contract.labels import DRAINING, ROLE_LABEL
+from prorsa_lab.doubles.engine_model import EngineCore
+from prorsa_lab.doubles.kube_resources import PODS_KEY
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, worker_types
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 
@@ -107,51 +109,83 @@ async def test_a_request_through_smg_is_prefilled_and_decoded_on_two_engines(
     assert served == {"prefill", "decode"}
 
 
+def core(env: Stack, name: str) -> EngineCore:
+    engine = env.kubelet.pods[name].engine.core
+    assert engine is not None, f"the engine double of {name} is not running"
+    return engine
+
+
+def relabelled_at(env: Stack, name: str, role: str, *, after: float) -> float | None:
+    """When the API server first stored pod ``name`` with role label ``role`` after
+    ``after`` (``time.monotonic``), from its write log: a continuous record, unlike a poll."""
+    for e in env.server.emulator.writes(PODS_KEY):
+        meta = e.obj["metadata"]
+        if meta["name"] == name and e.at > after and meta["labels"].get(ROLE_LABEL) == role:
+            return e.at
+    return None
+
+
 async def test_draining_leaves_smg_before_the_flip_and_returns_with_the_new_type(
     env: Stack,
 ) -> None:
     await env.wait_for(lambda: registered_as_labelled(env), timeout=90, what="smg workers")
     router = smg(env)
     pods = {p["metadata"]["name"]: p["status"]["podIP"] for p in await env.pods()}
-    seen: dict[str, dict[str, float]] = {}  # pod: {moment: seconds}
+    # The operator moves one of these to prefill; a prefill pod it may move back to decode
+    # meanwhile (the demand of the queued prompts changes as they age) is not followed.
+    decode = {n for n, role in (await env.roles()).items() if role == "decode"}
+    t0 = time.monotonic()
+    # What smg lists at the instant each engine flips: asked by the engine itself during its
+    # switch, before its role changes, so a flip while smg still lists the pod as a decode
+    # worker cannot slip between two polls, however slowly a loaded machine runs them.
+    at_flip: dict[str, tuple[float, dict[str, str] | None]] = {}
+    probe_client = httpx.AsyncClient(trust_env=False)
+
+    def probe(name: str) -> Callable[[str], Awaitable[None]]:
+        async def listed_at_flip(new_role: str) -> None:
+            workers = await router.workers(probe_client)
+            types = None if workers is None else worker_types(workers)
+            at_flip.setdefault(name, (time.monotonic(), types))
+
+        return listed_at_flip
+
+    for name in decode:
+        core(env, name).before_flip = probe(name)
+    seen: dict[str, dict[str, float]] = {n: {} for n in decode}  # pod: {moment: seconds}
     served_at: dict[str, list[float]] = {n: [] for n in pods}
     stop = asyncio.Event()
-    t0 = time.monotonic()
 
     async def watch() -> None:
+        """smg's /workers as often as the loop allows: when the pod leaves and returns."""
         async with httpx.AsyncClient(trust_env=False) as client:
             while not stop.is_set():
-                now = time.monotonic() - t0
-                roles = await env.roles()
-                types = worker_types(await router.workers(client) or [])
-                for name, ip in pods.items():
-                    marks = seen.setdefault(name, {})
-                    engine = env.kubelet.pods[name].engine
-                    if roles.get(name) == DRAINING:
-                        marks.setdefault("draining", now)
-                    if "draining" in marks:
-                        if ip not in types:
+                workers = await router.workers(client)
+                now = time.monotonic()
+                if workers is not None:  # no answer says nothing about the list
+                    types = worker_types(workers)
+                    for name in decode:
+                        ip, marks = pods[name], seen[name]
+                        if ip not in types and relabelled_at(env, name, DRAINING, after=t0):
                             marks.setdefault("left_smg", now)
-                        if engine.role == "prefill":
-                            marks.setdefault("flipped", now)
                         if types.get(ip) == "prefill":
                             marks.setdefault("registered_prefill", now)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
 
     async def load() -> None:
         """Small requests through smg all along, to see when the draining pod stops
-        getting new ones."""
+        getting new ones (each one timed when sent: smg routes it after that)."""
         counts = {n: 0 for n in pods}
         async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
             i = 0
             while not stop.is_set():
                 i += 1
                 body = {"model": MODEL, "text": "w " * 50, "sampling_params": {"max_new_tokens": 2}}
+                sent = time.monotonic()
                 await client.post(f"{router.url}/generate", json=body | {"rid": f"load-{i}"})
                 for name in pods:
                     n = env.kubelet.pods[name].engine.counters().requests_received
                     if n > counts[name]:
-                        served_at[name].append(time.monotonic() - t0)
+                        served_at[name].append(sent)
                     counts[name] = n
                 await asyncio.sleep(0.02)
 
@@ -163,32 +197,41 @@ async def test_draining_leaves_smg_before_the_flip_and_returns_with_the_new_type
         ]
         assert (await env.post(events)).status_code == 200
 
-        def switched() -> str | None:
-            done = [n for n, m in seen.items() if {"flipped", "registered_prefill"} <= set(m)]
+        async def switched() -> str | None:
+            done = [n for n in sorted(decode) if n in at_flip and "registered_prefill" in seen[n]]
             return done[0] if done else None
 
-        async def check() -> str | None:
-            return switched()
-
-        name = await env.wait_for(check, timeout=90, what="a decode pod switched to prefill")
+        name = await env.wait_for(switched, timeout=90, what="a decode pod switched to prefill")
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for pod in decode:
+            core(env, pod).before_flip = None
+        await probe_client.aclose()
+    ip = pods[name]
+    draining = relabelled_at(env, name, DRAINING, after=t0)
+    flipped, listed = at_flip[name]
+    assert draining is not None and draining < flipped
+    assert listed is not None, "smg did not answer while the engine flipped"
+    # The heart of it: when the engine flips, smg no longer lists the pod (as a decode worker
+    # or at all), so no request of the old role reaches it afterwards.
+    assert ip not in listed, f"{name} flipped to prefill while smg listed it as {listed[ip]}"
     marks = seen[name]
-    assert marks["draining"] < marks["left_smg"] < marks["flipped"], marks
-    assert marks["flipped"] <= marks["registered_prefill"], marks
+    # The watcher may miss a short absence on a loaded machine; the probe saw one at the flip.
+    left = min(marks.get("left_smg", flipped), flipped)
+    assert draining < left <= flipped <= marks["registered_prefill"], (draining, marks, flipped)
     # New requests the pod got while draining, before its flip made it a prefill worker.
-    during = [t for t in served_at[name] if marks["draining"] <= t < marks["flipped"]]
+    during = [t for t in served_at[name] if draining <= t < flipped]
     last_new = max(during, default=None)
-    stopped_after = None if last_new is None else last_new - marks["draining"]
+    stopped_after = None if last_new is None else last_new - draining
     print(
         f"\nsmg drain of {name}: new requests until {stopped_after} s after the relabel; "
-        f"left /workers {marks['left_smg'] - marks['draining']:.1f} s after it; "
-        f"engine flipped {marks['flipped'] - marks['draining']:.1f} s after it; "
-        f"registered as prefill {marks['registered_prefill'] - marks['flipped']:.1f} s "
+        f"left /workers {left - draining:.1f} s after it; "
+        f"engine flipped {flipped - draining:.1f} s after it; "
+        f"registered as prefill {marks['registered_prefill'] - flipped:.1f} s "
         "after the flip"
     )
     # smg notices a label change within its 1 s coalescing window, then drains for a
     # fixed 5 s: the pod is gone from /workers well before the operator's 30 s timeout.
-    assert 4.0 <= marks["left_smg"] - marks["draining"] < 20.0
+    assert 4.0 <= left - draining < 20.0
     assert stopped_after is None or stopped_after < 3.0

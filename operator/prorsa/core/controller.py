@@ -265,6 +265,15 @@ class Controller:
         if prev is not None and s.prefill_tokens >= prev:  # a smaller one: agent restarted
             self._computed_new += s.prefill_tokens - prev
 
+    def resume_switch(self, instance: str, *, to: Role) -> None:
+        """A switch a previous operator process started (its intent is on the pod) goes on.
+
+        Counted as its destination until it ends, like one this Controller issued: counted
+        as unavailable instead, it would leave a role short (below its minimum when the
+        switch restores one) and start a second switch toward the same split.
+        """
+        self._issued[instance] = to
+
     def record_switch(self, instance: str, *, at: float) -> None:
         """The executor finished (or gave up on) a switch: start the instance's cooldown."""
         self._issued.pop(instance, None)

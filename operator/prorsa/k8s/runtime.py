@@ -44,6 +44,7 @@ from prorsa_contract.labels import (
     SWITCH_ANNOTATION,
     agent_secret_name,
     agent_tls_secret_name,
+    parse_intent,
 )
 
 log = logging.getLogger("prorsa.runtime")
@@ -167,7 +168,14 @@ class ClusterRuntime:
         await self._restore_learned()
         for pod in await self.kube.list_pods(ns, self.selector):
             if self.executor.resume(pod):
-                log.info("%s/%s: resuming the switch of %s", ns, name, pod["metadata"]["name"])
+                pod_name = pod["metadata"]["name"]
+                log.info("%s/%s: resuming the switch of %s", ns, name, pod_name)
+                annotations = pod["metadata"].get("annotations") or {}
+                intent = parse_intent(annotations.get(SWITCH_ANNOTATION))
+                if intent is not None:
+                    to = "prefill" if intent["to"] == "prefill" else "decode"
+                    async with self.handle.exclusive() as controller:
+                        controller.resume_switch(pod_name, to=to)
 
     async def _ensure_agent_tls(self) -> None:
         """The agents' certificate Secret: issued once, then only its CA is read back.

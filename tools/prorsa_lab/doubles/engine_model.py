@@ -664,6 +664,10 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.rooms = KvRooms()  # prefill side of the KV hand-off, by bootstrap room
         self.fetch_kv: KvFetch | None = None  # decode side; None: the KV just arrives
+        # A test's probe of what the rest of the system sees at the instant this engine
+        # changes role (does the router still list it?): awaited with the new role once the
+        # switch is under way, before the mode changes, so nothing it checks can be missed.
+        self.before_flip: Callable[[str], Awaitable[None]] | None = None
         self.switching = False
         self.unhealthy = False  # SGLang's _pd_role_switch_unhealthy: restart required
         self.broken = False  # generation stopped (injected unhealthy_after_switch)
@@ -933,6 +937,8 @@ class EngineCore:
             await hang
         self.switching = True
         try:
+            if self.before_flip is not None:
+                await self.before_flip(new)
             await asyncio.sleep(self.config.timing.switch_seconds)
             if faults.switch_failure == "unsafe" and faults.switch_failure_count > 0:
                 faults.switch_failure_count -= 1

@@ -17,6 +17,7 @@ import datetime
 import itertools
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -52,6 +53,8 @@ class WatchEvent:
     type: Literal["ADDED", "MODIFIED", "DELETED"]
     obj: dict[str, Any]
     old: dict[str, Any] | None = None
+    at: float = field(default_factory=time.monotonic)
+    """When it was written (``time.monotonic``): tests time a label against other clocks."""
     _lines: dict[str, bytes] = field(default_factory=dict)
 
     def line(self, kind: str) -> bytes:
