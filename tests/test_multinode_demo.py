@@ -12,7 +12,7 @@ def test_demo_on_two_node_instances_moves_both_ways_and_loses_nothing(tmp_path: 
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "prorsa.cli", "demo", "--nodes-per-instance", "2",
-         "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
+         "--duration", "90", "--phase-seconds", "30", "--instances", "4", "--no-live",
          "--out", str(out)],
         capture_output=True,
         text=True,

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.metadata
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent thread ends
 
 log = logging.getLogger("prorsa.kubelet.smg")
 
@@ -91,6 +95,18 @@ def local_args(
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, have the kernel kill smg when the thread that
+    started it ends, so a demo or test killed outright (SIGKILL, a timeout) leaves no router
+    holding its ports. Its own session keeps it clear of the terminal's Ctrl-C, which the
+    demo handles to stop it in order."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 @dataclass(kw_only=True)
 class SmgRouter:
     """One smg process; ``url`` is where it listens."""
@@ -127,6 +143,7 @@ class SmgRouter:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.info("smg started (pid %d) on %s", self.process.pid, self.url)
 
