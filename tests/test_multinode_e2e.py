@@ -137,6 +137,14 @@ async def someone_draining(env: Stack) -> str | None:
     return None
 
 
+def in_step(leader: list[str], worker: list[str]) -> bool:
+    """The two pods' role labels went through the same values in the same order. A group's
+    pods are relabelled by one API call each, so a snapshot may catch the next change on one
+    pod before the other: one history may run one label ahead of the other."""
+    short, long = sorted((leader, worker), key=len)
+    return long[: len(short)] == short and len(long) - len(short) <= 1
+
+
 async def test_two_node_instances_come_up_and_follow_demand_both_ways(layout: Layout) -> None:
     async with layout.stack() as env:
         await env.create_cluster(two_node())
@@ -197,7 +205,7 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways(layout: La
         flipped = [n for n, h in history.items() if DRAINING in h and n in found]
         assert flipped, history
         for name in flipped:  # the worker hopped through draining with its leader
-            assert history[layout.worker(name)] == history[name], history
+            assert in_step(history[name], history[layout.worker(name)]), history
 
         roles = {
             p["metadata"]["name"]: p["metadata"]["labels"][ROLE_LABEL] for p in await env.pods()
