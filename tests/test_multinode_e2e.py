@@ -274,6 +274,12 @@ async def test_a_dead_leader_takes_its_workers_and_the_group_is_recreated(layout
         await env.create_cluster(two_node())
         await env.wait_for(lambda: split(env, 1, 3), timeout=60, what="1P:3D")
         head = layout.leader(2)
+
+        # The leaders' labels can settle before the kubelet has started every worker rank.
+        async def worker_running() -> bool:
+            return layout.worker(head) in env.kubelet.workers
+
+        await env.wait_for(worker_running, what=f"the worker rank of {head} running")
         worker = env.kubelet.workers[layout.worker(head)].rank
         uid = next(p["metadata"]["uid"] for p in await env.pods() if p["metadata"]["name"] == head)
         await env.kubelet.fail(head)
