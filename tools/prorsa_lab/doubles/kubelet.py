@@ -39,6 +39,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from prorsa.k8s.groups import node_rank
 from prorsa.k8s.kube import Kube
 from prorsa_agent.config import Timeouts
@@ -305,13 +307,19 @@ class FakeKubelet:
 
     async def _write_status(self, name: str, status: dict[str, Any]) -> None:
         """Replace the whole status, as a kubelet's status manager does: a merge patch would
-        keep the list entries of an earlier status."""
-        await self.kube._call(
-            self.kube.core.patch_namespaced_pod_status,
-            name,
-            self.namespace,
-            [{"op": "replace", "path": "/status", "value": status}],
-        )
+        keep the list entries of an earlier status. A pod deleted meanwhile (a group's keeper
+        recreating it as the engine died) has no status left to write."""
+        try:
+            await self.kube._call(
+                self.kube.core.patch_namespaced_pod_status,
+                name,
+                self.namespace,
+                [{"op": "replace", "path": "/status", "value": status}],
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            log.info("pod %s is gone: its status is not written", name)
 
     async def _mounted(self, pod: dict[str, Any], variable: str) -> str | None:
         """What the file that env ``variable`` names holds in the pod, as a kubelet would
