@@ -13,6 +13,7 @@ same drain, switch time and cache flush). The schedules read the simulator's clo
 trainer's version directly: an upper bound for such schedules, not a policy.
 
     python scripts/schedule_bound.py deepseek-v3 coding 8 --at 300,1000,2000,3000
+    python scripts/schedule_bound.py qwen3-tp8 coding 8 --at '' --splits 3,4,5
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", default="300,1000,2000", help="two-phase switch times, seconds")
     ap.add_argument("--steps", type=int, default=3, help="training steps (the benchmark's 3)")
     ap.add_argument("--groups", type=int, default=None, help="groups per step (task default)")
+    ap.add_argument(
+        "--splits",
+        default="",
+        help="prefill instances to start schedules from, e.g. 3,4,5, moving at most 3 "
+        "(default: every split, every move)",
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     scenario = Scenario(
@@ -109,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         groups_per_step=args.groups,
     )
     n = scenario.instances
+    firsts = [int(x) for x in args.splits.split(",") if x] or list(range(1, n))
     plans = [Plan(k, k) for k in range(1, n)]
     for t in (float(x) for x in args.at.split(",") if x):
-        plans += [Plan(x, y, at=t) for x in range(1, n) for y in range(1, n) if 0 < abs(x - y) <= 3]
+        plans += [Plan(x, y, at=t) for x in firsts for y in range(1, n) if 0 < abs(x - y) <= 3]
     plans += [
         Plan(x, y, burst=d)
-        for x in range(1, n)
-        for y in range(x + 1, n)
+        for x in firsts
+        for y in range(x + 1, min(x + 4, n) if args.splits else n)
         for d in (30, 60, 100, 150)
     ]
     results: list[tuple[Plan, float]] = []

@@ -222,3 +222,47 @@ def test_weight_update_events_can_be_turned_off_for_the_benchmark() -> None:
     ctl = Controller(off_sim.spec)
     ctl.observe(off)
     assert ctl.table.cache_flushes == 1 and ctl.table.weight_update.version is None
+
+
+def test_a_weight_update_that_takes_time_pauses_the_engines_and_is_announced() -> None:
+    sim, events = run(task="math", staleness=2, steps=3, weight_update_seconds=12.0)
+    started = [e for e in events if isinstance(e, ev.WeightUpdateStarted)]
+    finished = [e for e in events if isinstance(e, ev.WeightUpdateFinished)]
+    assert [e.expected_seconds for e in started] == [12.0, 12.0]
+    assert [f.ts - s.ts for s, f in zip(started, finished, strict=True)] == [12.0, 12.0]
+    for s, f in zip(started, finished, strict=True):
+        # The paused client sends nothing: no prefill starts while the weights load...
+        during = [e for e in events if isinstance(e, ev.PrefillStarted) and s.ts < e.ts < f.ts]
+        assert during == []
+        # ...and what it held (the interrupted generations among them) starts right after.
+        assert any(isinstance(e, ev.PrefillStarted) and e.ts == f.ts for e in events)
+    ctl = Controller(sim.spec)
+    assert ctl.observe(events).anomalies == 0
+    assert ctl.table.cache_flushes == 2
+
+
+def test_the_prorsa_policy_decides_when_a_weight_update_starts() -> None:
+    from prorsa_lab.sim.policies import Prorsa
+
+    sc = Scenario(
+        model="qwen3-tp8",
+        task="math",
+        staleness=2,
+        steps=2,
+        groups_per_step=1,
+        weight_update_seconds=12.0,
+    )
+    policy = Prorsa()
+    sim = Simulation(sc, policy, emit_events=True)
+    decided: list[float] = []
+    tick = policy.tick
+
+    def recording(now: float, **kw: Any) -> None:
+        decided.append(now)
+        tick(now, **kw)
+
+    policy.tick = recording  # type: ignore[method-assign]
+    sim.run()
+    (update,) = sim.trainer.stats.steps[:-1]
+    # Not only every horizon: the update's own start, its lead time for switching.
+    assert update in decided and update % sc.horizon != 0

@@ -155,6 +155,9 @@ class ClusterHandle:
         self.anomalies = 0
         self.snapshots = 0
         self.created = time.time()
+        # Called when a batch announces a weight update: the operator ticks at once, since
+        # the update's duration is the lead time a switch toward prefill can use.
+        self.on_weight_update: Callable[[], None] | None = None
 
     # -- identity and auth ---------------------------------------------------------------
 
@@ -223,6 +226,10 @@ class ClusterHandle:
             )
             applied, anomalies = result.applied, result.anomalies
             duplicates += result.duplicates
+            if self.on_weight_update is not None and any(
+                e.type == "weight_update_started" for e in fresh
+            ):
+                self.on_weight_update()
         self.batches += 1
         self.applied += applied
         self.duplicates += duplicates

@@ -96,6 +96,9 @@ class ClusterRuntime:
     _shutdown: asyncio.Future[None] | None = None
     _closing: asyncio.Future[None] | None = None
 
+    def __post_init__(self) -> None:
+        self.handle.on_weight_update = self.wake
+
     # -- set-up --------------------------------------------------------------------------------
 
     @property
@@ -253,7 +256,8 @@ class ClusterRuntime:
         await self.shutdown()
 
     def wake(self) -> None:
-        """Tick now instead of at the end of the period (a pod failed or was deleted)."""
+        """Tick now instead of at the end of the period (a pod failed or was deleted, or
+        the trainer announced a weight update)."""
         self._wake.set()
 
     async def run(self) -> None:

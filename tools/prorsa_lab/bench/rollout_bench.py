@@ -75,6 +75,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "them from a burst of aborts)",
     )
     parser.add_argument(
+        "--weight-update-seconds",
+        help="how long each weight update stops the engines: seconds (default 0, "
+        "instantaneous), or 'measured' for checkpoint-engine's published broadcast time "
+        "for the model (7.2 s Qwen3-235B, 13.7 s DeepSeek-V3)",
+    )
+    parser.add_argument(
         "--prefill-events",
         choices=PREFILL_EVENTS,
         help="the prefill events the simulated trainer sends: full (default), first-token "
@@ -109,6 +115,8 @@ def _config(args: argparse.Namespace) -> Any:
         kw["hicache_ratio"] = args.hicache_ratio
     if args.no_weight_update_events:
         kw["weight_update_events"] = False
+    if args.weight_update_seconds is not None:
+        kw["weight_update_seconds"] = _update_seconds(args.weight_update_seconds)
     if args.prefill_events:
         kw["prefill_events"] = args.prefill_events
     if args.smoothing is not None:
@@ -120,6 +128,20 @@ def _config(args: argparse.Namespace) -> Any:
     for t in cfg.tasks:
         get_task(t)
     return cfg
+
+
+def _update_seconds(value: str) -> float | None:
+    if value == "measured":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"--weight-update-seconds must be 'measured' or seconds >= 0, got {value!r}"
+        )
+    return seconds
 
 
 def _deployment(model: str) -> str:

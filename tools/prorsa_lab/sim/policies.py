@@ -223,8 +223,12 @@ class Prorsa(_Planned):
         self.anomalies = 0
         self.tick_seconds = 0.0
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
+        if sim.trainer.weight_update_events:
+            # The operator ticks when the event comes in (the runtime is woken), not at the
+            # end of its period: the update is the lead time a switch can use.
+            sim.trainer.on_update_started.append(lambda now: self.tick(now, scheduled=False))
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, *, scheduled: bool = True) -> None:
         sim = self.sim
         c = self.controller
         t0 = time.perf_counter()
@@ -234,11 +238,12 @@ class Prorsa(_Planned):
         decision = c.tick(now)
         self.tick_seconds += time.perf_counter() - t0
         self.decisions += 1
-        sim.record_prediction(
-            now,
-            prefill=decision.forecast.prefill_tokens,
-            decode=decision.forecast.decode_admission_tokens,
-        )
+        if scheduled:  # one prediction per horizon window, as the WAPE is scored
+            sim.record_prediction(
+                now,
+                prefill=decision.forecast.prefill_tokens,
+                decode=decision.forecast.decode_admission_tokens,
+            )
         for sw in decision.switches:
             self._execute(sim, sw.instance, sw.to)
 

@@ -39,6 +39,7 @@ class GridConfig:
     scale: float = 1.0  # multiplies every task's groups per step (at least one group)
     hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
     weight_update_events: bool = True  # the trainer announces weight updates
+    weight_update_seconds: float | None = 0.0  # Scenario.weight_update_seconds
     prefill_events: str = "full"  # the prefill events it sends (sim_trainer.PREFILL_EVENTS)
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1
@@ -63,6 +64,7 @@ class GridConfig:
                             groups_per_step=groups,
                             hicache_ratio=self.hicache_ratio,
                             weight_update_events=self.weight_update_events,
+                            weight_update_seconds=self.weight_update_seconds,
                             prefill_events=self.prefill_events,  # type: ignore[arg-type]
                             smoothing=self.smoothing,
                         )
@@ -107,6 +109,7 @@ def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
         "task": sc.task,
         "staleness": sc.staleness,
         "policy": result.policy,
+        "weightUpdateSeconds": sc.update_seconds(),
         "makespan": result.makespan,
         "idleRatio": result.idle_ratio,
         "switches": result.switches,

@@ -117,6 +117,7 @@ class Trainer:
         emit: bool = False,
         weight_update_events: bool = True,
         prefill_events: PrefillEvents = "full",
+        weight_update_seconds: float = 0.0,
     ) -> None:
         if prefill_events not in PREFILL_EVENTS:
             raise ValueError(f"unknown prefill events {prefill_events!r}: one of {PREFILL_EVENTS}")
@@ -141,6 +142,15 @@ class Trainer:
         self.emit_events = emit
         self.weight_update_events = weight_update_events
         self.prefill_events = prefill_events
+        if weight_update_seconds < 0:
+            raise ValueError("weight_update_seconds must be >= 0")
+        self.weight_update_seconds = weight_update_seconds
+        # Requests sent while the engines load new weights: the client is paused and sends
+        # them when the update ends (AReaL's pause()/resume(); None when not paused).
+        self._held: list[Request] | None = None
+        # Called with the time when a weight update starts (the Prorsa policy ticks then,
+        # as the operator wakes on the event).
+        self.on_update_started: list[Any] = []
         self.outbox: list[ev.Event] = []
         self.version = 0
         self.live: dict[str, Trajectory] = {}
@@ -300,7 +310,10 @@ class Trainer:
             turn=t.turn,
             request=req.rid,
         )
-        self.cluster.submit(req)
+        if self._held is not None:
+            self._held.append(req)
+        else:
+            self.cluster.submit(req)
 
     def on_prefill_started(self, req: Request, instance: str, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
@@ -453,14 +466,21 @@ class Trainer:
             stale = [t for t in self.live.values() if t.version < self.version - self.staleness]
             for t in stale:
                 self._drop(t, "staleness")
-        self._announce(ev.WeightUpdateStarted, type="weight_update_started", version=self.version)
-        self.cluster.new_weights()
+        fields: dict[str, Any] = {}
+        if self.weight_update_seconds > 0:
+            fields["expected_seconds"] = self.weight_update_seconds
+            self._held = []
         self._announce(
-            ev.WeightUpdateFinished,
-            type="weight_update_finished",
-            version=self.version,
-            reprefill_trajectories=sum(t.state in _REPREFILL for t in self.live.values()),
+            ev.WeightUpdateStarted, type="weight_update_started", version=self.version, **fields
         )
+        reprefill = sum(t.state in _REPREFILL for t in self.live.values())
+        self.cluster.new_weights()
+        if self._held is not None:
+            for hook in self.on_update_started:
+                hook(now)
+            self.loop.after(self.weight_update_seconds, self._resume, reprefill)
+        else:
+            self._announce_finished(reprefill)
         if self.on_policy:
             self._dispatch_step()
         elif self.injection == "groupReplenish":
@@ -468,6 +488,22 @@ class Trainer:
             self._top_up()
         else:
             self._top_up()
+
+    def _resume(self, reprefill: int) -> None:
+        """The update is over: the paused client sends what it held, in order."""
+        held, self._held = self._held or [], None
+        self._announce_finished(reprefill)
+        for req in held:
+            if not req.owner.finished and req.owner.req is req:  # type: ignore[attr-defined]
+                self.cluster.submit(req)
+
+    def _announce_finished(self, reprefill: int) -> None:
+        self._announce(
+            ev.WeightUpdateFinished,
+            type="weight_update_finished",
+            version=self.version,
+            reprefill_trajectories=reprefill,
+        )
 
     # -- events ------------------------------------------------------------------------------
 

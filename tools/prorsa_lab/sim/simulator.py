@@ -32,6 +32,11 @@ from prorsa_lab.sim.workloads import TaskProfile, get_task
 # Mean trajectory duration used only to size fixed-rate injection (Little's law), paper §5.4:
 # coding 846 s, general agent 216 s; math from this simulator's own profile (~10k tokens).
 FIXED_RATE_LIFETIME = {"coding": 846.0, "general": 216.0, "math": 400.0}
+# Seconds a weight update stops the engines, by model family: checkpoint-engine 0.1.3's
+# broadcast benchmark (its README: metadata gather plus broadcast update), Qwen3-235B-A22B
+# BF16 on 8xH800 at TP8 0.46 + 6.75 s, DeepSeek-V3.1 FP8 on 16xH20 at TP16 1.44 + 12.22 s.
+# The fastest published path, so a lower bound on the lead time a real trainer gives.
+WEIGHT_UPDATE_SECONDS = {"qwen3": 0.46 + 6.75, "deepseek": 1.44 + 12.22}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +65,18 @@ class Scenario:
     # Which prefill events the trainer sends (sim_trainer.PREFILL_EVENTS): ``full``, what a
     # streaming client behind a PD router sees (``first-token``) or a blocking one (``none``).
     prefill_events: PrefillEvents = "full"
+    # How long the engines stop for each weight update (the trainer holds its requests
+    # meanwhile, as AReaL's pause()/resume() does). 0: instantaneous, as in the benchmark
+    # tables; None: the broadcast time checkpoint-engine measured for the model
+    # (WEIGHT_UPDATE_SECONDS).
+    weight_update_seconds: float | None = 0.0
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
+
+    def update_seconds(self) -> float:
+        """The weight update's duration in seconds (see ``weight_update_seconds``)."""
+        if self.weight_update_seconds is not None:
+            return self.weight_update_seconds
+        return WEIGHT_UPDATE_SECONDS["deepseek" if "deepseek" in self.model else "qwen3"]
 
     @property
     def label(self) -> str:
@@ -204,6 +220,7 @@ class Simulation:
             emit=emit_events,
             weight_update_events=scenario.weight_update_events,
             prefill_events=scenario.prefill_events,
+            weight_update_seconds=scenario.update_seconds(),
         )
 
     def record_prediction(self, now: float, *, prefill: float, decode: float) -> None:
