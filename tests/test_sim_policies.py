@@ -262,3 +262,27 @@ def test_wape_is_measured_against_ground_truth_windows() -> None:
 def test_a_run_that_cannot_finish_is_reported_as_such() -> None:
     result = simulate(scenario(task="coding", time_limit=60.0), Static(1))
     assert math.isinf(result.makespan)
+
+
+def test_prompts_a_paused_trainer_holds_are_prefill_demand_still_to_be_routed() -> None:
+    # During a weight update that takes time the trainer holds the interrupted generations
+    # until it ends: the measured demand of a window counts them as queued, and the oracle
+    # reports them as work the router will send wherever prefill capacity is then.
+    sim = Simulation(scenario(task="math", weight_update_seconds=12.0), Oracle())
+    seen: list[tuple[float, float, float]] = []
+
+    def mid_update(now: float) -> None:
+        def look() -> None:
+            held = sum(r.prompt for r in sim.trainer.held)
+            sim.record_prediction(now + 1.0, prefill=0.0, decode=0.0)
+            *_, (_queued, waiting), _d = sim.policy.demand(now + 1.0)  # type: ignore[attr-defined]
+            seen.append((held, sim.predictions[-1].backlog, waiting))
+
+        sim.loop.after(1.0, look)
+
+    sim.trainer.on_update_started.append(mid_update)
+    sim.run()
+    (held, backlog, waiting), *_ = seen
+    assert held > 0 and backlog >= held
+    lone = sim.profile.prefill_seconds(sim.profile.chunk, 0) / sim.profile.chunk
+    assert waiting >= held * lone / sim.profile.ranks * 0.99

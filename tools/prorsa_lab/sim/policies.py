@@ -324,7 +324,9 @@ class Oracle(Prorsa):
                     left = req.prompt - req.done
                     work.append((now, req.prompt, left * per_token(req.done)))
                     queued += work[-1][2]
-        for req in cl.pending_prefill:
+        # Not routed yet: the router's queue, and what a paused trainer holds during a
+        # weight update (sent when it ends, wherever prefill capacity is then).
+        for req in (*cl.pending_prefill, *sim.trainer.held):
             work.append((now, req.prompt, req.prompt * per_token(0)))
         cached: dict[str, int] = {}
         for inst in cl.instances:

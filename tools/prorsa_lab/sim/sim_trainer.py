@@ -489,6 +489,11 @@ class Trainer:
         else:
             self._top_up()
 
+    @property
+    def held(self) -> tuple[Request, ...]:
+        """Requests the paused client holds until the weight update ends."""
+        return tuple(self._held or ())
+
     def _resume(self, reprefill: int) -> None:
         """The update is over: the paused client sends what it held, in order."""
         held, self._held = self._held or [], None

@@ -230,7 +230,8 @@ class Simulation:
                 at=now,
                 prefill=prefill,
                 decode=decode,
-                backlog=self.cluster.backlog_tokens,
+                # Prompts a paused trainer holds during a weight update are queued too.
+                backlog=self.cluster.backlog_tokens + sum(r.prompt for r in self.trainer.held),
                 arrivals_before=len(stats.arrivals),
                 admissions_before=len(stats.admissions),
             )
