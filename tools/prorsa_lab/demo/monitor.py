@@ -105,6 +105,9 @@ class Monitor:
     switches: dict[tuple[str, str], SwitchRecord] = field(default_factory=dict)
     pods: list[PodState] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
+    # (wall clock, status.accuracy) at every poll: the WAPE of the rollout is the one read
+    # when dispatching stopped, not after the drain the scored windows then slide over.
+    accuracy: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     metrics: Metrics = field(default_factory=dict)
     event_rate: float = 0.0  # webhook events per second over the last interval
     errors: int = 0
@@ -178,6 +181,8 @@ class Monitor:
         reply.raise_for_status()
         self.status = reply.json().get("status") or {}
         now = self.clock()
+        if self.status.get("accuracy"):
+            self.accuracy.append((now, self.status["accuracy"]))
         for entry in self.status.get("switchHistory") or []:
             key = (str(entry.get("pod")), str(entry.get("started")))
             if key not in self.switches:
@@ -219,6 +224,13 @@ class Monitor:
             )
 
         self.pods = list(await asyncio.gather(*(one(v) for v in views)))
+
+    def accuracy_at(self, t: float) -> dict[str, Any]:
+        """``status.accuracy`` as last read at or before wall time ``t`` (else the latest)."""
+        before = [acc for at, acc in self.accuracy if at <= t]
+        if before:
+            return before[-1]
+        return self.status.get("accuracy") or {}
 
     def demand(self) -> tuple[float, float] | None:
         a = metric_sum(self.metrics, "prorsa_demand_instances", role="prefill")

@@ -560,7 +560,8 @@ def _summarise(
     finish_seconds: float,
     emitter: Any,
 ) -> DemoSummary:
-    accuracy = monitor.status.get("accuracy") or {}
+    # Scored over the last horizons of the rollout itself: read when dispatching stopped.
+    accuracy = monitor.accuracy_at(trainer_t0 + seconds)
     results = {k: int(v) for k, v in monitor.switch_counts().items()}
     anomalies = {
         labels["kind"]: int(value)

@@ -111,7 +111,7 @@ def plot_timeline(
     ax_p.plot(xs, measured, color="black", lw=1.6, label="measured (backlog + arrivals)")
     ax_p.plot(xs, predicted, color=PREFILL_COLOUR, lw=1.4, ls="--", label="forecast W_P")
     ax_p.set_ylabel(f"prefill demand\n(k tokens / {horizon:g} s)")
-    wape = (monitor.status.get("accuracy") or {}).get("prefillWape")
+    wape = monitor.accuracy_at(t0 + stopped).get("prefillWape")
     ax_p.set_title(
         "prefill demand over the horizon"
         + (f" — Controller WAPE {wape:.2f}" if wape is not None else ""),
