@@ -218,6 +218,14 @@ def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -
     assert by_model["deepseek-v3-tp16"] == pytest.approx(13.66)
     fixed = rollout._config(parser.parse_args(["--weight-update-seconds", "20"]))
     assert {sc.update_seconds() for sc in fixed.scenarios()} == {20.0}
+    # The router's part of a switch: none unless asked, smg's measured delays if so.
+    assert {(sc.router_drain_seconds, sc.router_register_seconds) for sc in cfg.scenarios()} == {
+        (0.0, 0.0)
+    }
+    smg = rollout._config(parser.parse_args(["--router-delays", "smg"]))
+    assert {(sc.router_drain_seconds, sc.router_register_seconds) for sc in smg.scenarios()} == {
+        (6.0, 2.0)
+    }
     for bad in ("-1", "soon"):
         assert main(["bench", "rollout", "--weight-update-seconds", bad, "--workers", "1"]) == 2
         assert "--weight-update-seconds must be 'measured' or seconds >= 0" in (

@@ -192,6 +192,33 @@ def test_switch_drains_aborts_after_timeout_then_flips() -> None:
     assert [row[1:] for row in cluster.timeline] == [(1, 2, 0), (1, 1, 1), (2, 1, 0)]
 
 
+def test_the_router_sets_the_pace_of_a_switch_of_an_idle_instance() -> None:
+    # smg drops a relabelled worker only after its fixed drain, and lists it with its new
+    # role a little after the flip: an idle instance still takes 6 + 5 + 2 s to serve.
+    loop, cluster, rec = make(
+        [PREFILL, DECODE, DECODE],
+        switch_seconds=5.0,
+        router_drain_seconds=6.0,
+        router_register_seconds=2.0,
+    )
+    run_until(loop, 1, cluster)
+    idle = cluster.instances[2]
+    finished: list[tuple[bool, float]] = []
+    assert cluster.start_switch(
+        idle.name, PREFILL, on_done=lambda ok, at: finished.append((ok, at))
+    )
+    run_until(loop, 11.5, cluster)
+    assert idle.role == DECODE and not finished  # idle at once, but flips at 1 + 6 + 5 s
+    run_until(loop, 12.5, cluster)
+    assert idle.role == PREFILL and finished == [(True, pytest.approx(12.0))]
+    prefill_nreq = cluster.instances[0].nreq
+    cluster.submit(req("before", 30_000, 5))  # routed while smg does not list it yet
+    assert idle.nreq == 0 and cluster.instances[0].nreq == prefill_nreq + 1
+    run_until(loop, 14.5, cluster)
+    cluster.submit(req("after", 30_000, 5))
+    assert idle.nreq == 1  # listed again 2 s after the flip: it takes the next prompt
+
+
 def test_draining_prefill_instance_hands_its_queue_to_the_others() -> None:
     loop, cluster, rec = make([PREFILL, PREFILL, DECODE])
     for i in range(12):

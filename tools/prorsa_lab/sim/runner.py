@@ -40,6 +40,7 @@ class GridConfig:
     hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
     weight_update_events: bool = True  # the trainer announces weight updates
     weight_update_seconds: float | None = 0.0  # Scenario.weight_update_seconds
+    router_seconds: tuple[float, float] = (0.0, 0.0)  # Scenario.router_drain/register_seconds
     prefill_events: str = "full"  # the prefill events it sends (sim_trainer.PREFILL_EVENTS)
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1
@@ -65,6 +66,8 @@ class GridConfig:
                             hicache_ratio=self.hicache_ratio,
                             weight_update_events=self.weight_update_events,
                             weight_update_seconds=self.weight_update_seconds,
+                            router_drain_seconds=self.router_seconds[0],
+                            router_register_seconds=self.router_seconds[1],
                             prefill_events=self.prefill_events,  # type: ignore[arg-type]
                             smoothing=self.smoothing,
                         )
@@ -110,6 +113,7 @@ def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
         "staleness": sc.staleness,
         "policy": result.policy,
         "weightUpdateSeconds": sc.update_seconds(),
+        "routerSeconds": [sc.router_drain_seconds, sc.router_register_seconds],
         "makespan": result.makespan,
         "idleRatio": result.idle_ratio,
         "switches": result.switches,

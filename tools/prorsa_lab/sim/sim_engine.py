@@ -586,19 +586,32 @@ class Instance:
         if any(r.pq or r.n_run or r.wait for r in self.ranks) or self.transfers_in:
             return
         job.phase = "switching"
-        self.cluster.loop.after(self.cluster.switch_seconds, self._flip)
+        cl = self.cluster
+        # The engine flips once the router has dropped it (smg's fixed drain after the
+        # relabel) and it is idle, whichever comes last.
+        start = max(now, job.started + cl.router_drain_seconds)
+        cl.loop.at(start + cl.switch_seconds, self._flip)
 
     def _flip(self) -> None:
         job = self.switch
         assert job is not None
-        now = self.cluster.loop.now
+        cl = self.cluster
+        now = cl.loop.now
         self.role = job.to
         for r in self.ranks:
             # SGLang 0.5.23's flip resets the radix tree and the HiCache host pool.
             _clear_caches(r)
         self.switch = None
-        self.accepting = True
-        self.cluster.on_switched(self, job, now)
+        # The router lists it with its new role a little later (smg's discovery).
+        self.accepting = cl.router_register_seconds <= 0
+        cl.on_switched(self, job, now)
+        if not self.accepting:
+            cl.loop.after(cl.router_register_seconds, self._routable)
+
+    def _routable(self) -> None:
+        if self.switch is None and not self.accepting:
+            self.accepting = True
+            self.cluster.on_routable(self)
 
 
 def _clear_caches(r: Rank) -> None:
@@ -622,12 +635,16 @@ class Cluster:
         switch_seconds: float = 5.0,
         drain_timeout: float = 30.0,
         hicache_ratio: float = 0.0,
+        router_drain_seconds: float = 0.0,
+        router_register_seconds: float = 0.0,
         prefix: str = "sim",
     ) -> None:
         self.loop = loop
         self.profile = profile
         self.listener: Listener = listener if listener is not None else _Detached()
         self.switch_seconds = switch_seconds
+        self.router_drain_seconds = router_drain_seconds
+        self.router_register_seconds = router_register_seconds
         self.drain_timeout = drain_timeout
         self.hicache_ratio = hicache_ratio
         self.prefix = prefix
@@ -984,10 +1001,18 @@ class Cluster:
 
     def on_switched(self, inst: Instance, job: SwitchJob, now: float) -> None:
         self.switches_done += 1
-        self._refresh_routes()
+        if inst.accepting:
+            self._refresh_routes()
         self._record_roles()
         if job.on_done is not None:
             job.on_done(True, now)
+        if inst.accepting:
+            self.on_routable(inst, routes=False)
+
+    def on_routable(self, inst: Instance, *, routes: bool = True) -> None:
+        """The router sends the flipped instance work again, the queue it kept first."""
+        if routes:
+            self._refresh_routes()
         if inst.role == DECODE:
             while self.pending_decode:
                 self.arrive_decode(self.pending_decode.popleft(), inst)

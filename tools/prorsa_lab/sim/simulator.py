@@ -37,6 +37,11 @@ FIXED_RATE_LIFETIME = {"coding": 846.0, "general": 216.0, "math": 400.0}
 # BF16 on 8xH800 at TP8 0.46 + 6.75 s, DeepSeek-V3.1 FP8 on 16xH20 at TP16 1.44 + 12.22 s.
 # The fastest published path, so a lower bound on the lead time a real trainer gives.
 WEIGHT_UPDATE_SECONDS = {"qwen3": 0.46 + 6.75, "deepseek": 1.44 + 12.22}
+# smg 1.13.0's part of a role switch, measured against the real binary on the project's
+# machine (tests/test_smg_router.py; docs/testing.md): ~1 s to see the relabel plus its fixed
+# 5 s drain before it drops the worker, ~2 s after the flip until it lists the new role.
+SMG_DRAIN_SECONDS = 6.0
+SMG_REGISTER_SECONDS = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +56,13 @@ class Scenario:
     groups_per_step: int | None = None  # default: the task profile's
     max_concurrent: int | None = None  # async in-flight cap; default OVER_DISPATCH batches
     switch_seconds: float = 5.0  # paper Appendix C: about 5 s per role switch
+    # The router's part of a switch (0: none, as in the benchmark tables). smg 1.13.0,
+    # measured against the real binary (tests/test_smg_router.py): it drops a worker
+    # relabelled draining about 6 s after the relabel (the engine flips only then) and
+    # lists it with its new role about 2 s after the flip (SMG_DRAIN_SECONDS,
+    # SMG_REGISTER_SECONDS).
+    router_drain_seconds: float = 0.0
+    router_register_seconds: float = 0.0
     drain_timeout: float = 30.0  # spec default switching.drainTimeoutSeconds
     cooldown: float = 30.0  # spec default switching.cooldownSeconds
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
@@ -203,6 +215,8 @@ class Simulation:
             switch_seconds=scenario.switch_seconds,
             drain_timeout=scenario.drain_timeout,
             hicache_ratio=scenario.hicache_ratio,
+            router_drain_seconds=scenario.router_drain_seconds,
+            router_register_seconds=scenario.router_register_seconds,
             prefix="sim",
         )
         self.trainer = Trainer(
