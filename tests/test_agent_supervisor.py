@@ -328,3 +328,32 @@ def test_prorsa_agent_command_refuses_a_bad_configuration(tmp_path):
         text=True,
     )  # fmt: skip
     assert mismatch.returncode == 2 and "does not match --engine-url" in mismatch.stderr
+
+
+async def test_a_health_probe_answered_before_a_crash_does_not_mark_the_dead_engine_healthy(
+    tmp_path,
+):
+    # The probe asks /health, the engine answers and then dies before the answer is read:
+    # the exit is recorded first, and the late "ok" must not undo it.
+    agent = Agent(_config(tmp_path))
+    gate = asyncio.Event()
+
+    class Supervisor:
+        generation, state, running = 1, "running", True
+
+    class Engine:
+        async def health(self, path: str, *, timeout: float) -> bool:
+            await gate.wait()
+            return True
+
+    sup = Supervisor()
+    agent.supervisor = sup  # type: ignore[assignment]
+    agent._engine = Engine()  # type: ignore[assignment]
+    probe = asyncio.create_task(agent._probe())
+    await asyncio.sleep(0)
+    sup.state, sup.running = "backoff", False
+    agent._engine_exited(70, 0.9)
+    gate.set()
+    await probe
+    assert agent.health.effective[0] == "down"
+    assert "exited with 70" in agent.health.effective[1]

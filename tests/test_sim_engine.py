@@ -195,7 +195,7 @@ def test_switch_drains_aborts_after_timeout_then_flips() -> None:
 def test_the_router_sets_the_pace_of_a_switch_of_an_idle_instance() -> None:
     # smg drops a relabelled worker only after its fixed drain, and lists it with its new
     # role a little after the flip: an idle instance still takes 6 + 5 + 2 s to serve.
-    loop, cluster, rec = make(
+    loop, cluster, _rec = make(
         [PREFILL, DECODE, DECODE],
         switch_seconds=5.0,
         router_drain_seconds=6.0,

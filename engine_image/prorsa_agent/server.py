@@ -235,11 +235,16 @@ class Agent:
                 self.health.down(f"engine process not running ({sup.state})")
         elif not self.switching:
             # A switch holds the engine's scheduler; its own checks decide meanwhile.
+            generation = sup.generation if sup is not None else None
             try:
                 ok = await self.engine.health("/health", timeout=self.config.timeouts.health_probe)
                 reason = "engine answered /health with an error"
             except EngineUnavailable as exc:
                 ok, reason = False, str(exc)
+            if sup is not None and (not sup.running or sup.generation != generation):
+                # The process exited (or was replaced) while the probe was out: its answer
+                # is of an engine that is gone, and the exit is already recorded.
+                return
             if ok:
                 # server_info first: a new startup_time (a restart) clears a failed state.
                 with contextlib.suppress(EngineUnavailable):
