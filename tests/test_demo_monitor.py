@@ -9,8 +9,8 @@ from prorsa_lab.demo.pod_directory import PodDirectory
 
 
 async def test_the_wape_is_the_one_read_when_dispatching_stopped() -> None:
-    # The Controller scores its last 60 horizons; read after the drain (no new trajectories,
-    # a trickle of admissions) they describe the drain: a decode WAPE of 11 meant nothing.
+    # The Controller scores its last 60 horizons: read after the drain (no new trajectories,
+    # a trickle of admissions) they describe the drain, not the rollout.
     readings = iter(
         [
             (100.0, {"prefillWape": 0.12, "decodeWape": 0.31}),
