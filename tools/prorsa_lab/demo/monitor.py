@@ -9,8 +9,10 @@ and the timeline PNG; label changes come from the demo's :class:`PodDirectory`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +22,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
+from prorsa.k8s.agent_tls import agent_server_name
 from prorsa_contract.aio import cancel_and_wait
+from prorsa_contract.labels import agent_tls_secret_name
 from prorsa_lab.demo.pod_directory import PodDirectory
 
 log = logging.getLogger("prorsa_lab.demo.monitor")
@@ -112,6 +116,9 @@ class Monitor:
     event_rate: float = 0.0  # webhook events per second over the last interval
     errors: int = 0
     _http: httpx.AsyncClient | None = None
+    # The agents serve https with their cluster's CA (operator/prorsa/k8s/agent_tls.py):
+    # a client trusting it alone, built once the Secret is readable.
+    _agents_http: httpx.AsyncClient | None = None
     _task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Monitor:
@@ -126,6 +133,8 @@ class Monitor:
             await self.poll()  # the final counters for the summary
         if self._http is not None:
             await self._http.aclose()
+        if self._agents_http is not None:
+            await self._agents_http.aclose()
 
     async def _loop(self) -> None:
         while True:
@@ -196,17 +205,49 @@ class Monitor:
                     seen=now,
                 )
 
+    async def _agent_client(self) -> httpx.AsyncClient | None:
+        """A client that trusts the cluster's agent CA (None until its Secret exists)."""
+        if self._agents_http is None:
+            assert self._http is not None
+            reply = await self._http.get(
+                f"{self.api_url}/api/v1/namespaces/{self.namespace}/secrets/"
+                f"{agent_tls_secret_name(self.cluster)}"
+            )
+            if reply.status_code == 404:
+                return None
+            reply.raise_for_status()
+            secret = reply.json()
+            ca = (secret.get("stringData") or {}).get("ca.crt")
+            if ca is None and (secret.get("data") or {}).get("ca.crt"):
+                ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
+            if not ca:
+                return None
+            self._agents_http = httpx.AsyncClient(
+                verify=ssl.create_default_context(cadata=ca), timeout=5.0
+            )
+        return self._agents_http
+
     async def _agents(self) -> None:
         assert self._http is not None
         views = sorted(self.directory.pods.values(), key=lambda p: p.name)
+        client = await self._agent_client()
 
         async def one(view: Any) -> PodState:
             base = PodState(name=view.name, role=view.role, intent=view.intent, engine_role=None)
             if not view.ip:
                 return base
             try:
-                assert self._http is not None
-                reply = await self._http.get(f"http://{view.ip}:{self.agent_port}/v1/state")
+                if client is None:
+                    assert self._http is not None
+                    reply = await self._http.get(f"http://{view.ip}:{self.agent_port}/v1/state")
+                else:
+                    name = agent_server_name(
+                        pod=view.name, cluster=self.cluster, namespace=self.namespace
+                    )
+                    reply = await client.get(
+                        f"https://{view.ip}:{self.agent_port}/v1/state",
+                        extensions={"sni_hostname": name},
+                    )
                 body = reply.json()
             except (httpx.HTTPError, ValueError):
                 return base

@@ -235,6 +235,8 @@ class DemoSummary:
     prefill_backlog_at_phase_end: list[PhaseBacklog] = field(default_factory=list)
     nodes_per_instance: int = 1
     pods: int = 0  # engine pods at the end: instances × nodes_per_instance when whole
+    # The most KV the decode engines held at once, as their agents reported it.
+    decode_kv_peak_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -606,6 +608,7 @@ def _summarise(
         phase_lag_seconds=[c.lag_seconds for c in changes],
         phase_changes=changes,
         prefill_backlog_at_phase_end=backlogs,
+        decode_kv_peak_tokens=max((x.kv_used_decode for x in monitor.samples), default=0),
     )
 
 
