@@ -6,7 +6,9 @@ ready, reward) and emits exactly the webhook CONTRACT events for it (docs/webhoo
 as pydantic models from :mod:`prorsa_contract.events` (validated on construction). The Prorsa policy
 sees nothing else of the trainer. Each weight update is announced with the cluster events
 ``weight_update_started`` / ``weight_update_finished`` unless ``weight_update_events`` is
-off, which leaves the Controller to infer updates from the burst of aborts.
+off, which leaves the Controller to infer updates from the burst of aborts. An update takes
+``weight_update_seconds`` (0: none): the engines sit idle, the trainer holds every request
+until it ends (AReaL's ``pause()`` / ``resume()``), and the start event says how long.
 
 Which prefill events it sends is ``prefill_events``, for what a trainer can see:
 - ``full``: ``prefill_started`` and ``prefill_finished`` with the prefill instance, as a
@@ -34,6 +36,7 @@ Rollout modes:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,7 +153,7 @@ class Trainer:
         self._held: list[Request] | None = None
         # Called with the time when a weight update starts (the Prorsa policy ticks then,
         # as the operator wakes on the event).
-        self.on_update_started: list[Any] = []
+        self.on_update_started: list[Callable[[float], object]] = []
         self.outbox: list[ev.Event] = []
         self.version = 0
         self.live: dict[str, Trajectory] = {}
@@ -469,7 +472,8 @@ class Trainer:
         fields: dict[str, Any] = {}
         if self.weight_update_seconds > 0:
             fields["expected_seconds"] = self.weight_update_seconds
-            self._held = []
+            if self._held is None:  # two steps ending in one pause keep what it holds
+                self._held = []
         self._announce(
             ev.WeightUpdateStarted, type="weight_update_started", version=self.version, **fields
         )
