@@ -55,3 +55,39 @@ def log() -> EventLog:
 @pytest.fixture
 def spec() -> RolloutClusterSpec:
     return make_spec()
+
+
+async def _no_event(kind: str, reason: str, message: str) -> None:
+    return None
+
+
+def cluster_runtime(
+    spec: RolloutClusterSpec,
+    *,
+    kube: Any = None,
+    agents: Any = None,
+    options: Any = None,
+    post_event: Any = None,
+) -> Any:
+    """A ``ClusterRuntime`` for rl/c on a handle of its own, with the doubles a test passes
+    (None for the parts it never reaches), real metrics and no persistence by default."""
+    from prometheus_client import CollectorRegistry
+
+    from prorsa.clusters import ClusterRegistry
+    from prorsa.core.controller import Controller
+    from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+    from prorsa.operator_metrics import OperatorMetrics
+
+    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
+    return ClusterRuntime(
+        namespace="rl",
+        name="c",
+        spec=spec,
+        uid="u",
+        handle=handle,
+        kube=kube,
+        agents=agents,
+        metrics=OperatorMetrics(CollectorRegistry()),
+        options=options or OperatorOptions(persist=False),
+        post_event=post_event or _no_event,
+    )

@@ -8,15 +8,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from conftest import make_spec
-from prometheus_client import CollectorRegistry
+from conftest import cluster_runtime, make_spec
 
-from prorsa.clusters import ClusterRegistry
-from prorsa.core.controller import Controller
 from prorsa.core.decision import Switch
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
-from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
-from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.agent_api import RoleResult
 
 POD = {"metadata": {"name": "c-engine-1"}, "status": {"podIP": "127.0.0.9"}}
@@ -44,28 +39,12 @@ class Agents:
 
 async def test_closing_stops_the_loop_and_its_switches_before_the_client_closes() -> None:
     agents, kube = Agents(), Kube()
-    spec = make_spec()
-    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
     done: list[SwitchOutcome] = []
 
     async def on_done(outcome: SwitchOutcome) -> None:
         done.append(outcome)
 
-    async def post_event(kind: str, reason: str, message: str) -> None:
-        return None
-
-    runtime = ClusterRuntime(
-        namespace="rl",
-        name="c",
-        spec=spec,
-        uid="u",
-        handle=handle,
-        kube=kube,  # type: ignore[arg-type]
-        agents=agents,  # type: ignore[arg-type]
-        metrics=OperatorMetrics(CollectorRegistry()),
-        options=OperatorOptions(persist=False),
-        post_event=post_event,
-    )
+    runtime = cluster_runtime(make_spec(), kube=kube, agents=agents)
     executor = runtime.executor = SwitchExecutor(
         kube=kube,  # type: ignore[arg-type]
         agents=agents,  # type: ignore[arg-type]

@@ -5,34 +5,22 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import make_spec
+from conftest import cluster_runtime, make_spec
 
-from prorsa.clusters import ClusterRegistry
-from prorsa.core.controller import Controller
-from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+from prorsa.k8s.runtime import OperatorOptions
 from prorsa_lab.doubles.stack import PATIENCE, cluster_manifest, stack
 
 
 async def test_a_spec_update_waits_for_the_tick_that_holds_the_controller() -> None:
     old = make_spec(switching={"drainTimeoutSeconds": 30})
     new = make_spec(forecast={"horizonSeconds": 30}, switching={"smoothingSeconds": 0})
-    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(old))
 
     async def post_event(kind: str, reason: str, message: str) -> None:
         raise AssertionError("a spec update posts no event")
 
-    runtime = ClusterRuntime(
-        namespace="rl",
-        name="c",
-        spec=old,
-        uid="u",
-        handle=handle,
-        kube=None,  # type: ignore[arg-type]  # a spec update talks to no API
-        agents=None,  # type: ignore[arg-type]
-        metrics=None,  # type: ignore[arg-type]
-        options=OperatorOptions(),
-        post_event=post_event,
-    )
+    # A spec update talks to no API: no Kubernetes or agent double.
+    runtime = cluster_runtime(old, options=OperatorOptions(), post_event=post_event)
+    handle = runtime.handle
     async with handle.exclusive() as controller:  # a tick (or a batch) in progress
         update = asyncio.create_task(runtime.update_spec(new))
         await asyncio.sleep(0.05)

@@ -12,14 +12,10 @@ import asyncio
 import json
 from typing import Any
 
-from conftest import make_spec
+from conftest import cluster_runtime, make_spec
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import CollectorRegistry
 
-from prorsa.clusters import ClusterRegistry
-from prorsa.core.controller import Controller
-from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions, tick_failure
-from prorsa.operator_metrics import OperatorMetrics
+from prorsa.k8s.runtime import OperatorOptions, tick_failure
 
 REFUSAL = (
     'leaderworkersets.leaderworkerset.x-k8s.io is forbidden: User "system:serviceaccount:'
@@ -49,17 +45,9 @@ async def test_a_refused_call_shows_in_the_status_and_one_warning_event() -> Non
     async def post_event(kind: str, reason: str, message: str) -> None:
         events.append((kind, reason, message))
 
-    spec = make_spec()
-    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
-    runtime = ClusterRuntime(
-        namespace="rl",
-        name="c",
-        spec=spec,
-        uid="u",
-        handle=handle,
-        kube=kube,  # type: ignore[arg-type]
-        agents=None,  # type: ignore[arg-type]
-        metrics=OperatorMetrics(CollectorRegistry()),
+    runtime = cluster_runtime(
+        make_spec(),
+        kube=kube,
         options=OperatorOptions(persist=False, tick_seconds=0.01),
         post_event=post_event,
     )

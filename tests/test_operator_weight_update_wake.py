@@ -11,33 +11,19 @@ import asyncio
 import time
 from typing import Any
 
-from conftest import make_spec
-from prometheus_client import CollectorRegistry
+from conftest import cluster_runtime, make_spec
 
-from prorsa.clusters import ClusterRegistry
-from prorsa.core.controller import Controller
-from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
-from prorsa.operator_metrics import OperatorMetrics
+from prorsa.k8s.runtime import OperatorOptions
 from prorsa_contract import events as ev
 
 
 async def _run_until_second_tick(batch: list[ev.Event]) -> float | None:
     """Seconds from posting ``batch`` to the runtime's next tick (None: none within 5 s)."""
-    spec = make_spec()
-    handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
-    runtime = ClusterRuntime(
-        namespace="rl",
-        name="c",
-        spec=spec,
-        uid="u",
-        handle=handle,
-        kube=None,  # type: ignore[arg-type]
-        agents=None,  # type: ignore[arg-type]
-        metrics=OperatorMetrics(CollectorRegistry()),
-        # A period far longer than the test: only a wake-up can tick a second time.
-        options=OperatorOptions(persist=False, tick_seconds=3600.0),
-        post_event=None,  # type: ignore[arg-type]
+    # A period far longer than the test: only a wake-up can tick a second time.
+    runtime = cluster_runtime(
+        make_spec(), options=OperatorOptions(persist=False, tick_seconds=3600.0)
     )
+    handle = runtime.handle
     first, second = asyncio.Event(), asyncio.Event()
 
     async def tick_once() -> Any:
