@@ -210,21 +210,23 @@ def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -
         assert sc.spec().capacity.prefill_cache_tokens == sc.profile().kv_capacity
     assert main(["bench", "rollout", "--hicache-ratio", "-1", "--workers", "1"]) == 2
     assert "--hicache-ratio must be >= 0" in capsys.readouterr().err
-    # Weight updates take no time unless asked; "measured" is the model's published figure.
-    assert {sc.update_seconds() for sc in cfg.scenarios()} == {0.0}
-    measured = rollout._config(parser.parse_args(["--weight-update-seconds", "measured"]))
-    by_model = {sc.model: sc.update_seconds() for sc in measured.scenarios()}
+    # Weight updates take the model's published broadcast time unless told otherwise.
+    by_model = {sc.model: sc.update_seconds() for sc in cfg.scenarios()}
     assert by_model["qwen3-tp8"] == pytest.approx(7.21)
     assert by_model["deepseek-v3-tp16"] == pytest.approx(13.66)
+    measured = rollout._config(parser.parse_args(["--weight-update-seconds", "measured"]))
+    assert {sc.model: sc.update_seconds() for sc in measured.scenarios()} == by_model
+    instant = rollout._config(parser.parse_args(["--weight-update-seconds", "0"]))
+    assert {sc.update_seconds() for sc in instant.scenarios()} == {0.0}
     fixed = rollout._config(parser.parse_args(["--weight-update-seconds", "20"]))
     assert {sc.update_seconds() for sc in fixed.scenarios()} == {20.0}
-    # The router's part of a switch: none unless asked, smg's measured delays if so.
+    # The router's part of a switch: smg's measured delays unless told there are none.
     assert {(sc.router_drain_seconds, sc.router_register_seconds) for sc in cfg.scenarios()} == {
-        (0.0, 0.0)
-    }
-    smg = rollout._config(parser.parse_args(["--router-delays", "smg"]))
-    assert {(sc.router_drain_seconds, sc.router_register_seconds) for sc in smg.scenarios()} == {
         (6.0, 2.0)
+    }
+    none = rollout._config(parser.parse_args(["--router-delays", "none"]))
+    assert {(sc.router_drain_seconds, sc.router_register_seconds) for sc in none.scenarios()} == {
+        (0.0, 0.0)
     }
     for bad in ("-1", "soon"):
         assert main(["bench", "rollout", "--weight-update-seconds", bad, "--workers", "1"]) == 2

@@ -178,7 +178,8 @@ _AFTER = {
 
 
 def test_each_weight_update_is_announced_around_its_aborts() -> None:
-    sim, events = run(task="math", staleness=2, steps=3)
+    # An instantaneous update: both events at the step's end (see below for one that lasts).
+    sim, events = run(task="math", staleness=2, steps=3, weight_update_seconds=0.0)
     bumps = sim.trainer.stats.steps[:-1]  # the last step ends the run: no new weights
     started = [e for e in events if isinstance(e, ev.WeightUpdateStarted)]
     finished = [e for e in events if isinstance(e, ev.WeightUpdateFinished)]

@@ -22,7 +22,6 @@ from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
 from prorsa_lab.sim.sim_trainer import PREFILL_EVENTS
-from prorsa_lab.sim.simulator import SMG_DRAIN_SECONDS, SMG_REGISTER_SECONDS
 from prorsa_lab.sim.workloads import get_task
 
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
@@ -77,16 +76,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--weight-update-seconds",
-        help="how long each weight update stops the engines: seconds (default 0, "
-        "instantaneous), or 'measured' for checkpoint-engine's published broadcast time "
-        "for the model (7.2 s Qwen3-235B, 13.7 s DeepSeek-V3)",
+        help="how long each weight update stops the engines: 'measured' (default: "
+        "checkpoint-engine's published broadcast time for the model, 7.2 s Qwen3-235B, "
+        "13.7 s DeepSeek-V3) or seconds (0: instantaneous)",
     )
     parser.add_argument(
         "--router-delays",
         choices=("none", "smg"),
-        help="the router's part of each switch: none (default, as in the tables) or smg "
-        "(1.13.0 as measured: the flip waits ~6 s for smg to drop the worker, which is "
-        "listed again ~2 s after it)",
+        help="the router's part of each switch: smg (default; 1.13.0 as measured: the "
+        "flip waits ~6 s for smg to drop the worker, which is listed again ~2 s after it) "
+        "or none (a router that takes no time)",
     )
     parser.add_argument(
         "--prefill-events",
@@ -125,8 +124,8 @@ def _config(args: argparse.Namespace) -> Any:
         kw["weight_update_events"] = False
     if args.weight_update_seconds is not None:
         kw["weight_update_seconds"] = _update_seconds(args.weight_update_seconds)
-    if args.router_delays == "smg":
-        kw["router_seconds"] = (SMG_DRAIN_SECONDS, SMG_REGISTER_SECONDS)
+    if args.router_delays == "none":
+        kw["router_seconds"] = (0.0, 0.0)
     if args.prefill_events:
         kw["prefill_events"] = args.prefill_events
     if args.smoothing is not None:

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa_lab.sim.policies import baseline
-from prorsa_lab.sim.simulator import Scenario, SimResult, simulate
+from prorsa_lab.sim.simulator import (
+    SMG_DRAIN_SECONDS,
+    SMG_REGISTER_SECONDS,
+    Scenario,
+    SimResult,
+    simulate,
+)
 
 DYNAMIC = ("reactive", "throughput", "prorsa", "oracle")
 REPORTED = ("colocation", "best-static", *DYNAMIC)
@@ -39,8 +45,9 @@ class GridConfig:
     scale: float = 1.0  # multiplies every task's groups per step (at least one group)
     hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
     weight_update_events: bool = True  # the trainer announces weight updates
-    weight_update_seconds: float | None = 0.0  # Scenario.weight_update_seconds
-    router_seconds: tuple[float, float] = (0.0, 0.0)  # Scenario.router_drain/register_seconds
+    weight_update_seconds: float | None = None  # Scenario.weight_update_seconds (measured)
+    # Scenario.router_drain/register_seconds: smg's, as measured
+    router_seconds: tuple[float, float] = (SMG_DRAIN_SECONDS, SMG_REGISTER_SECONDS)
     prefill_events: str = "full"  # the prefill events it sends (sim_trainer.PREFILL_EVENTS)
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1

@@ -56,13 +56,12 @@ class Scenario:
     groups_per_step: int | None = None  # default: the task profile's
     max_concurrent: int | None = None  # async in-flight cap; default OVER_DISPATCH batches
     switch_seconds: float = 5.0  # paper Appendix C: about 5 s per role switch
-    # The router's part of a switch (0: none, as in the benchmark tables). smg 1.13.0,
-    # measured against the real binary (tests/test_smg_router.py): it drops a worker
-    # relabelled draining about 6 s after the relabel (the engine flips only then) and
-    # lists it with its new role about 2 s after the flip (SMG_DRAIN_SECONDS,
-    # SMG_REGISTER_SECONDS).
-    router_drain_seconds: float = 0.0
-    router_register_seconds: float = 0.0
+    # The router's part of a switch: smg 1.13.0, the router the chart deploys, measured
+    # against the real binary (tests/test_smg_router.py): it drops a worker relabelled
+    # draining about 6 s after the relabel (the engine flips only then) and lists it with
+    # its new role about 2 s after the flip. 0 and 0: a router that takes no time.
+    router_drain_seconds: float = SMG_DRAIN_SECONDS
+    router_register_seconds: float = SMG_REGISTER_SECONDS
     drain_timeout: float = 30.0  # spec default switching.drainTimeoutSeconds
     cooldown: float = 30.0  # spec default switching.cooldownSeconds
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
@@ -78,10 +77,9 @@ class Scenario:
     # streaming client behind a PD router sees (``first-token``) or a blocking one (``none``).
     prefill_events: PrefillEvents = "full"
     # How long the engines stop for each weight update (the trainer holds its requests
-    # meanwhile, as AReaL's pause()/resume() does). 0: instantaneous, as in the benchmark
-    # tables; None: the broadcast time checkpoint-engine measured for the model
-    # (WEIGHT_UPDATE_SECONDS).
-    weight_update_seconds: float | None = 0.0
+    # meanwhile, as AReaL's pause()/resume() does). None: the broadcast time
+    # checkpoint-engine measured for the model (WEIGHT_UPDATE_SECONDS); 0: instantaneous.
+    weight_update_seconds: float | None = None
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
 
     def update_seconds(self) -> float:
