@@ -225,15 +225,9 @@ async def test_two_node_instances_come_up_and_follow_demand_both_ways(layout: La
         assert status["groups"]["nodesPerInstance"] == 2
         assert status["groups"]["pods"] == 8
         assert status["groups"]["managedBy"] == layout.managed_by
-
         # No group was restarted on the way: every switch went to a leader's agent, and the
         # relabelled pods are the ones first created (LWS did not roll anything out).
-        async def succeeded() -> list[str] | None:
-            # kopf posts Events from a queue of its own: on a loaded machine a moment later.
-            reasons = [str(e.get("reason")) for e in await env.events()]
-            return reasons if "SwitchSucceeded" in reasons else None
-
-        reasons = await env.wait_for(succeeded, what="a SwitchSucceeded event")
+        reasons = await env.wait_for_event("SwitchSucceeded")
         assert not {"GroupRestarted", "RecreateGroup"} & set(reasons)
         assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in await env.pods()} == uids
         if layout.lws:  # the operator created sets, and only relabelled the pods LWS made

@@ -81,12 +81,7 @@ async def test_an_agent_lost_mid_switch_leaves_the_pod_unrouted_until_it_answers
         # Three failed tries later the switch ends: role unknown, still out of the router.
         await env.wait_for(given_up, timeout=2 * PATIENCE, what="the executor to give up")
         assert (await env.roles())[name] == DRAINING
-
-        async def lost() -> bool:
-            # kopf posts Events from a queue of its own: on a loaded machine a moment later.
-            return "SwitchLost" in [e.get("reason") for e in await env.events()]
-
-        await env.wait_for(lost, timeout=2 * PATIENCE, what="a SwitchLost event")
+        await env.wait_for_event("SwitchLost", timeout=2 * PATIENCE)
         await asyncio.sleep(1.0)  # several ticks: no guess while the agent is away
         assert (await env.roles())[name] == DRAINING
         assert not await corrections(env, name)

@@ -276,6 +276,20 @@ class Stack:
             await asyncio.sleep(0.1)
         raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
+    async def wait_for_event(self, reason: str, *, timeout: float = PATIENCE) -> list[str]:
+        """Wait until an Event with ``reason`` is posted; the reasons of every Event then.
+
+        kopf posts Events from a queue of its own, so on a loaded machine an Event comes a
+        moment after the change it reports.
+        """
+
+        async def posted() -> list[str] | None:
+            reasons = [str(e.get("reason")) for e in await self.events()]
+            return reasons if reason in reasons else None
+
+        reasons: list[str] = await self.wait_for(posted, timeout=timeout, what=f"a {reason} event")
+        return reasons
+
     # -- the trainer ------------------------------------------------------------------------------
 
     def event(self, kind: str, trajectory: str, **fields: Any) -> dict[str, Any]:
