@@ -705,13 +705,13 @@ async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool)
         await env.start_operator()
         await env.wait_for(lambda: ready(env), what="the cluster back after a restart")
         # Deleting the cluster: kopf runs the delete handler and removes its finalizer.
-        await env.kube._call(
+        await env.kube.call(
             env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL,
             "demo",
         )  # fmt: skip
 
         async def gone() -> bool:
-            listed = await env.kube._call(
+            listed = await env.kube.call(
                 env.kube.custom.list_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL
             )
             return not listed["items"]
@@ -731,7 +731,7 @@ async def two_node_sets_come_and_go(env: Any) -> None:
     await env.wait_for(lambda: groups(3), what="3 two-pod groups")
     await env.patch_cluster("big", {"spec": {"gpuBudget": 16}})
     await env.wait_for(lambda: groups(2), what="2 two-pod groups")
-    await env.kube._call(
+    await env.kube.call(
         env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL, "big"
     )
     await env.wait_for(lambda: groups(0), what="the two-pod cluster gone")

@@ -44,6 +44,17 @@ class Kube:
     def _plain(self, obj: Any) -> dict[str, Any]:
         return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
 
+    async def call(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Any other call of this client's APIs (``core``, ``apps``, ``custom``, ...), in a
+        worker thread; the object it answers as plain JSON data.
+
+        For the callers that share the client but are not the operator: the lab's fakes of
+        other Kubernetes components (kubelet, LeaderWorkerSet controller), the demo and
+        tests. The operator's own calls are the methods below, where the chart's RBAC test
+        finds them.
+        """
+        return self._plain(await self._call(fn, *args, **kwargs))
+
     # -- pods ---------------------------------------------------------------------------------
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:

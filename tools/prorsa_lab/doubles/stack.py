@@ -203,21 +203,19 @@ class Stack:
     # -- the API -----------------------------------------------------------------------------
 
     async def create_cluster(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        created = await self.kube._call(
+        return await self.kube.call(
             self.kube.custom.create_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, copy.deepcopy(manifest),
         )  # fmt: skip
-        return self.kube._plain(created)
 
     async def get_cluster(self, name: str = "demo") -> dict[str, Any]:
-        found = await self.kube._call(
+        return await self.kube.call(
             self.kube.custom.get_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, name,
         )  # fmt: skip
-        return self.kube._plain(found)
 
     async def patch_cluster(self, name: str, patch: dict[str, Any]) -> None:
-        await self.kube._call(
+        await self.kube.call(
             self.kube.custom.patch_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, name, patch,
         )  # fmt: skip
@@ -256,8 +254,8 @@ class Stack:
         return counts
 
     async def events(self) -> list[dict[str, Any]]:
-        result = await self.kube._call(self.kube.core.list_namespaced_event, self.namespace)
-        return [self.kube._plain(e) for e in result.items]
+        listed = await self.kube.call(self.kube.core.list_namespaced_event, self.namespace)
+        return list(listed.get("items") or [])
 
     async def wait_for(
         self,
@@ -386,11 +384,11 @@ async def stack(
         for name in dict.fromkeys((namespace, *watch_namespaces, operator_namespace)):
             if name is None or name == "default":
                 continue
-            await kube._call(
+            await kube.call(
                 kube.core.create_namespace,
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
             )
-        await kube._call(
+        await kube.call(
             kube.core.create_namespaced_secret,
             namespace,
             {
