@@ -40,10 +40,11 @@ from test_operator_e2e import comes_up_and_follows_demand_both_ways
 
 from prorsa.cli import build_parser
 from prorsa.clusters import ClusterRegistry
-from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
+from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
+from prorsa.k8s.manifest_file import load_cluster
 from prorsa_contract.labels import DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
 from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer

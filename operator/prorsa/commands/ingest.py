@@ -87,7 +87,8 @@ def parse_listen(value: str) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from prorsa.core.spec import SpecError, load_cluster
+    from prorsa.core.spec import SpecError
+    from prorsa.k8s.manifest_file import load_cluster
     from prorsa.process import tune_gc
 
     tune_gc()

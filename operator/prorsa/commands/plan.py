@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     from prorsa.core.advice import deployment_advice
     from prorsa.core.controller import Controller
-    from prorsa.core.spec import SpecError, load_cluster
+    from prorsa.core.spec import SpecError
+    from prorsa.k8s.manifest_file import load_cluster
     from prorsa_contract.agent_api import ENGINE_STATES
     from prorsa_contract.events import BatchError, parse_lines
 

@@ -7,10 +7,8 @@ admission checks and of the Controller's configuration. Wire names are camelCase
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 GROUP = "prorsa.io"
@@ -386,19 +384,6 @@ def parse_cluster(data: dict[str, Any]) -> RolloutCluster:
         return RolloutCluster.model_validate(data)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc)) from None
-
-
-def load_cluster(path: str | Path) -> RolloutCluster:
-    """Read a RolloutCluster manifest (YAML or JSON); the first RolloutCluster document wins."""
-    text = Path(path).read_text()
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d]
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    for doc in docs:
-        if isinstance(doc, dict) and doc.get("kind") == KIND:
-            return parse_cluster(doc)
-    raise SpecError(f"{path}: no document of kind {KIND}")
 
 
 # -- status (written by the operator; the CRD's status subresource) ------------------------
