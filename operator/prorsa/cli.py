@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "ingest": "ingest",
     "operator": "operator",
     "plan": "plan",
+    "record": "record",
 }
 
 # Subcommands that run the lab (package prorsa_lab, tools/ in the repository): the
