@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "ingest": "ingest",
     "operator": "operator",
     "plan": "plan",
+    "profile": "profile",
     "record": "record",
 }
 
