@@ -989,11 +989,13 @@ class EventEmitter(_Emitter):
         """Flush within ``timeout`` seconds, then stop; the rest is counted as dropped."""
         core = self._core
         with self._wake:
-            if core.closed:
-                return core.stats()
-            self._closing = True
-            core.abandon_at = time.monotonic() + timeout
-            self._wake.notify_all()
+            closed = core.closed
+            if not closed:
+                self._closing = True
+                core.abandon_at = time.monotonic() + timeout
+                self._wake.notify_all()
+        if closed:  # stats() takes the lock the condition holds: read them outside it
+            return core.stats()
         self._thread.join(timeout + 1.0)
         self._stop.set()
         self._thread.join(2.0)
