@@ -438,8 +438,8 @@ class Problem:
 class SpecError(ValueError):
     """A RolloutCluster that does not validate; ``problems`` names each bad field."""
 
-    def __init__(self, problems: Sequence[Problem], *, source: str = "") -> None:
-        self.problems = list(problems)
+    def __init__(self, problems: Sequence[Problem] | str, *, source: str = "") -> None:
+        self.problems = [Problem("", problems)] if isinstance(problems, str) else list(problems)
         self.source = source
         text = "; ".join(p.text() for p in self.problems)
         super().__init__(f"{source}: {text}" if source else text)
