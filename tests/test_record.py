@@ -236,3 +236,24 @@ def test_prorsa_ingest_records_too(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert [e["id"] for e in read(out)] == ["q"]
+
+
+def test_a_recorder_that_cannot_listen_leaves_no_file(tmp_path: Path) -> None:
+    import socket
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(CLUSTER))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    out = tmp_path / "job.ndjson"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "prorsa.cli", "record", "--cluster", str(cluster),
+             "--token-file", str(token), "--out", str(out), "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert r.returncode == 1 and "cannot listen" in r.stderr
+    assert not out.exists()  # a retry on another port is not refused for a file it left

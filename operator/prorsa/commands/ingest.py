@@ -174,6 +174,9 @@ def serve(
         )
     except OSError as exc:
         print(f"prorsa {command}: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        if recorder is not None and not append and recorder.queued == 0:
+            recorder.close()
+            recorder.path.unlink(missing_ok=True)  # nothing was recorded: leave no file
         return 1
     finally:
         if recorder is not None:

@@ -61,7 +61,9 @@ class EventRecorder:
             await asyncio.to_thread(self.write_pending)
 
     def close(self) -> None:
-        """Write the rest, sync it to disk and close the file."""
+        """Write the rest, sync it to disk and close the file (again: nothing)."""
+        if self._file.closed:
+            return
         self.write_pending()
         with contextlib.suppress(OSError):  # e.g. a pipe or a character device
             os.fsync(self._file.fileno())
