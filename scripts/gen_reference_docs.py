@@ -40,9 +40,10 @@ DESCRIPTIONS: dict[str, str] = {
     "switch needs pure tensor parallelism).",
     "engine.transferBackend": "KV transfer backend; `mooncake` and `mori` are the two that "
     "can switch roles.",
-    "engine.extraArgs": "More SGLang launch flags. The Controller reads "
-    "`--enable-dp-attention` with `--dp-size` here: each request then runs on one "
-    "attention-DP rank.",
+    "engine.extraArgs": "More SGLang launch flags. The Controller reads attention DP here "
+    "(`--attn-dp-size N`, or the deprecated `--enable-dp-attention` with `--dp-size N`): "
+    "each request then runs on one attention-DP rank. `prorsa plan` names the flags SGLang "
+    "refuses with role switching.",
     "engine.resources": "Resources of the engine container; the GPU request of "
     "gpuResourceName is added.",
     "engine.nodeSelector": "Node selector of the engine pods.",

@@ -345,6 +345,18 @@ def test_sync_close_gives_up_within_its_timeout() -> None:
         em.request_queued("late", prompt_tokens=1, turn=0)
 
 
+def test_closing_twice_returns_the_same_stats() -> None:
+    """A second close (a `with` block and an atexit hook, say) returns at once; it used to
+    wait forever for the lock it held."""
+    em = EventEmitter(url=f"http://127.0.0.1:{free_port()}", namespace="rl", name="c", token=TOKEN)
+    first = em.close(timeout=0.1)
+    box: list[EmitterStats] = []
+    closer = threading.Thread(target=lambda: box.append(em.close()), daemon=True)
+    closer.start()
+    closer.join(5.0)
+    assert box == [first]
+
+
 # -- resync -----------------------------------------------------------------------------
 
 

@@ -200,6 +200,6 @@ def test_errors_are_one_line_with_an_exit_code(files: tuple[Path, Path], tmp_pat
 
 
 def test_examples_compile() -> None:
-    for example in ("minimal_trainer.py", "verl_agent_loop.py"):
+    for example in ("minimal_trainer.py", "verl_agent_loop.py", "slime_prorsa.py"):
         source = (ROOT / "examples" / example).read_text()
         compile(source, example, "exec")

@@ -26,9 +26,7 @@ def test_admission_refuses_bad_specs_naming_the_field() -> None:
     validate(spec=good)
     with pytest.raises(kopf.AdmissionError) as info:
         validate(spec={**good, "gpuBudget": 30})
-    assert "spec: gpuBudget (30) must be a multiple of engine.gpusPerInstance (8)" in str(
-        info.value
-    )
+    assert "spec.gpuBudget: 30 is not a multiple of engine.gpusPerInstance (8)" in str(info.value)
     with pytest.raises(kopf.AdmissionError) as info:
         validate(spec={**good, "switching": {"mode": "Sometimes"}})
     assert "spec.switching.mode" in str(info.value)
@@ -37,6 +35,15 @@ def test_admission_refuses_bad_specs_naming_the_field() -> None:
 def test_parse_spec_error_names_nested_fields() -> None:
     with pytest.raises(ValueError, match=r"spec\.forecast\.horizonSeconds"):
         parse_spec({**cluster_manifest()["spec"], "forecast": {"horizonSeconds": -1}})
+
+
+def test_parse_spec_names_every_problem_at_once() -> None:
+    """A field error does not hide a cross-field one: the user fixes both in one edit."""
+    spec = {**cluster_manifest()["spec"], "gpuBudget": 30, "switching": {"mode": "Sometimes"}}
+    with pytest.raises(ValueError) as info:
+        parse_spec(spec)
+    assert "spec.switching.mode: Input should be 'Auto', 'Recommend' or 'Off'" in str(info.value)
+    assert "spec.gpuBudget: 30 is not a multiple of engine.gpusPerInstance (8)" in str(info.value)
 
 
 def test_engine_pod_manifest_follows_the_contract() -> None:

@@ -18,11 +18,10 @@ from typing import Any, cast
 import kopf
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from prorsa.clusters import ClusterRegistry
 from prorsa.core.controller import Controller
-from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, format_validation_error
+from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, SpecError, validate_spec
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.k8s import groups
@@ -73,10 +72,11 @@ class OperatorContext:
 
 
 def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
+    """The spec, or ValueError naming every bad field (not only the first)."""
     try:
-        return RolloutClusterSpec.model_validate(dict(spec))
-    except ValidationError as exc:
-        raise ValueError(format_validation_error(exc, root="spec")) from None
+        return validate_spec(dict(spec))
+    except SpecError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:

@@ -25,6 +25,12 @@ generator of actions that the thread and the task each execute):
 * ``close()`` flushes what is buffered, within a timeout; whatever could not be delivered
   by then is counted as dropped and logged, never silently lost.
 
+Recording: with ``record="events.ndjson"`` every event the webhook accepted is also
+appended to that file, one JSON object per line, in the order the webhook applied it (a
+batch is written once its 2xx reply arrives; events the webhook refused are left out), so
+``prorsa plan --events`` replays the job as the operator saw it. The sender writes it (the
+asyncio flavour from a thread), never ``emit()``.
+
 TLS: an ``https://`` webhook's certificate is verified against ``verify``: a CA bundle
 path (the webhook Secret's ``ca.crt``, a cert-manager issuer's CA), an ``ssl.SSLContext``,
 or, by default, the system trust store. A certificate that does not verify is a
@@ -89,6 +95,7 @@ class EmitterStats:
     retries: int
     resyncs: int
     epoch: int | None
+    recorded: int = 0  # events written to the ``record`` file
 
     @property
     def dropped(self) -> int:
@@ -131,6 +138,13 @@ class _BuildSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class _Record:
+    """Append these events (accepted by the webhook) to the ``record`` file."""
+
+    batch: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
 class _Reply:
     status: int
     headers: Mapping[str, str]
@@ -144,7 +158,7 @@ class _Reply:
         return data if isinstance(data, dict) else {}
 
 
-_Action = _Post | _Sleep | _BuildSnapshot
+_Action = _Post | _Sleep | _BuildSnapshot | _Record
 _Result = _Reply | BaseException | Snapshot | None
 Delivery = Generator[_Action, _Result, None]
 
@@ -163,6 +177,7 @@ class _Counters:
     retries: int = 0
     resyncs: int = 0
     epoch: int | None = None
+    recorded: int = 0
 
 
 @dataclass
@@ -221,12 +236,17 @@ class _Core:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.time,
         track: bool = False,
+        record: str | os.PathLike[str] | None = None,
         has_snapshot: bool = False,
     ) -> None:
         if batch_size < 1 or max_buffer < batch_size:
             raise ValueError("need batch_size >= 1 and max_buffer >= batch_size")
         if flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        # Opened here, so a path that cannot be written fails at construction.
+        self.record_path = None if record is None else os.fspath(record)
+        self.record_file = None if record is None else open(record, "ab")  # noqa: SIM115
+        self.record_failed = False
         base = f"/v1/namespaces/{namespace}/rolloutclusters/{name}"
         self.url = url.rstrip("/")
         self.events_path = f"{base}/events"
@@ -362,8 +382,30 @@ class _Core:
         with self.lock:
             self.in_flight = 0
 
+    def write_record(self, batch: list[bytes]) -> None:
+        """Append ``batch`` to the record file (the sender's thread; blocking)."""
+        if self.record_file is None or self.record_failed:
+            return
+        try:
+            self.record_file.write(b"\n".join(batch) + b"\n")
+            self.record_file.flush()
+        except (OSError, ValueError) as exc:  # ValueError: closed under a cancelled sender
+            self.record_failed = True
+            log.error(
+                "prorsa emitter: cannot write the recording %s (%s); recording stopped, "
+                "delivery goes on",
+                self.record_path,
+                exc,
+            )
+            return
+        with self.lock:
+            self.counters.recorded += len(batch)
+
     def close_out(self) -> EmitterStats:
         """Closed: what is still buffered is counted as dropped; the final stats."""
+        if self.record_file is not None:
+            with contextlib.suppress(OSError):
+                self.record_file.close()
         with self.lock:
             self.closed = True
             left = len(self.buffer)
@@ -395,6 +437,7 @@ class _Core:
                 retries=c.retries,
                 resyncs=c.resyncs,
                 epoch=c.epoch,
+                recorded=c.recorded,
             )
 
     def tracked_snapshot(self) -> Snapshot:
@@ -462,6 +505,8 @@ class _Core:
                         if c.epoch is not None and epoch != c.epoch:
                             log.warning("prorsa webhook restarted (epoch %s -> %s)", c.epoch, epoch)
                         c.epoch = epoch
+                if self.record_file is not None:
+                    yield _Record(batch)
                 if reply.get("resync") is True:
                     yield from self._resync(reason="the server asked (resync: true)")
                 return
@@ -547,6 +592,13 @@ class _Core:
             if isinstance(result, _Reply) and 200 <= result.status < 300:
                 with self.lock:
                     self.counters.resyncs += 1
+                if self.record_file is not None:
+                    log.warning(
+                        "prorsa emitter: a resync snapshot of %d trajectories was posted; "
+                        "the recording %s holds events only",
+                        len(built.trajectories),
+                        self.record_path,
+                    )
                 log.info(
                     "prorsa resync: posted %d live trajectories (%s)",
                     len(built.trajectories),
@@ -813,6 +865,7 @@ class EmitterOptions(TypedDict, total=False):
     give_up_after: float  # [60] seconds 401/404 are retried before a batch is dropped
     backoff: Backoff | None  # [Backoff()] retry delays
     clock: Callable[[], float]  # [time.time] the trainer clock events are stamped with
+    record: str | os.PathLike[str] | None  # [None] append accepted events here (NDJSON)
 
 
 class _Emitter(_Helpers):
@@ -936,11 +989,13 @@ class EventEmitter(_Emitter):
         """Flush within ``timeout`` seconds, then stop; the rest is counted as dropped."""
         core = self._core
         with self._wake:
-            if core.closed:
-                return core.stats()
-            self._closing = True
-            core.abandon_at = time.monotonic() + timeout
-            self._wake.notify_all()
+            closed = core.closed
+            if not closed:
+                self._closing = True
+                core.abandon_at = time.monotonic() + timeout
+                self._wake.notify_all()
+        if closed:  # stats() takes the lock the condition holds: read them outside it
+            return core.stats()
         self._thread.join(timeout + 1.0)
         self._stop.set()
         self._thread.join(2.0)
@@ -980,6 +1035,9 @@ class EventEmitter(_Emitter):
                     result = self._post(action)
                 elif isinstance(action, _Sleep):
                     self._stop.wait(action.seconds)
+                    result = None
+                elif isinstance(action, _Record):
+                    self._core.write_record(action.batch)
                     result = None
                 else:
                     result = self._build_snapshot()
@@ -1156,6 +1214,9 @@ class AsyncEventEmitter(_Emitter):
                 elif isinstance(action, _Sleep):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), action.seconds)
+                    result = None
+                elif isinstance(action, _Record):
+                    await asyncio.to_thread(self._core.write_record, action.batch)
                     result = None
                 else:
                     result = await self._build_snapshot()

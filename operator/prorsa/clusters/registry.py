@@ -28,6 +28,7 @@ from prorsa.clusters.clock import ClockOffset
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
+from prorsa.core.forecast.table import ApplyResult
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import Event, Snapshot
 
@@ -158,6 +159,9 @@ class ClusterHandle:
         # Called when a batch announces a weight update: the operator ticks at once, since
         # the update's duration is the lead time a switch toward prefill can use.
         self.on_weight_update: Callable[[], None] | None = None
+        # Called with each batch's new events right after the Controller applied them, in
+        # the order it applied them (a recorder, ``prorsa record``); may run in a thread.
+        self.on_applied: Callable[[Sequence[Event]], None] | None = None
 
     # -- identity and auth ---------------------------------------------------------------
 
@@ -218,7 +222,7 @@ class ClusterHandle:
         applied = anomalies = 0
         if fresh:
             result = await self._exclusive(
-                self.controller.observe,
+                self._observe,
                 fresh,
                 offload=len(fresh) > self.limits.offload_events,
                 pending=len(fresh),
@@ -242,6 +246,12 @@ class ClusterHandle:
             superseded=superseded,
             anomalies=anomalies,
         )
+
+    def _observe(self, events: Sequence[Event]) -> ApplyResult:
+        result = self.controller.observe(events)
+        if self.on_applied is not None:
+            self.on_applied(events)
+        return result
 
     async def apply_snapshot(
         self, snapshot: Snapshot, *, received: float, sent_at: float | None = None

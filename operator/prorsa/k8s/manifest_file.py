@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from prorsa.core.spec import KIND, RolloutCluster, SpecError, parse_cluster
+from prorsa.core.spec import KIND, Problem, RolloutCluster, SpecError, parse_cluster
 
 
 def load_cluster(path: str | Path) -> RolloutCluster:
@@ -24,8 +24,8 @@ def load_cluster(path: str | Path) -> RolloutCluster:
     try:
         docs = [d for d in yaml.safe_load_all(text) if d]
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        raise SpecError([Problem("", f"not valid YAML: {exc}")], source=str(path)) from None
     for doc in docs:
         if isinstance(doc, dict) and doc.get("kind") == KIND:
-            return parse_cluster(doc)
-    raise SpecError(f"{path}: no document of kind {KIND}")
+            return parse_cluster(doc, source=str(path))
+    raise SpecError([Problem("", f"no document of kind {KIND}")], source=str(path))
