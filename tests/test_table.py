@@ -75,6 +75,34 @@ def test_unknown_and_finished_trajectories_are_counted_not_fatal(log) -> None:
     assert t.anomalies["finished_trajectory"] == 1
 
 
+def test_a_drop_heard_first_leaves_no_ghost_when_earlier_events_follow(log) -> None:
+    """Events of one trajectory can arrive out of order (two emitters, a retried batch): a
+    drop (or a reward's end) heard before anything else of its trajectory is remembered,
+    so the earlier events that follow do not bring it back as a live, ready ghost."""
+    t = table()
+    log("trajectory_dropped", "a", 10.0, reason="sandbox died")
+    log("reward_finished", "b", 10.0, accepted=False)
+    t.apply(log.take())
+    log("request_queued", "a", 5.0, prompt_tokens=70_000, turn=0)
+    log("prefill_started", "a", 6.0)
+    log("sample_dispatched", "b", 1.0)
+    log("request_queued", "b", 2.0, prompt_tokens=70_000, turn=0)
+    t.apply(log.take())
+    assert len(t) == 0 and t.state_counts()["ready"] == 0
+    assert t.anomalies["finished_trajectory"] == 4
+
+
+def test_tombstones_are_bounded(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()), finished_window=100)
+    for i in range(1000):
+        log("trajectory_dropped", f"gone-{i}", 1.0)
+    t.apply(log.take())
+    log("request_queued", "gone-0", 0.5, prompt_tokens=5, turn=0)  # forgotten: let in
+    log("request_queued", "gone-999", 0.5, prompt_tokens=5, turn=0)  # remembered
+    t.apply(log.take())
+    assert t.slot_of("gone-0") is not None and t.slot_of("gone-999") is None
+
+
 def test_unexpected_transition_is_applied_and_counted(log) -> None:
     t = table()
     log("request_queued", "a", 1.0, prompt_tokens=5, turn=0)

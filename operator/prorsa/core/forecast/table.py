@@ -353,9 +353,16 @@ class TrajectoryTable:
                 self._group_free.append(g)
         del self._slots[trajectory]
         self._free.append(slot)
-        self._finished[trajectory] = None
-        if len(self._finished) > self._finished_window:
-            self._finished.popitem(last=False)
+        self._tombstone(trajectory)
+
+    def _tombstone(self, trajectory: str) -> None:
+        """Remember that ``trajectory`` ended (the newest ``finished_window`` of them), so
+        its late or out-of-order events cannot bring it back."""
+        finished = self._finished
+        finished[trajectory] = None
+        finished.move_to_end(trajectory)
+        if len(finished) > self._finished_window:
+            finished.popitem(last=False)
 
     def _join_group(self, slot: int, name: str | None) -> None:
         if name is None or self._c.group[slot] >= 0:
@@ -736,6 +743,7 @@ class TrajectoryTable:
     def _reward_finished(self, e: ev.RewardFinished, slot: int | None) -> None:
         if slot is None:
             self._gone(e)
+            self._tombstone(e.trajectory)
             return
         if self._c.state[slot] == REWARD and e.ts >= self._c.since[slot]:
             self._obs.on_reward(
@@ -747,7 +755,10 @@ class TrajectoryTable:
 
     def _trajectory_dropped(self, e: ev.TrajectoryDropped, slot: int | None) -> None:
         if slot is None:
+            # Heard before any other event of its trajectory (events out of order across
+            # emitters or retries): the earlier ones still to come must not create it.
             self._gone(e)
+            self._tombstone(e.trajectory)
             return
         self._release(e.trajectory, slot)
 
