@@ -291,3 +291,24 @@ async def test_one_batch_from_a_clock_far_ahead_does_not_evict_live_trajectories
         live = srv.handle.controller.live_trajectories()
         assert live["ready"] == 6, (decision.at - now, live)
         assert srv.handle.controller.table.anomalies["evicted"] == 0
+
+
+@pytest.mark.parametrize("ahead_batch", [0, 1], ids=["first", "second"])
+async def test_a_clock_far_ahead_in_the_first_batches_does_not_move_the_trainer_clock(
+    ahead_batch: int,
+) -> None:
+    """The first or the second batch stamped almost an hour ahead (inside the window): the
+    estimate is not trusted on so few samples, so the tick still runs at the present and
+    the live trajectories still count as ready."""
+    async with serve() as srv:
+        now = time.time()
+        for i in range(2):
+            sent = now + 3500.0 if i == ahead_batch else now
+            batch = [queued(f"q{i}-{k}", f"t{i}-{k}", now) for k in range(3)]
+            r = await srv.post(batch, **{"X-Prorsa-Sent-At": repr(sent)})
+            assert r.status_code == 200, r.text
+        decision = await srv.handle.tick()
+        assert decision.at < time.time() + 60.0, decision.at - time.time()
+        assert decision.forecast.components.ready == 6 * 1000
+        status = (await srv.http.get(f"{BASE}/status", headers=AUTH)).json()
+        assert status["clockSkewSeconds"] is None  # not estimated yet

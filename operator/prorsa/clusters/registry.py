@@ -279,6 +279,10 @@ class ClusterHandle:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
 
         def run() -> Decision:
+            if now is None and not self.clock.trusted:
+                # The present is the server's guess until the trainer's clock is known: a
+                # trainer whose clock is behind would see its trajectories evicted.
+                return self.controller.tick(self.trainer_now(), evict_now=-math.inf)
             at = self.trainer_now() if now is None else now
             return self.controller.tick(at, evict_now=self._eviction_now(at))
 
@@ -289,10 +293,10 @@ class ClusterHandle:
         server's monotonic clock since the previous tick (from the server's wall clock at
         the first one).
 
-        A batch stamped an hour ahead can move the clock estimate by an hour (while fewer
-        than three batches have arrived); without this, the next tick would find every
-        live trajectory silent for longer than the TTL and evict it. A trainer clock that
-        really is ahead of the server's is caught up with at one extra second per second.
+        A majority of batches stamped an hour ahead can move the clock estimate by an
+        hour; without this, the next tick would find every live trajectory silent for
+        longer than the TTL and evict it. A trainer clock that really is ahead of the
+        server's is caught up with at one extra second per second.
         """
         mono = self.clock.monotonic()
         if self._evicted_at is None:

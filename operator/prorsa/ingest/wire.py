@@ -82,7 +82,8 @@ class ClusterStatus(_Reply):
     trainer_now: float = Field(alias="trainerNow", description="The present on the trainer clock.")
     clock_skew_seconds: float | None = Field(
         alias="clockSkewSeconds",
-        description="Estimated trainer clock minus server clock; null before any batch.",
+        description="Estimated trainer clock minus server clock; null until 5 batches have "
+        "shown it (the server then ticks at its own clock).",
     )
     pending_events: int = Field(alias="pendingEvents")
     batches: int
