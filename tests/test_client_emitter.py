@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -330,6 +331,49 @@ async def test_wrong_token_is_retried_a_while_then_dropped_loudly(
     assert stats.dropped_undeliverable == 1 and stats.retries >= 2
     assert "HTTP 401" in caplog.text
     assert hook.handle.applied == 0
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_rotated_token_file_is_picked_up_and_nothing_is_lost(
+    hook: Webhook, flavour: str, tmp_path: Path
+) -> None:
+    """The server's token rotates (no overlap): batches get 401 and are retried until the
+    trainer's mounted token file holds the new token; then every event arrives."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    options = dict(url=hook.url, namespace="rl", name="c", token_file=token_file, backoff=FAST)
+    em: AsyncEventEmitter | EventEmitter = (
+        AsyncEventEmitter(**options) if flavour == "async" else EventEmitter(**options)
+    )
+    if isinstance(em, AsyncEventEmitter):
+        await em.start()
+    lifecycle(em, 4, prefix="before")
+    assert await _flush(em)
+    hook.handle.set_token("rotated")  # what the operator does when the Secret changes
+    lifecycle(em, 4, prefix="after")
+    await asyncio.sleep(0.3)  # some 401s meanwhile
+    assert hook.handle.applied == 38
+    tmp = tmp_path / "token.new"  # the kubelet's atomic swap of a Secret volume's files
+    tmp.write_text("rotated\n")
+    tmp.replace(token_file)
+    assert await _flush(em)
+    stats = await em.aclose() if isinstance(em, AsyncEventEmitter) else em.close()
+    assert stats.retries >= 1 and stats.dropped == 0 and accounted(stats)
+    assert hook.handle.applied == 76
+
+
+async def _flush(em: AsyncEventEmitter | EventEmitter) -> bool:
+    if isinstance(em, AsyncEventEmitter):
+        return await em.flush(timeout=10)
+    return await asyncio.to_thread(em.flush, 10)
+
+
+def test_a_token_and_a_token_file_are_one_or_the_other(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        EventEmitter(url="http://x", namespace="rl", name="c")
+    with pytest.raises(ValueError, match="holds no token"):
+        (tmp_path / "empty").write_text("\n")
+        EventEmitter(url="http://x", namespace="rl", name="c", token_file=tmp_path / "empty")
 
 
 def test_sync_close_gives_up_within_its_timeout() -> None:

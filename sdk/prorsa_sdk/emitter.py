@@ -16,6 +16,8 @@ generator of actions that the thread and the task each execute):
   reason) and the rest of the batch is sent again. 413: the batch is split in halves.
 * 401 / 404 (a token being rotated, a cluster the operator is still registering) are
   retried for ``give_up_after`` seconds, then the batch is dropped, counted and logged.
+  With ``token_file=`` (a mounted Secret) every request carries the file's token as it is
+  then: a rotated Secret reaches the emitter when the kubelet refreshes the file.
 * When the buffer is full the *oldest* events are dropped, counted in
   ``stats.dropped_overflow`` and logged (rate-limited); if a snapshot source is
   available the emitter then posts a snapshot, which repairs the server's view.
@@ -204,6 +206,41 @@ def _retry_after(reply: _Reply) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+class _TokenFile:
+    """The bearer token in a file, read again whenever the file changes.
+
+    A Secret mounted as a volume is refreshed by the kubelet after a rotation (an atomic
+    swap of the files, so a new inode); the stat check keeps the read off every request.
+    A file that cannot be read later keeps the last token, logged once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._token = ""
+        self._warned = False
+        if not self.token():  # at start, a missing or empty file is an error
+            raise ValueError(f"token_file {self.path} holds no token")
+
+    def token(self) -> str:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp:
+                with open(self.path, encoding="utf-8") as f:
+                    token = f.read().strip()
+                if token:
+                    self._token, self._stamp, self._warned = token, stamp, False
+        except (OSError, UnicodeDecodeError) as exc:
+            if not self._token:
+                raise ValueError(f"cannot read token_file {self.path}: {exc}") from None
+            if not self._warned:
+                self._warned = True
+                log.warning("prorsa token_file %s unreadable (%s); keeping its last token",
+                            self.path, exc)  # fmt: skip
+        return self._token
+
+
 class _Core:
     """State and policy shared by both emitters; all mutation under ``self.lock``."""
 
@@ -213,7 +250,8 @@ class _Core:
         url: str,
         namespace: str,
         name: str,
-        token: str,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
         batch_size: int = 500,
         flush_interval: float = 0.2,
         max_buffer: int = 100_000,
@@ -227,12 +265,15 @@ class _Core:
             raise ValueError("need batch_size >= 1 and max_buffer >= batch_size")
         if flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        if (token is None) == (token_file is None):
+            raise ValueError("give the bearer token as token= or as token_file=, not both")
+        self.token_file = _TokenFile(token_file) if token_file is not None else None
         base = f"/v1/namespaces/{namespace}/rolloutclusters/{name}"
         self.url = url.rstrip("/")
         self.events_path = f"{base}/events"
         self.snapshot_path = f"{base}/snapshot"
         self.headers = {
-            "Authorization": f"Bearer {token.strip()}",
+            "Authorization": f"Bearer {(token or '').strip()}",
             "Content-Type": "application/json",
             "User-Agent": f"prorsa-sdk/{__version__}",
         }
@@ -564,7 +605,10 @@ class _Core:
             attempt += 1
 
     def send_headers(self) -> dict[str, str]:
-        return {**self.headers, SENT_AT_HEADER: repr(self.clock())}
+        headers = {**self.headers, SENT_AT_HEADER: repr(self.clock())}
+        if self.token_file is not None:
+            headers["Authorization"] = f"Bearer {self.token_file.token()}"
+        return headers
 
 
 def _dumps(obj: Any) -> bytes:
@@ -805,7 +849,8 @@ class EmitterOptions(TypedDict, total=False):
     url: Required[str]  # the webhook's base URL
     namespace: Required[str]  # the RolloutCluster's namespace
     name: Required[str]  # and name
-    token: Required[str]  # the trainer's bearer token
+    token: str  # the trainer's bearer token, or:
+    token_file: str | os.PathLike[str]  # a file holding it, re-read when it changes
     track: bool  # [False] snapshots from the built-in tracker (one emitter sees all)
     batch_size: int  # [500] events per request
     flush_interval: float  # [0.2] seconds an event may wait for a fuller batch
