@@ -423,6 +423,57 @@ async def test_restarted_server_is_resynced_from_the_tracker() -> None:
         await hook.runner.cleanup()
 
 
+async def test_workers_with_an_emitter_each_resync_without_erasing_each_other() -> None:
+    """verl's layout: one tracked emitter per worker, each seeing its own trajectories. The
+    operator restarts; each worker's snapshot replaces its own trajectories alone, so the
+    new server knows all of them (without ids the last snapshot would erase the others)."""
+    hook = await start_webhook()
+    port = int(hook.url.rsplit(":", 1)[1])
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    workers = [
+        AsyncEventEmitter(**options, track=True, emitter_id=f"worker-{rank}") for rank in range(3)
+    ]
+    try:
+        for rank, em in enumerate(workers):
+            lifecycle(em, 10, prefix=f"w{rank}-")
+        assert all([await em.flush() for em in workers])
+        assert hook.live == {"tool": 15}
+        await hook.runner.cleanup()  # the operator restarts: all state is lost
+        hook = await start_webhook(port=port)
+        for rank, em in enumerate(workers):  # the next batch of each learns of the restart
+            em.request_queued(f"w{rank}-0", prompt_tokens=1200, turn=1)
+        assert all([await em.flush(timeout=20) for em in workers])
+        assert all(em.stats.resyncs == 2 and em.stats.dropped == 0 for em in workers)
+        assert hook.live == {"ready": 3, "tool": 12}  # every worker's trajectories
+    finally:
+        for em in workers:
+            await em.aclose()
+        await hook.runner.cleanup()
+
+
+async def test_a_restarted_worker_clears_what_its_previous_process_left(hook: Webhook) -> None:
+    """A worker process dies with trajectories live; its replacement (same emitter id)
+    posts its own, empty, view when it starts: no ghost waits an hour for eviction."""
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-7") as old:
+        lifecycle(old, 6, prefix="old-")
+        assert await old.flush()
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-8") as other:
+        lifecycle(other, 2, prefix="other-")
+        assert await other.flush()
+    assert hook.live == {"tool": 4}
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-7") as new:
+        new.sample_dispatched("new-0", task="swe")
+        assert await new.flush()
+        assert new.stats.resyncs == 1
+    assert hook.live == {"starting": 1, "tool": 1}  # new-0 and other-0
+
+
+def test_an_emitter_id_must_be_a_header_value() -> None:
+    with pytest.raises(ValueError, match="emitter_id"):
+        EventEmitter(url="http://x", namespace="rl", name="c", token=TOKEN, emitter_id="a b")
+
+
 def test_sync_resync_uses_the_user_callback() -> None:
     async def main() -> None:
         hook = await start_webhook()

@@ -24,6 +24,10 @@ generator of actions that the thread and the task each execute):
 * A reply with ``resync: true`` (the server restarted and lost its state) makes the
   emitter post ``POST .../snapshot`` built by the ``snapshot`` callback (or by the
   built-in tracker with ``track=True``) before sending more events.
+* ``emitter_id=`` names the emitter (``X-Prorsa-Emitter``) for trainers that run one per
+  worker: its snapshots then replace only the trajectories it reported, so each worker
+  resyncs on its own (and, with a snapshot source, once when it starts, which clears what
+  a previous process of the same id left). Without it a snapshot replaces every trajectory.
 * ``close()`` flushes what is buffered, within a timeout; whatever could not be delivered
   by then is counted as dropped and logged, never silently lost.
 
@@ -60,7 +64,7 @@ from pydantic_core import to_json
 
 from prorsa_contract import __version__
 from prorsa_contract.aio import cancel_and_wait
-from prorsa_contract.events import Snapshot, SnapshotTrajectory
+from prorsa_contract.events import EMITTER_HEADER, Snapshot, SnapshotTrajectory, valid_emitter
 from prorsa_sdk.tracker import TrajectoryTracker
 
 log = logging.getLogger("prorsa_sdk")
@@ -252,6 +256,7 @@ class _Core:
         name: str,
         token: str | None = None,
         token_file: str | os.PathLike[str] | None = None,
+        emitter_id: str | None = None,
         batch_size: int = 500,
         flush_interval: float = 0.2,
         max_buffer: int = 100_000,
@@ -268,6 +273,12 @@ class _Core:
         if (token is None) == (token_file is None):
             raise ValueError("give the bearer token as token= or as token_file=, not both")
         self.token_file = _TokenFile(token_file) if token_file is not None else None
+        if emitter_id is not None and not valid_emitter(emitter_id):
+            raise ValueError(
+                f"emitter_id {emitter_id!r}: 1-128 letters, digits and _.:- starting with a "
+                "letter or digit"
+            )
+        self.emitter_id = emitter_id
         base = f"/v1/namespaces/{namespace}/rolloutclusters/{name}"
         self.url = url.rstrip("/")
         self.events_path = f"{base}/events"
@@ -277,6 +288,8 @@ class _Core:
             "Content-Type": "application/json",
             "User-Agent": f"prorsa-sdk/{__version__}",
         }
+        if emitter_id is not None:
+            self.headers[EMITTER_HEADER] = emitter_id
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
@@ -290,7 +303,9 @@ class _Core:
         self.counters = _Counters()
         self.tracker = TrajectoryTracker() if track else None
         self.can_snapshot = has_snapshot or track
-        self.repair = False  # events were dropped: post a snapshot when possible
+        # Events were dropped: post a snapshot when possible. A named emitter also posts
+        # one at its start: a previous process of its id may have left trajectories.
+        self.repair = emitter_id is not None and self.can_snapshot
         self.last_repair = -math.inf
         self.resync_warned_epoch: int | None = None
         self.abandon_at = math.inf  # monotonic deadline set by close(timeout)
@@ -480,8 +495,9 @@ class _Core:
             # At most one repair snapshot per interval, however long the drops go on.
             with self.lock:
                 self.repair = False
+            reason = "the emitter started" if self.last_repair == -math.inf else None
             self.last_repair = now
-            yield from self._resync(reason="events were dropped")
+            yield from self._resync(reason=reason or "events were dropped")
 
     def _deliver_one(self, batch: list[bytes], pieces: list[list[bytes]]) -> Delivery:
         attempt = 0
@@ -588,6 +604,8 @@ class _Core:
             if isinstance(result, _Reply) and 200 <= result.status < 300:
                 with self.lock:
                     self.counters.resyncs += 1
+                    self.repair = False  # the snapshot repairs drops before it too
+                self.last_repair = time.monotonic()
                 log.info(
                     "prorsa resync: posted %d live trajectories (%s)",
                     len(built.trajectories),
@@ -851,6 +869,7 @@ class EmitterOptions(TypedDict, total=False):
     name: Required[str]  # and name
     token: str  # the trainer's bearer token, or:
     token_file: str | os.PathLike[str]  # a file holding it, re-read when it changes
+    emitter_id: str  # [none] this emitter's stable id, one per worker (snapshots scoped to it)
     track: bool  # [False] snapshots from the built-in tracker (one emitter sees all)
     batch_size: int  # [500] events per request
     flush_interval: float  # [0.2] seconds an event may wait for a fuller batch

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from prorsa.clusters.clock import ClockOffset
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
+from prorsa.core.forecast.table import MAX_EMITTERS, ApplyResult
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import Event, Snapshot
 
@@ -141,6 +143,10 @@ class ClusterHandle:
         self._token = normalize_token(token)
         self._resync = resync
         self._snapshot_ts: float | None = None
+        # Per named emitter: its last snapshot's ts (its events stamped earlier are
+        # superseded), and, while ``resync`` holds, the emitters that have resynced.
+        self._emitter_snapshot_ts: OrderedDict[str, float] = OrderedDict()
+        self._resynced: OrderedDict[str, None] = OrderedDict()
         self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
@@ -174,12 +180,25 @@ class ClusterHandle:
 
     @property
     def resync(self) -> bool:
-        """True until the trainer has posted a snapshot to this epoch."""
+        """True until the trainer has posted a snapshot of every trajectory to this epoch
+        (one without an emitter id; named emitters each resync on their own)."""
         return self._resync
+
+    def resync_for(self, emitter: str | None) -> bool:
+        """Whether the replies to ``emitter`` ask for its snapshot: until it has posted
+        one to this epoch (or a snapshot of every trajectory came)."""
+        return self._resync and (emitter is None or emitter not in self._resynced)
 
     def request_resync(self) -> None:
         """Ask the trainer for a snapshot in the next reply (e.g. after losing state)."""
         self._resync = True
+        self._resynced.clear()
+
+    def _supersede_before(self, emitter: str | None) -> float | None:
+        """Events of ``emitter`` stamped before this are in a snapshot already."""
+        mine = None if emitter is None else self._emitter_snapshot_ts.get(emitter)
+        cutoffs = [t for t in (self._snapshot_ts, mine) if t is not None]
+        return max(cutoffs) if cutoffs else None
 
     def trainer_now(self) -> float:
         return self.clock.trainer_now()
@@ -202,23 +221,36 @@ class ClusterHandle:
             raise QueueFull(pending=pending, retry_after=max(1, math.ceil(wait)))
 
     async def apply(
-        self, events: Sequence[Event], *, received: float, sent_at: float | None = None
+        self,
+        events: Sequence[Event],
+        *,
+        received: float,
+        sent_at: float | None = None,
+        emitter: str | None = None,
     ) -> BatchOutcome:
         """Validate-then-apply step of one batch: capacity, dedupe, Controller.
 
         Raises :class:`QueueFull` before changing anything. ``received`` is the arrival
-        time on ``self.clock.monotonic()``; ``sent_at`` the client's send time if it said.
+        time on ``self.clock.monotonic()``; ``sent_at`` the client's send time if it said;
+        ``emitter`` the id the batch names (``X-Prorsa-Emitter``), if any.
         """
         self.check_capacity(len(events))
         if events:
             newest = sent_at if sent_at is not None else max(e.ts for e in events)
             self.clock.observe(received=received, trainer_sent=newest)
         window = self._window
-        fresh, duplicates, superseded = window.admit(events, before=self._snapshot_ts)
+        before = self._supersede_before(emitter)
+        fresh, duplicates, superseded = window.admit(events, before=before)
         applied = anomalies = 0
         if fresh:
+            controller = self.controller
+
+            def observe(batch: list[Event]) -> ApplyResult:
+                with controller.table.emitting(emitter):
+                    return controller.observe(batch)
+
             result = await self._exclusive(
-                self.controller.observe,
+                observe,
                 fresh,
                 offload=len(fresh) > self.limits.offload_events,
                 pending=len(fresh),
@@ -244,32 +276,64 @@ class ClusterHandle:
         )
 
     async def apply_snapshot(
-        self, snapshot: Snapshot, *, received: float, sent_at: float | None = None
+        self,
+        snapshot: Snapshot,
+        *,
+        received: float,
+        sent_at: float | None = None,
+        emitter: str | None = None,
     ) -> None:
         """Replace the Controller's trajectories with the trainer's; clears ``resync``.
 
-        Events stamped before the snapshot that arrive after it (from a buffer, a retry or
-        another emitter) are already reflected in it; they are counted as ``superseded``
-        and not applied, so no transition is applied twice.
+        With an ``emitter`` id, only the trajectories that emitter reported last are
+        replaced, and only that emitter's ``resync`` is cleared. Events stamped before the
+        snapshot that arrive after it (from a buffer, a retry or another emitter, for a
+        snapshot of every trajectory; from the same emitter, for a named one) are already
+        reflected in it; they are counted as ``superseded`` and not applied, so no
+        transition is applied twice.
         """
         sent = sent_at if sent_at is not None else snapshot.ts
         self.clock.observe(received=received, trainer_sent=sent)
         n = len(snapshot.trajectories)
         # The cutoff moves now, as the snapshot joins the queue: batches queued before it
         # apply first and are then replaced by it; batches arriving after it are filtered.
-        previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
+        cutoffs = self._emitter_snapshot_ts
+        if emitter is None:
+            previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
+        else:
+            previous = cutoffs.pop(emitter, None)
+            cutoffs[emitter] = snapshot.ts
+            if len(cutoffs) > MAX_EMITTERS:
+                cutoffs.popitem(last=False)
 
         def undo() -> None:
-            self._snapshot_ts = previous
+            if emitter is None:
+                self._snapshot_ts = previous
+            elif previous is None:
+                cutoffs.pop(emitter, None)
+            else:
+                cutoffs[emitter] = previous
+
+        controller = self.controller
+
+        def observe(loaded: Snapshot) -> None:
+            with controller.table.emitting(emitter):
+                controller.observe_snapshot(loaded)
 
         await self._exclusive(
-            self.controller.observe_snapshot,
+            observe,
             snapshot,
             offload=n > self.limits.offload_events,
             pending=n,
             on_error=undo,
         )
-        self._resync = False
+        if emitter is None:
+            self._resync = False
+            self._resynced.clear()
+        elif self._resync:
+            self._resynced[emitter] = None
+            if len(self._resynced) > MAX_EMITTERS:
+                self._resynced.popitem(last=False)
         self.snapshots += 1
 
     async def observe_engines(self, states: Sequence[EngineState]) -> None:

@@ -7,9 +7,10 @@ an application the operator already runs in its own asyncio loop.
 Order of checks on a request, cheapest and least revealing first: token (401: a token
 of no served cluster, whether or not the cluster exists, so names cannot be probed), then
 cluster known (404), header sanity (400), ``X-Prorsa-Sent-At`` within the window of
-plausible times (422), declared size (413), the cluster's queue (429), body read within
-its deadline (408), the size limit (413) and the server-wide bytes in flight (429), parse
-and validate (400/422), event times within the window (422), then dedupe and apply.
+plausible times and ``X-Prorsa-Emitter`` well formed (422), declared size (413), the
+cluster's queue (429), body read within its deadline (408), the size limit (413) and the
+server-wide bytes in flight (429), parse and validate (400/422), event times within the
+window (422), then dedupe and apply.
 
 Nothing is read into memory before the token is checked, and the bytes held at once
 across all requests are bounded, so memory stays bounded under any input. Bytes count
@@ -38,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prorsa.clusters.auth import bearer_token
 from prorsa.clusters.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.core.forecast.table import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside
@@ -50,6 +52,7 @@ from prorsa.ingest.wire import (
     SnapshotReply,
 )
 from prorsa_contract.events import (
+    EMITTER_HEADER,
     BatchError,
     Event,
     FieldError,
@@ -57,6 +60,7 @@ from prorsa_contract.events import (
     parse_batch,
     parse_ndjson,
     parse_snapshot,
+    valid_emitter,
 )
 
 log = logging.getLogger("prorsa.ingest")
@@ -298,6 +302,17 @@ class WebhookServer:
             )
         return value
 
+    def _emitter(self, request: web.Request, handle: ClusterHandle) -> str | None:
+        """The ``X-Prorsa-Emitter`` id the request names, if any (422 when malformed)."""
+        raw = request.headers.get(EMITTER_HEADER)
+        if raw is None:
+            return None
+        if not valid_emitter(raw):
+            raise _invalid_emitter(
+                handle, "1-128 letters, digits and _.:- starting with a letter or digit"
+            )
+        return raw
+
     @asynccontextmanager
     async def _holding(self, request: web.Request, handle: ClusterHandle) -> AsyncIterator[_Held]:
         """Count the body's bytes against the server-wide budget until the block ends.
@@ -386,6 +401,7 @@ class WebhookServer:
         received = handle.clock.monotonic()
         window = self._window(handle)
         sent_at = self._sent_at(request, handle, window)
+        emitter = self._emitter(request, handle)
         try:
             handle.check_capacity()
         except QueueFull as full:
@@ -404,9 +420,13 @@ class WebhookServer:
             body = await self._read(request, handle, limit=limit, held=held)
             events: list[Event] = await self._parse(body, parse_in_window, handle)
         try:
-            outcome = await handle.apply(events, received=received, sent_at=sent_at)
+            outcome = await handle.apply(
+                events, received=received, sent_at=sent_at, emitter=emitter
+            )
         except QueueFull as full:
             raise _queue_full(full, handle) from None
+        except TooManyEmitters as exc:
+            raise _invalid_emitter(handle, str(exc)) from None
         m = self.metrics
         if outcome.applied:
             m.count_events(map(_EVENT_TYPE, events))
@@ -416,7 +436,7 @@ class WebhookServer:
             m.superseded.inc(outcome.superseded)
         reply = BatchReply(
             epoch=handle.epoch,
-            resync=handle.resync,
+            resync=handle.resync_for(emitter),
             accepted=outcome.accepted,
             applied=outcome.applied,
             duplicates=outcome.duplicates,
@@ -431,6 +451,7 @@ class WebhookServer:
         received = handle.clock.monotonic()
         window = self._window(handle)
         sent_at = self._sent_at(request, handle, window)
+        emitter = self._emitter(request, handle)
 
         def parse_in_window(body: bytes) -> Snapshot:
             snapshot = parse_snapshot(body)
@@ -443,15 +464,23 @@ class WebhookServer:
         async with self._holding(request, handle) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             snapshot = await self._parse(body, parse_in_window, handle)
-        await handle.apply_snapshot(snapshot, received=received, sent_at=sent_at)
+        try:
+            await handle.apply_snapshot(
+                snapshot, received=received, sent_at=sent_at, emitter=emitter
+            )
+        except TooManyEmitters as exc:
+            raise _invalid_emitter(handle, str(exc)) from None
         log.info(
-            "%s/%s: resync snapshot with %d live trajectories",
+            "%s/%s: resync snapshot with %d live trajectories%s",
             handle.namespace,
             handle.name,
             len(snapshot.trajectories),
+            "" if emitter is None else f" of emitter {emitter}",
         )
         reply = SnapshotReply(
-            epoch=handle.epoch, resync=handle.resync, trajectories=len(snapshot.trajectories)
+            epoch=handle.epoch,
+            resync=handle.resync_for(emitter),
+            trajectories=len(snapshot.trajectories),
         )
         return web.json_response(reply.wire())
 
@@ -488,6 +517,16 @@ def _unreadable(errors: list[FieldError]) -> bool:
         and errors[0].index is None
         and errors[0].field == "body"
         and errors[0].message.startswith("Invalid JSON")
+    )
+
+
+def _invalid_emitter(handle: ClusterHandle, why: str) -> Refusal:
+    return Refusal(
+        422,
+        "invalid",
+        f"{EMITTER_HEADER} refused; nothing was applied",
+        handle=handle,
+        errors=[FieldError(None, EMITTER_HEADER, why)],
     )
 
 
