@@ -24,6 +24,7 @@ from conftest import make_spec
 
 from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
 from prorsa.core.controller import Controller
+from prorsa.core.spec import RolloutClusterSpec
 from prorsa.ingest import WebhookServer
 from prorsa_sdk import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
 
@@ -87,10 +88,15 @@ class Webhook:
 
 
 async def start_webhook(
-    *, port: int = 0, limits: IngestLimits | None = None, chaos: Chaos | None = None
+    *,
+    port: int = 0,
+    limits: IngestLimits | None = None,
+    chaos: Chaos | None = None,
+    spec: RolloutClusterSpec | None = None,
 ) -> Webhook:
     registry = ClusterRegistry(limits=limits)
-    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=Controller(make_spec()))
+    controller = Controller(spec or make_spec())
+    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=controller)
     chaos = chaos or Chaos()
     app = web.Application(middlewares=[chaos.middleware()])
     WebhookServer(registry).add_routes(app)
@@ -362,10 +368,10 @@ async def test_a_rotated_token_file_is_picked_up_and_nothing_is_lost(
     assert hook.handle.applied == 76
 
 
-async def _flush(em: AsyncEventEmitter | EventEmitter) -> bool:
+async def _flush(em: AsyncEventEmitter | EventEmitter, timeout: float = 10) -> bool:
     if isinstance(em, AsyncEventEmitter):
-        return await em.flush(timeout=10)
-    return await asyncio.to_thread(em.flush, 10)
+        return await em.flush(timeout=timeout)
+    return await asyncio.to_thread(em.flush, timeout)
 
 
 def test_a_token_and_a_token_file_are_one_or_the_other(tmp_path: Path) -> None:
@@ -374,6 +380,40 @@ def test_a_token_and_a_token_file_are_one_or_the_other(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds no token"):
         (tmp_path / "empty").write_text("\n")
         EventEmitter(url="http://x", namespace="rl", name="c", token_file=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_at_the_trajectory_limit_new_trajectories_wait_and_the_rest_flows(
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One emitter, a cluster that holds 4 live trajectories: the batch that starts four
+    more is set aside (429 trajectory_limit) while the next batches, which end the first
+    four, go through; then the set-aside batch gets in. Nothing is dropped, nothing waits
+    forever behind the refused batch."""
+    spec = make_spec(trainer={"maxLiveTrajectories": 4}, forecast={"horizonSeconds": 1})
+    hook = await start_webhook(spec=spec)  # Retry-After: one horizon
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    em: AsyncEventEmitter | EventEmitter = (
+        AsyncEventEmitter(**options) if flavour == "async" else EventEmitter(**options)
+    )
+    try:
+        if isinstance(em, AsyncEventEmitter):
+            await em.start()
+        for i in range(4):
+            em.request_queued(f"old{i}", prompt_tokens=100, turn=0)
+        assert await _flush(em)
+        for i in range(4):
+            em.request_queued(f"new{i}", prompt_tokens=100, turn=0)
+        assert not await _flush(em, timeout=0.3)  # refused, set aside: still pending
+        assert em.stats.pending == 4 and "trajectory limit" in caplog.text
+        for i in range(4):
+            em.reward_finished(f"old{i}", accepted=True)
+        assert await _flush(em, timeout=30)  # the ends go first, then the new ones fit
+        stats = await em.aclose() if isinstance(em, AsyncEventEmitter) else em.close()
+        assert stats.dropped == 0 and accounted(stats) and stats.retries >= 1
+        assert sorted(hook.handle.controller.table._slots) == [f"new{i}" for i in range(4)]
+    finally:
+        await hook.runner.cleanup()
 
 
 def test_sync_close_gives_up_within_its_timeout() -> None:

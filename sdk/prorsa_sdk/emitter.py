@@ -11,7 +11,10 @@ generator of actions that the thread and the task each execute):
 
 * 429, 5xx, connection errors and timeouts are retried with exponential backoff and full
   jitter, honouring Retry-After, until the emitter is closed. Event ids make retries
-  idempotent: the server counts a replayed id instead of applying it twice.
+  idempotent: the server counts a replayed id instead of applying it twice. A 429 for the
+  cluster's live-trajectory limit (``reason: trajectory_limit``: the batch applied but for
+  the events that start new trajectories) sets the batch aside until Retry-After and sends
+  the newer events meanwhile: their ends of trajectories are what makes room.
 * 422: the server names the bad events; they are dropped (counted, logged with the
   reason) and the rest of the batch is sent again. 413: the batch is split in halves.
 * 401 / 404 (a token being rotated, a cluster the operator is still registering) are
@@ -199,6 +202,14 @@ class _DropLog:
             log.warning("prorsa emitter dropped %d event(s): %s", count, why)
 
 
+def _reason(reply: object) -> str | None:
+    """A refusal's ``reason`` (the webhook names it in its error body)."""
+    if not isinstance(reply, _Reply):
+        return None
+    reason = reply.json().get("reason")
+    return reason if isinstance(reason, str) else None
+
+
 def _retry_after(reply: _Reply) -> float | None:
     raw = reply.headers.get("retry-after")
     if raw is None:
@@ -300,6 +311,9 @@ class _Core:
         self.buffer: deque[bytes] = deque()  # events already encoded as JSON objects
         self.first_at = 0.0  # monotonic time the oldest buffered event arrived
         self.in_flight = 0
+        # Batches set aside at the cluster's trajectory limit: (not before, batch), in order.
+        self.held: deque[tuple[float, list[bytes]]] = deque()
+        self.held_events = 0
         self.counters = _Counters()
         self.tracker = TrajectoryTracker() if track else None
         self.can_snapshot = has_snapshot or track
@@ -311,6 +325,7 @@ class _Core:
         self.abandon_at = math.inf  # monotonic deadline set by close(timeout)
         self.closed = False
         self.drops = _DropLog()
+        self._limit_noted = -math.inf
         self._prefix = uuid.uuid4().hex[:12] + "-"
         self._seq = itertools.count()
 
@@ -366,8 +381,11 @@ class _Core:
                     self.tracker.apply(event)
                 except Exception:  # a tracker bug must never reach the training loop
                     log.exception("prorsa trajectory tracker failed on %r", event.get("type"))
-            if len(buf) >= self.max_buffer:
-                buf.popleft()
+            if len(buf) + self.held_events >= self.max_buffer:
+                if buf:
+                    buf.popleft()
+                else:  # everything waiting is set aside: the oldest of those goes
+                    self._drop_oldest_held()
                 c.dropped_overflow += 1
                 self.repair = self.can_snapshot
                 self.drops.note(
@@ -398,18 +416,40 @@ class _Core:
         return batch
 
     def idle(self) -> bool:
-        return not self.buffer and not self.in_flight
+        return not self.buffer and not self.in_flight and not self.held
+
+    def hold(self, batch: list[bytes], *, seconds: float) -> None:
+        """Set ``batch`` aside for ``seconds`` (the trajectory limit); newer batches go."""
+        with self.lock:
+            self.held.append((time.monotonic() + seconds, batch))
+            self.held_events += len(batch)
+
+    def _drop_oldest_held(self) -> None:
+        """One event of the oldest batch set aside, the caller holding ``lock``."""
+        batch = self.held[0][1]
+        batch.pop(0)
+        self.held_events -= 1
+        if not batch:
+            self.held.popleft()
 
     def next_step(self, *, now: float, flushing: bool, closing: bool) -> list[bytes] | float | None:
         """The sender's next step, the caller holding ``lock``: a batch to deliver now,
         seconds to wait for one, or None once closing has nothing left to send."""
         if self.due(now=now, flushing=flushing or closing):
             return self.take()
+        if self.held and (closing or self.held[0][0] <= now):
+            _, batch = self.held.popleft()
+            self.held_events -= len(batch)
+            self.in_flight = len(batch)
+            return batch
         if closing and not self.buffer:
             return None
+        waits = [1.0]
         if self.buffer:
-            return max(self.first_at + self.flush_interval - now, 0.001)
-        return 1.0
+            waits.append(max(self.first_at + self.flush_interval - now, 0.001))
+        if self.held:
+            waits.append(max(self.held[0][0] - now, 0.001))
+        return min(waits)
 
     def lost(self, batch: list[bytes]) -> None:
         """A bug broke the delivery of ``batch``: count it dropped so nothing hides it."""
@@ -422,8 +462,10 @@ class _Core:
         """Closed: what is still buffered is counted as dropped; the final stats."""
         with self.lock:
             self.closed = True
-            left = len(self.buffer)
+            left = len(self.buffer) + self.held_events
             self.buffer.clear()
+            self.held.clear()
+            self.held_events = 0
         if left:
             self._drop(
                 left, "undeliverable", "emitter closed before they could be sent", cause="close"
@@ -446,7 +488,7 @@ class _Core:
                 dropped_overflow=c.dropped_overflow,
                 dropped_invalid=c.dropped_invalid,
                 dropped_undeliverable=c.dropped_undeliverable,
-                pending=len(self.buffer) + self.in_flight,
+                pending=len(self.buffer) + self.in_flight + self.held_events,
                 batches=c.batches,
                 retries=c.retries,
                 resyncs=c.resyncs,
@@ -558,6 +600,21 @@ class _Core:
                         f"HTTP {status} for {self.give_up_after:.0f}s (wrong token or cluster?)",
                         cause=f"http{status}",
                     )
+                    return
+            elif status == 429 and _reason(result) == "trajectory_limit":
+                # Applied but for the events that start new trajectories. Trajectories that
+                # end make room, and their ends are in the newer batches: send those first.
+                retry_after = _retry_after(result) if isinstance(result, _Reply) else None
+                if not self._abandoned():
+                    with self.lock:
+                        self.counters.retries += 1
+                    if self._limit_noted + 60.0 <= time.monotonic():
+                        self._limit_noted = time.monotonic()
+                        log.warning(
+                            "prorsa webhook at the cluster's trajectory limit "
+                            "(spec.trainer.maxLiveTrajectories): new trajectories wait"
+                        )
+                    self.hold(batch, seconds=retry_after or 1.0)
                     return
             elif status is not None and status != 429 and status < 500:
                 text = result.body[:300] if isinstance(result, _Reply) else b""

@@ -45,10 +45,17 @@ class IngestLimits:
 
     max_batch_bytes: int = 4 << 20
     """Largest ``POST .../events`` body (after any Content-Encoding); larger gets 413."""
-    max_snapshot_bytes: int = 64 << 20
-    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory."""
-    max_inflight_bytes: int = 256 << 20
-    """Request bodies being read or parsed at once, whole server; beyond it 429."""
+    max_snapshot_bytes: int = 32 << 20
+    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory (the
+    default cap of 100,000 at ~300 bytes each fits). Parsed, a snapshot takes about 12
+    times its size in memory."""
+    max_inflight_bytes: int = 16 << 20
+    """Event batch bodies being read or parsed at once, whole server; beyond it 429: four
+    of the largest batches, or 160 of the SDK's (500 events). Parsed events take about 10
+    times their JSON's size, so this bounds that memory."""
+    max_inflight_snapshot_bytes: int = 32 << 20
+    """Snapshot bodies being read, parsed or loaded at once, whole server; beyond it 429:
+    by default one snapshot of the largest size at a time."""
     max_pending_events: int = 50_000
     """Validated events waiting for one cluster's Controller; beyond it 429."""
     dedupe_window: int = 65_536
@@ -77,6 +84,7 @@ class IngestLimits:
             "max_batch_bytes",
             "max_snapshot_bytes",
             "max_inflight_bytes",
+            "max_inflight_snapshot_bytes",
             "max_pending_events",
             "dedupe_window",
         ):
@@ -104,6 +112,38 @@ class BatchOutcome:
     duplicates: int
     superseded: int
     anomalies: int
+
+
+class TrajectoryLimit(Exception):
+    """The cluster holds ``spec.trainer.maxLiveTrajectories``: events that would start new
+    trajectories (``deferred`` of them), or a snapshot, were not applied. ``outcome`` is
+    what the rest of the batch did; ``retry_after`` None means a retry cannot fit (a
+    snapshot that lists more trajectories than the limit)."""
+
+    def __init__(
+        self,
+        *,
+        live: int,
+        limit: int,
+        deferred: int,
+        retry_after: int | None,
+        outcome: BatchOutcome | None = None,
+    ) -> None:
+        if outcome is None:
+            what = "the snapshot was not loaded"
+        else:
+            what = (
+                f"{deferred} event(s) that would start new trajectories were not applied "
+                f"(the other {outcome.accepted} were: resending the whole batch is safe)"
+            )
+        super().__init__(
+            f"{live} live trajectories, at spec.trainer.maxLiveTrajectories ({limit}): {what}"
+        )
+        self.live = live
+        self.limit = limit
+        self.deferred = deferred
+        self.retry_after = retry_after
+        self.outcome = outcome
 
 
 class QueueFull(Exception):
@@ -160,6 +200,9 @@ class ClusterHandle:
         self.superseded = 0
         self.anomalies = 0
         self.snapshots = 0
+        # Requests refused at the live-trajectory limit, and when the last one was.
+        self.limit_hits = 0
+        self.last_limit_hit: float | None = None
         self.created = time.time()
         # Called when a batch announces a weight update: the operator ticks at once, since
         # the update's duration is the lead time a switch toward prefill can use.
@@ -242,14 +285,21 @@ class ClusterHandle:
         before = self._supersede_before(emitter)
         fresh, duplicates, superseded = window.admit(events, before=before)
         applied = anomalies = 0
+        left: list[Event] = []
         if fresh:
             controller = self.controller
 
-            def observe(batch: list[Event]) -> ApplyResult:
-                with controller.table.emitting(emitter):
-                    return controller.observe(batch)
+            def observe(batch: list[Event]) -> tuple[ApplyResult, list[Event]]:
+                table = controller.table
+                # Under the lock: the batches queued ahead may have filled the table.
+                limit = controller.spec.trainer.max_live_trajectories
+                fits, refused = table.split_at_limit(batch, limit)
+                if refused:
+                    window.forget(e.id for e in refused)  # a retry applies them
+                with table.emitting(emitter):
+                    return controller.observe(fits), refused
 
-            result = await self._exclusive(
+            result, left = await self._exclusive(
                 observe,
                 fresh,
                 offload=len(fresh) > self.limits.offload_events,
@@ -267,12 +317,31 @@ class ClusterHandle:
         self.duplicates += duplicates
         self.superseded += superseded
         self.anomalies += anomalies
-        return BatchOutcome(
-            accepted=len(events),
+        outcome = BatchOutcome(
+            accepted=len(events) - len(left),
             applied=applied,
             duplicates=duplicates,
             superseded=superseded,
             anomalies=anomalies,
+        )
+        if left:
+            raise self._at_limit(deferred=len(left), outcome=outcome)
+        return outcome
+
+    def _at_limit(
+        self, *, deferred: int, outcome: BatchOutcome | None, retry: bool = True
+    ) -> TrajectoryLimit:
+        """The refusal at the live-trajectory limit, counted for the status condition. A
+        retry is worth it after about a horizon, when trajectories have ended."""
+        self.limit_hits += 1
+        self.last_limit_hit = time.monotonic()
+        spec = self.controller.spec
+        return TrajectoryLimit(
+            live=len(self.controller.table),
+            limit=spec.trainer.max_live_trajectories,
+            deferred=deferred,
+            retry_after=max(1, math.ceil(spec.forecast.horizon_seconds)) if retry else None,
+            outcome=outcome,
         )
 
     async def apply_snapshot(
@@ -316,17 +385,28 @@ class ClusterHandle:
 
         controller = self.controller
 
-        def observe(loaded: Snapshot) -> None:
-            with controller.table.emitting(emitter):
+        def observe(loaded: Snapshot) -> bool | None:
+            """Load it; else whether a retry may fit (False: it never can)."""
+            table = controller.table
+            limit = controller.spec.trainer.max_live_trajectories
+            if n > limit:
+                return False
+            if len(table) - table.live_of(emitter) + n > limit:
+                return True  # other emitters' trajectories may end meanwhile
+            with table.emitting(emitter):
                 controller.observe_snapshot(loaded)
+            return None
 
-        await self._exclusive(
+        refused = await self._exclusive(
             observe,
             snapshot,
             offload=n > self.limits.offload_events,
             pending=n,
             on_error=undo,
         )
+        if refused is not None:
+            undo()
+            raise self._at_limit(deferred=n, outcome=None, retry=refused)
         if emitter is None:
             self._resync = False
             self._resynced.clear()

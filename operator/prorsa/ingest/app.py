@@ -9,8 +9,10 @@ of no served cluster, whether or not the cluster exists, so names cannot be prob
 cluster known (404), header sanity (400), ``X-Prorsa-Sent-At`` within the window of
 plausible times and ``X-Prorsa-Emitter`` well formed (422), declared size (413), the
 cluster's queue (429), body read within its deadline (408), the size limit (413) and the
-server-wide bytes in flight (429), parse and validate (400/422), event times within the
-window (422), then dedupe and apply.
+server-wide bytes in flight (429; events and snapshots each have a budget), parse and
+validate (400/422), event times within the window (422), then dedupe and apply, where
+events that would start trajectories past the cluster's ``maxLiveTrajectories`` are
+refused (429, the rest of the batch applied).
 
 Nothing is read into memory before the token is checked, and the bytes held at once
 across all requests are bounded, so memory stays bounded under any input. Bytes count
@@ -38,7 +40,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prorsa.clusters.auth import bearer_token
-from prorsa.clusters.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.clusters.registry import (
+    ClusterHandle,
+    ClusterRegistry,
+    IngestLimits,
+    QueueFull,
+    TrajectoryLimit,
+)
 from prorsa.core.forecast.table import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.webhook_metrics import WebhookMetrics
@@ -108,6 +116,7 @@ class Refusal(Exception):
             ]
         body = ErrorReply(
             error=self.message,
+            reason=self.reason,
             epoch=None if h is None else h.epoch,
             resync=None if h is None else h.resync,
             errors=details,
@@ -124,12 +133,23 @@ class Refusal(Exception):
         return response
 
 
+class _Budget:
+    """Body bytes held at once by all requests of one kind (events, or snapshots)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+
 class _Held:
-    """Body bytes one request holds against the server-wide in-flight budget."""
+    """Body bytes one request holds against its kind's in-flight budget."""
 
-    __slots__ = ("bytes",)
+    __slots__ = ("budget", "bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
         self.bytes = 0
 
 
@@ -164,12 +184,14 @@ class WebhookServer:
         self.limits: IngestLimits = self.registry.limits
         self.metrics = metrics if metrics is not None else WebhookMetrics()
         self.metrics.pending.set_function(self.registry.pending_events)
-        self._inflight_bytes = 0
+        self._events_budget = _Budget(self.limits.max_inflight_bytes)
+        self._snapshots_budget = _Budget(self.limits.max_inflight_snapshot_bytes)
 
     @property
     def inflight_bytes(self) -> int:
-        """Request body bytes held right now, server-wide (read, being parsed)."""
-        return self._inflight_bytes
+        """Request body bytes held right now, server-wide (read, being parsed, a snapshot
+        until it is loaded)."""
+        return self._events_budget.held + self._snapshots_budget.held
 
     # -- assembly ------------------------------------------------------------------------
 
@@ -314,22 +336,24 @@ class WebhookServer:
         return raw
 
     @asynccontextmanager
-    async def _holding(self, request: web.Request, handle: ClusterHandle) -> AsyncIterator[_Held]:
-        """Count the body's bytes against the server-wide budget until the block ends.
+    async def _holding(
+        self, request: web.Request, handle: ClusterHandle, budget: _Budget
+    ) -> AsyncIterator[_Held]:
+        """Count the body's bytes against ``budget`` until the block ends.
 
         Bytes are counted as they arrive (:meth:`_read`), so a stalled client holds only
         what it sent. A body whose declared size cannot fit now is refused before reading.
         """
         declared = request.content_length
         plain = not request.headers.get("Content-Encoding")
-        inflight = self._inflight_bytes
-        if declared and plain and inflight and inflight + declared > self.limits.max_inflight_bytes:
+        inflight = budget.held
+        if declared and plain and inflight and inflight + declared > budget.limit:
             raise _busy(handle)
-        held = _Held()
+        held = _Held(budget)
         try:
             yield held
         finally:
-            self._inflight_bytes -= held.bytes
+            budget.held -= held.bytes
 
     async def _read(
         self, request: web.Request, handle: ClusterHandle, *, limit: int, held: _Held
@@ -341,7 +365,7 @@ class WebhookServer:
             raise Refusal(
                 413, "too_large", f"body of {declared} bytes exceeds {limit}", handle=handle
             )
-        budget = self.limits.max_inflight_bytes
+        budget = held.budget
         deadline = self.limits.body_timeout_seconds
         chunks: list[bytes] = []
         size = 0
@@ -355,9 +379,9 @@ class WebhookServer:
                             413, "too_large", f"body exceeds {limit} bytes", handle=handle
                         )
                     # Alone, a request may use the whole budget: a legal body always fits.
-                    if self._inflight_bytes + n > budget and self._inflight_bytes > held.bytes:
+                    if budget.held + n > budget.limit and budget.held > held.bytes:
                         raise _busy(handle)
-                    self._inflight_bytes += n
+                    budget.held += n
                     held.bytes += n
                     chunks.append(chunk)
         except TimeoutError:
@@ -416,7 +440,7 @@ class WebhookServer:
             return events
 
         limit = self.limits.max_batch_bytes
-        async with self._holding(request, handle) as held:
+        async with self._holding(request, handle, self._events_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             events: list[Event] = await self._parse(body, parse_in_window, handle)
         try:
@@ -427,6 +451,8 @@ class WebhookServer:
             raise _queue_full(full, handle) from None
         except TooManyEmitters as exc:
             raise _invalid_emitter(handle, str(exc)) from None
+        except TrajectoryLimit as capped:  # counted when the resent batch is accepted
+            raise _trajectory_limit(capped, handle) from None
         m = self.metrics
         if outcome.applied:
             m.count_events(map(_EVENT_TYPE, events))
@@ -461,15 +487,19 @@ class WebhookServer:
             return snapshot
 
         limit = self.limits.max_snapshot_bytes
-        async with self._holding(request, handle) as held:
+        # Held until loaded: the parsed snapshot is the largest object a request makes.
+        async with self._holding(request, handle, self._snapshots_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             snapshot = await self._parse(body, parse_in_window, handle)
-        try:
-            await handle.apply_snapshot(
-                snapshot, received=received, sent_at=sent_at, emitter=emitter
-            )
-        except TooManyEmitters as exc:
-            raise _invalid_emitter(handle, str(exc)) from None
+            del body
+            try:
+                await handle.apply_snapshot(
+                    snapshot, received=received, sent_at=sent_at, emitter=emitter
+                )
+            except TooManyEmitters as exc:
+                raise _invalid_emitter(handle, str(exc)) from None
+            except TrajectoryLimit as capped:
+                raise _trajectory_limit(capped, handle) from None
         log.info(
             "%s/%s: resync snapshot with %d live trajectories%s",
             handle.namespace,
@@ -527,6 +557,32 @@ def _invalid_emitter(handle: ClusterHandle, why: str) -> Refusal:
         f"{EMITTER_HEADER} refused; nothing was applied",
         handle=handle,
         errors=[FieldError(None, EMITTER_HEADER, why)],
+    )
+
+
+def _trajectory_limit(capped: TrajectoryLimit, handle: ClusterHandle) -> Refusal:
+    """429 with Retry-After at the cluster's live-trajectory limit; 422 for a snapshot
+    that lists more trajectories than the limit (no retry can fit it)."""
+    if capped.retry_after is None:
+        return Refusal(
+            422,
+            "trajectory_limit",
+            str(capped),
+            handle=handle,
+            errors=[
+                FieldError(
+                    None,
+                    "trajectories",
+                    f"{capped.deferred} listed; spec.trainer.maxLiveTrajectories is {capped.limit}",
+                )
+            ],
+        )
+    return Refusal(
+        429,
+        "trajectory_limit",
+        f"{capped}; retry after {capped.retry_after}s",
+        handle=handle,
+        retry_after=capped.retry_after,
     )
 
 

@@ -125,8 +125,11 @@ _BODY_ERRORS = {
         "`errors` names the index (null: the body or a header) and field of each."
     ),
     "429": _error(
-        "The cluster's queue is full, or the server holds too many request bodies; retry "
-        "after Retry-After seconds.",
+        "The cluster's queue is full, or the server holds too many request bodies; or the "
+        "cluster holds spec.trainer.maxLiveTrajectories live trajectories: the events that "
+        "would start new ones (and their trajectories' later events) were not applied, the "
+        "others were. Retry (the whole batch: event ids make it safe) after Retry-After "
+        "seconds.",
         **_RETRY_AFTER,
     ),
 }
@@ -157,7 +160,8 @@ def openapi_document() -> dict[str, Any]:
     events_op = {
         "operationId": "postEvents",
         "summary": "Post a batch of trajectory lifecycle events.",
-        "description": "The batch is validated whole and applied whole, or refused whole. "
+        "description": "The batch is validated whole and applied whole, or refused whole "
+        "(except at the cluster's live-trajectory limit: see 429). "
         'Send JSON `{"events": [...]}` or one event per line (NDJSON). Event ids are '
         "idempotency keys: a replayed id is counted in `duplicates` and not applied again. "
         "When the reply says `resync: true`, POST a snapshot before more events. "

@@ -52,6 +52,13 @@ class ErrorReply(_Reply):
     """Every refusal. ``errors`` lists each bad event and field on 422."""
 
     error: str
+    reason: str | None = Field(
+        None,
+        description="Why, as prorsa_webhook_rejects_total counts it: unreadable, invalid, "
+        "unauthorized, unknown_cluster, too_large, timeout, queue_full, busy or "
+        "trajectory_limit (429: events that would start trajectories past the cluster's "
+        "maxLiveTrajectories were not applied, the others were).",
+    )
     epoch: int | None = None
     resync: bool | None = None
     errors: list[ErrorDetail] | None = None

@@ -526,6 +526,55 @@ class TrajectoryTable:
                 if slot is not None:
                     owner[slot] = code
 
+    def split_at_limit(
+        self, events: list[ev.Event], limit: int
+    ) -> tuple[list[ev.Event], list[ev.Event]]:
+        """``events`` that fit under ``limit`` live trajectories, and the rest: those that
+        would start a trajectory past it, with every later event of that trajectory.
+
+        Events of live trajectories always fit (a trajectory that ends frees its slot, so
+        refusing those would keep the table full for good), as do ends of unknown ones.
+        What is refused is left out whole per trajectory, so a resent batch applies it in
+        order. A batch that cannot reach the limit is not looked at.
+        """
+        slots = self._slots
+        room = limit - len(slots)
+        if len(events) <= room:
+            return events, []
+        finished = self._finished
+        fits: list[ev.Event] = []
+        left: list[ev.Event] = []
+        started: set[str] = set()
+        refused: set[str] = set()
+        for event in events:
+            if isinstance(event, _CLUSTER):
+                fits.append(event)
+                continue
+            t = event.trajectory
+            if t in refused:
+                left.append(event)
+            elif t in slots or t in started or event.type in _REMOVALS or t in finished:
+                fits.append(event)
+            elif room > 0:
+                room -= 1
+                started.add(t)
+                fits.append(event)
+            else:
+                refused.add(t)
+                left.append(event)
+        return fits, left
+
+    def live_of(self, emitter: str | None) -> int:
+        """Live trajectories a snapshot from ``emitter`` replaces (None: all of them)."""
+        if emitter is None:
+            return len(self._slots)
+        code = self.emitters.get(emitter)
+        if code is None:
+            return 0
+        n = self._hwm
+        cols = self.cols
+        return int(np.count_nonzero((cols["state"][:n] != FREE) & (cols["emitter"][:n] == code)))
+
     def emitter_counts(self) -> dict[str, int]:
         """Live trajectories by the emitter that reported them last ("": none named).
 
