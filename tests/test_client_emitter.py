@@ -375,7 +375,7 @@ async def _flush(em: AsyncEventEmitter | EventEmitter, timeout: float = 10) -> b
 
 
 def test_a_token_and_a_token_file_are_one_or_the_other(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="exactly one"):
         EventEmitter(url="http://x", namespace="rl", name="c")
     with pytest.raises(ValueError, match="holds no token"):
         (tmp_path / "empty").write_text("\n")

@@ -343,6 +343,25 @@ async def test_a_workers_snapshot_replaces_only_its_own_trajectories(srv: Served
     assert srv.handle.resync is True  # no snapshot of every trajectory yet
 
 
+async def test_a_workers_snapshot_does_not_supersede_its_weight_update_events(
+    srv: Served,
+) -> None:
+    """The end of a weight update, stamped before the emitter's own snapshot (which lists
+    trajectories, not updates) and delivered after it, still ends the update."""
+    t0 = time.time()
+    started = {"id": "ws", "type": "weight_update_started", "ts": t0 - 2, "version": 4}
+    finished = {"id": "wf", "type": "weight_update_finished", "ts": t0 - 1, "version": 4,
+                "reprefill_trajectories": 0}  # fmt: skip
+    trainer = emitting("verl-trainer")
+    await srv.http.post(f"{BASE}/events", json={"events": [started]}, headers=trainer)
+    snap = {"ts": t0, "trajectories": []}
+    assert (await srv.http.post(f"{BASE}/snapshot", json=snap, headers=trainer)).is_success
+    late = [finished, queued("late", "t", t0 - 1)]
+    r = await srv.http.post(f"{BASE}/events", json={"events": late}, headers=trainer)
+    assert (r.json()["applied"], r.json()["superseded"]) == (1, 1)
+    assert srv.handle.controller.table.weight_update.pending is False
+
+
 async def test_a_snapshot_without_an_emitter_still_replaces_every_trajectory(
     srv: Served,
 ) -> None:

@@ -282,7 +282,7 @@ class _Core:
         if flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
         if (token is None) == (token_file is None):
-            raise ValueError("give the bearer token as token= or as token_file=, not both")
+            raise ValueError("give the bearer token as token= or as token_file= (exactly one)")
         self.token_file = _TokenFile(token_file) if token_file is not None else None
         if emitter_id is not None and not valid_emitter(emitter_id):
             raise ValueError(

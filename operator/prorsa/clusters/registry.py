@@ -31,7 +31,7 @@ from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
 from prorsa.core.forecast.table import MAX_EMITTERS, ApplyResult
 from prorsa_contract.agent_api import EngineState
-from prorsa_contract.events import Event, Snapshot
+from prorsa_contract.events import CLUSTER_EVENT_TYPES, Event, Snapshot
 
 T = TypeVar("T")
 
@@ -200,9 +200,8 @@ class ClusterHandle:
         self.superseded = 0
         self.anomalies = 0
         self.snapshots = 0
-        # Requests refused at the live-trajectory limit, and when the last one was.
+        # Requests refused at the live-trajectory limit (the runtime's status condition).
         self.limit_hits = 0
-        self.last_limit_hit: float | None = None
         self.created = time.time()
         # Called when a batch announces a weight update: the operator ticks at once, since
         # the update's duration is the lead time a switch toward prefill can use.
@@ -237,11 +236,18 @@ class ClusterHandle:
         self._resync = True
         self._resynced.clear()
 
-    def _supersede_before(self, emitter: str | None) -> float | None:
-        """Events of ``emitter`` stamped before this are in a snapshot already."""
+    def _superseded(
+        self, events: Sequence[Event], emitter: str | None
+    ) -> tuple[Sequence[Event], int]:
+        """``events`` less the trajectory events a named emitter's last snapshot holds
+        already (stamped before it), and how many those were. Its cluster events stay: a
+        snapshot of one emitter's trajectories says nothing of a weight update's end."""
         mine = None if emitter is None else self._emitter_snapshot_ts.get(emitter)
-        cutoffs = [t for t in (self._snapshot_ts, mine) if t is not None]
-        return max(cutoffs) if cutoffs else None
+        every = self._snapshot_ts
+        if mine is None or (every is not None and every >= mine):
+            return events, 0
+        kept = [e for e in events if not e.ts < mine or e.type in CLUSTER_EVENT_TYPES]
+        return kept, len(events) - len(kept)
 
     def trainer_now(self) -> float:
         return self.clock.trainer_now()
@@ -282,8 +288,9 @@ class ClusterHandle:
             newest = sent_at if sent_at is not None else max(e.ts for e in events)
             self.clock.observe(received=received, trainer_sent=newest)
         window = self._window
-        before = self._supersede_before(emitter)
-        fresh, duplicates, superseded = window.admit(events, before=before)
+        current, superseded = self._superseded(events, emitter)
+        fresh, duplicates, older = window.admit(current, before=self._snapshot_ts)
+        superseded += older
         applied = anomalies = 0
         left: list[Event] = []
         if fresh:
@@ -334,7 +341,6 @@ class ClusterHandle:
         """The refusal at the live-trajectory limit, counted for the status condition. A
         retry is worth it after about a horizon, when trajectories have ended."""
         self.limit_hits += 1
-        self.last_limit_hit = time.monotonic()
         spec = self.controller.spec
         return TrajectoryLimit(
             live=len(self.controller.table),
@@ -376,12 +382,15 @@ class ClusterHandle:
                 cutoffs.popitem(last=False)
 
         def undo() -> None:
+            # Unless a later snapshot moved the cutoff meanwhile.
             if emitter is None:
-                self._snapshot_ts = previous
-            elif previous is None:
-                cutoffs.pop(emitter, None)
-            else:
-                cutoffs[emitter] = previous
+                if self._snapshot_ts == snapshot.ts:
+                    self._snapshot_ts = previous
+            elif cutoffs.get(emitter) == snapshot.ts:
+                if previous is None:
+                    del cutoffs[emitter]
+                else:
+                    cutoffs[emitter] = previous
 
         controller = self.controller
 

@@ -199,7 +199,7 @@ def openapi_document() -> dict[str, Any]:
         "counted as `superseded` and not applied: the snapshot already reflects them. With "
         f"`{EMITTER_HEADER}`, the snapshot lists that emitter's live trajectories and "
         "replaces only the ones it reported last (and supersedes only its own earlier "
-        "events); a weight update it does not mention stays as known. "
+        "trajectory events); a weight update it does not mention stays as known. "
         f"{INTEGER_RULE} {WINDOW_RULE}",
         "security": secured,
         "parameters": [_SENT_AT_PARAM, _EMITTER_PARAM],
