@@ -78,7 +78,9 @@ DESCRIPTIONS: dict[str, str] = {
     "router.image": "Router image.",
     "router.policy": "smg routing policy.",
     "trainer.tokenSecretRef": "Secret holding the trainer's bearer token; unset: the operator "
-    "creates `<cluster>-trainer-token` (key `token`).",
+    "creates `<cluster>-trainer-token` (key `token`). Read again every 2 s: a changed token "
+    "(or Secret named here) is in force at once and the old one refused "
+    "([security.md](security.md#rotating-the-trainer-token)).",
     "trainer.tokenSecretRef.name": "Secret name.",
     "trainer.tokenSecretRef.key": "Key in the Secret.",
 }

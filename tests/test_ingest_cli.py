@@ -141,6 +141,29 @@ def test_sigterm_stops_it_and_the_port_is_released(ingest: tuple[Proc, str]) -> 
         s.bind(("127.0.0.1", port))  # free again
 
 
+def test_a_changed_token_file_is_in_force_within_a_second(
+    ingest: tuple[Proc, str], files: tuple[Path, Path]
+) -> None:
+    """The trainer's token rotated in the file (as a mounted Secret is): the new one is
+    accepted and the old one refused, with no restart; a file emptied by mistake keeps the
+    token in force."""
+    proc, url = ingest
+    _, token_file = files
+    status = f"{url}/v1/namespaces/rl/rolloutclusters/qwen3-coder/status"
+
+    def code(token: str) -> int:
+        return httpx.get(status, headers={"Authorization": f"Bearer {token}"}).status_code
+
+    assert code("s3cret-token") == 200
+    token_file.write_text("")
+    proc.expect(r"--token-file .*: .*empty.*the token in force stays")
+    assert code("s3cret-token") == 200
+    token_file.write_text("rotated-token\n")
+    proc.expect(r"changed: its token is in force, the previous one is refused")
+    assert code("rotated-token") == 200
+    assert code("s3cret-token") == 401
+
+
 def test_json_format_prints_each_decision(files: tuple[Path, Path]) -> None:
     cluster, token = files
     proc = Proc(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from prorsa.core.controller import Controller
 from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, SpecError, validate_spec
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
-from prorsa.k8s import groups
+from prorsa.k8s import groups, trainer_token
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
@@ -245,7 +244,12 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
         except ValueError as exc:
             kopf.warn(body, reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(str(exc)) from None
-        token = await _trainer_token(ctx, namespace=namespace, name=name, spec=cluster, uid=uid)
+        try:
+            token = await trainer_token.initial_token(
+                ctx.kube, namespace=namespace, name=name, uid=uid, spec=cluster
+            )
+        except trainer_token.TokenUnavailable as exc:
+            raise kopf.TemporaryError(str(exc), delay=30) from None
         handle = ctx.registry.add(
             namespace=namespace, name=name, token=token, controller=Controller(cluster)
         )
@@ -264,6 +268,12 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             group_manager=ctx.group_manager,
         )
         ctx.runtimes[(namespace, name)] = runtime
+        # A rotated Secret, or a spec naming another, is in force within a poll.
+        tokens = trainer_token.TokenFollower(
+            kube=ctx.kube, namespace=namespace, name=name, uid=uid, handle=handle,
+            spec=lambda: runtime.spec, token=token, post_event=runtime.post_event,
+        )  # fmt: skip
+        following = asyncio.create_task(tokens.run(), name=f"prorsa-token-{name}")
 
         def forget(_: object) -> None:
             # Only once the runtime is closed: until then cleanup must find it to await it.
@@ -277,6 +287,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             runtime.start()
             await stopped.wait()
         finally:
+            following.cancel()
             closing = runtime.close()
             closing.add_done_callback(forget)
             await asyncio.shield(closing)
@@ -355,47 +366,6 @@ def _namespaced(namespace: str | None) -> str:
     if namespace is None:
         raise kopf.PermanentError("a RolloutCluster or engine pod without a namespace")
     return namespace
-
-
-async def _trainer_token(
-    ctx: OperatorContext, *, namespace: str, name: str, spec: RolloutClusterSpec, uid: str
-) -> str:
-    """The trainer's bearer token: the referenced Secret, or one the operator creates."""
-    ref = spec.trainer.token_secret_ref
-    if ref is not None:
-        for _ in range(30):
-            token = await ctx.kube.read_secret_key(namespace, ref.name, ref.key)
-            if token:
-                return token.strip()
-            log.warning("%s/%s: waiting for Secret %s key %s", namespace, name, ref.name, ref.key)
-            await asyncio.sleep(2.0)
-        raise kopf.TemporaryError(f"Secret {ref.name} has no key {ref.key}", delay=30)
-    secret_name = f"{name}-trainer-token"
-    token = await ctx.kube.read_secret_key(namespace, secret_name, "token")
-    if token:
-        return token.strip()
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name,
-            "namespace": namespace,
-            "labels": obj.labels(name, "trainer-token"),
-            "ownerReferences": [
-                {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": "RolloutCluster",
-                    "name": name,
-                    "uid": uid,
-                    "controller": True,
-                }
-            ],
-        },
-        "type": "Opaque",
-        "stringData": {"token": secrets.token_urlsafe(32)},
-    }
-    await ctx.kube.ensure(manifest)
-    return (await ctx.kube.read_secret_key(namespace, secret_name, "token") or "").strip()
 
 
 def connection_from_kubeconfig(path: str) -> kopf.ConnectionInfo:

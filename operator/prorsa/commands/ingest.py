@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 HELP = "serve the trainer webhook for one RolloutCluster manifest (no Kubernetes)"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TOKEN_FILE_POLL_SECONDS = 1.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +62,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-file",
         required=True,
         type=Path,
-        help="file holding the bearer token trainers must send",
+        help="file holding the bearer token trainers must send; read again every second, "
+        "so a new token is in force (and the old one refused) within a second of a change",
     )
     parser.add_argument(
         "--tls-cert-file",
@@ -220,6 +222,7 @@ async def _serve(
         writer = asyncio.create_task(recorder.run())
     server = WebhookServer(registry)
     running = await server.start(host=host, port=port, ssl_context=tls.context if tls else None)
+    following = asyncio.create_task(follow_token_file(args.token_file, handle, token))
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     on_stop_signals(stop.set)
@@ -263,6 +266,7 @@ async def _serve(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, next_tick - loop.time()))
     finally:
+        following.cancel()
         drop_stop_signals()
         await running.stop()
         await handle.idle()
@@ -291,6 +295,43 @@ async def _serve(
                 flush=True,
             )
     return 0
+
+
+async def follow_token_file(
+    path: Path, handle: ClusterHandle, token: str, *, interval: float = TOKEN_FILE_POLL_SECONDS
+) -> None:
+    """Put the token of ``path`` in force whenever it changes, the old one refused (no
+    overlap), as the operator follows its Secret. A file that cannot be read or holds no
+    usable token leaves the token in force as it is, and says so once per cause."""
+    import asyncio
+
+    from prorsa.clusters.auth import normalize_token
+
+    current = normalize_token(token)
+    problem: str | None = None
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            fresh = normalize_token(await asyncio.to_thread(path.read_bytes))
+        except (OSError, ValueError) as exc:
+            if str(exc) != problem:
+                problem = str(exc)
+                print(
+                    f"prorsa ingest: warning: --token-file {path}: {exc}; the token in force stays",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            continue
+        problem = None
+        if fresh != current:
+            handle.set_token(fresh)
+            current = fresh
+            print(
+                f"prorsa ingest: {path} changed: its token is in force, the previous one is "
+                "refused",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _tokens(n: float) -> str:

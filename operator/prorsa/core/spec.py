@@ -368,6 +368,14 @@ class SecretKeyRef(_Spec):
 
 class TrainerSpec(_Spec):
     token_secret_ref: SecretKeyRef | None = Field(None, alias="tokenSecretRef")
+    max_live_trajectories: Annotated[int, Field(ge=1, le=10_000_000)] = Field(
+        100_000,
+        alias="maxLiveTrajectories",
+        description="Live trajectories the operator holds for this cluster (each costs "
+        "~0.5-1 KB of its memory). Past it, events that would start a new trajectory are "
+        "refused with 429 and Retry-After (events of live ones still apply, so the trainer's "
+        "retry gets in as trajectories end), and the TrajectoryLimit condition is True.",
+    )
 
 
 class RolloutClusterSpec(_Spec):
@@ -708,7 +716,7 @@ class SwitchRecord(_Status):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "ForecastFresh", "Switching", "Degraded"]
+    type: Literal["Ready", "ForecastFresh", "Switching", "Degraded", "TrajectoryLimit"]
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
     message: str = ""

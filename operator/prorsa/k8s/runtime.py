@@ -90,6 +90,7 @@ class ClusterRuntime:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
     _last_failure: str | None = None  # the failed tick last reported as an Event
+    _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     group_manager: str = groups.OPERATOR_MANAGED
     engine_pods: int = 0
     _loop: asyncio.Task[None] | None = None
@@ -322,6 +323,7 @@ class ClusterRuntime:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
             self._last_advice = advice
+        await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
             await self._persist()
@@ -528,6 +530,29 @@ class ClusterRuntime:
                 self.name,
                 exc_info=True,
             )
+
+    async def _trajectory_limit(self) -> None:
+        """The TrajectoryLimit condition: True when the webhook refused new trajectories
+        at ``spec.trainer.maxLiveTrajectories`` since the previous tick; a Warning Event
+        when it turns True."""
+        hits = self.handle.limit_hits - self._limit_hits_seen
+        self._limit_hits_seen = self.handle.limit_hits
+        limit = self.spec.trainer.max_live_trajectories
+        live = len(self.handle.controller.table)
+        if not hits:
+            self._condition(
+                "TrajectoryLimit", "False", "BelowLimit", f"{live} of {limit} live trajectories"
+            )
+            return
+        was = (self._conditions.get("TrajectoryLimit") or {}).get("status") == "True"
+        message = (
+            f"{hits} request(s) refused new trajectories since the last tick: {live} live, at "
+            f"spec.trainer.maxLiveTrajectories ({limit}); the trainer resends them after "
+            "Retry-After, nothing accepted is lost"
+        )
+        self._condition("TrajectoryLimit", "True", "MaxLiveTrajectories", message)
+        if not was:
+            await self.post_event("Warning", "TrajectoryLimit", message)
 
     def _condition(self, kind: str, status: str, reason: str, message: str) -> None:
         old = self._conditions.get(kind)
