@@ -72,7 +72,7 @@ def test_engine_pod_manifest_follows_the_contract() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
-def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
+def test_engine_pods_run_unprivileged_and_the_spec_adds_within_bounds() -> None:
     spec = parse_cluster(cluster_manifest()).spec
     pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=spec)
     kubernetes_validate.validate(pod, "1.32", strict=True)
@@ -80,6 +80,7 @@ def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+    assert pod["spec"]["automountServiceAccountToken"] is False
     (container,) = pod["spec"]["containers"]
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
@@ -91,15 +92,24 @@ def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert users and users[-1].isdigit() and int(users[-1]) != 0
 
-    root = {"runAsUser": 0, "runAsNonRoot": False}
-    privileged = {"privileged": True, "capabilities": {"add": ["IPC_LOCK", "SYS_RESOURCE"]}}
+    # What the spec gives is merged over the defaults; non-root and no escalation stay.
+    pod_ctx = {"runAsUser": 2000, "fsGroup": 2000}
+    rdma = {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_RESOURCE"]}}
     opted = parse_cluster(
-        cluster_manifest(engine={"podSecurityContext": root, "securityContext": privileged})
+        cluster_manifest(engine={"podSecurityContext": pod_ctx, "securityContext": rdma})
     ).spec
     pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=opted)
     kubernetes_validate.validate(pod, "1.32", strict=True)
-    assert pod["spec"]["securityContext"] == root
-    assert pod["spec"]["containers"][0]["securityContext"] == privileged
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 2000,
+        "fsGroup": 2000,
+    }
+    assert pod["spec"]["containers"][0]["securityContext"] == rdma | {
+        "allowPrivilegeEscalation": False
+    }
+    assert obj.pod_violations(pod, cluster="demo", spec=opted) == []
     # A manifest never shares its dicts with the defaults.
     again = obj.engine_pod(cluster="demo", namespace="rl", index=1, role="decode", spec=spec)
     again["spec"]["containers"][0]["securityContext"]["capabilities"]["add"].append("NET_ADMIN")

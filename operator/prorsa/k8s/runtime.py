@@ -90,6 +90,7 @@ class ClusterRuntime:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
     _last_failure: str | None = None  # the failed tick last reported as an Event
+    _last_refusal: str | None = None  # the pod refusal last reported as an Event
     group_manager: str = groups.OPERATOR_MANAGED
     engine_pods: int = 0
     _loop: asyncio.Task[None] | None = None
@@ -404,12 +405,16 @@ class ClusterRuntime:
             # New pods mount the certificate Secret: issue it again if it was deleted (a
             # rotation), and trust whatever CA it now holds.
             await self._ensure_agent_tls()
-        for index in range(n):
-            if index in by_index or index in view.hold or index in sets:
-                continue
-            pods_of = groups.group_pods(
+        missing = {
+            index: groups.group_pods(
                 cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
             )
+            for index in range(n)
+            if index not in by_index and index not in view.hold and index not in sets
+        }
+        if not await self._within_bounds([p for group in missing.values() for p in group]):
+            missing = {}
+        for index, pods_of in missing.items():
             created = []
             if self.uses_lws:
                 manifest = lws.leader_worker_set(
@@ -424,6 +429,25 @@ class ClusterRuntime:
             if created:
                 await self.post_event("Normal", "EngineCreated", ", ".join(created))
         return [p for _, p in sorted(by_index.items())]
+
+    async def _within_bounds(self, pods: list[dict[str, Any]]) -> bool:
+        """The operator's own check of the pods it is about to create (docs/security.md):
+        none is created when one is out of bounds; a Warning Event says why, once per cause."""
+        problems: dict[str, list[str]] = {}
+        for pod in pods:
+            for problem in obj.pod_violations(pod, cluster=self.name, spec=self.spec):
+                problems.setdefault(problem, []).append(pod["metadata"]["name"])
+        if not problems:
+            self._last_refusal = None  # a cause that comes back is reported again
+            return True
+        causes = "; ".join(problems)
+        names = sorted({n for found in problems.values() for n in found})
+        message = f"{', '.join(names)} not created, out of the pod security bounds: {causes}"
+        log.error("%s/%s: %s", self.namespace, self.name, message)
+        if causes != self._last_refusal:
+            self._last_refusal = causes
+            await self.post_event("Warning", "PodRefused", message[:1000])
+        return False
 
     async def _poll(self, pods: list[dict[str, Any]]) -> dict[str, EngineState]:
         """Agent states by instance; a pod mid-switch is reported as switching."""
