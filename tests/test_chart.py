@@ -139,6 +139,15 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The operator's ClusterRole (the chart also ships the users' prorsa-edit and -view)."""
+    found = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "prorsa-operator"
+    ]
+    assert len(found) == 1, f"expected the operator's ClusterRole, got {len(found)}"
+    return found[0]
+
+
 def kinds(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(d["kind"] for d in docs)
 
@@ -197,7 +206,8 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
 def test_defaults_render_the_operator_without_optional_parts(helm):
     # No Prometheus Operator API known to `helm template`: "auto" renders neither CR.
     assert kinds(render(helm)) == [
-        "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount",
+        "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
+        "Deployment", "Service", "ServiceAccount",
     ]  # fmt: skip
 
 
@@ -669,7 +679,7 @@ KOPF_NEEDS = {
 
 
 def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
-    held = grants(one(render(helm, *LWS_API), "ClusterRole"))
+    held = grants(operator_role(render(helm, *LWS_API)))
     calls = api_calls_in_operator_code()
     assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
     assert calls - held == set()
@@ -677,7 +687,7 @@ def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
     # Without the LeaderWorkerSet API the chart grants everything but the LWS calls.
     sets = {c for c in calls if c[0] == lws.GROUP}
     assert {v for _, _, v in sets} == {"list", "create", "delete"}
-    assert calls - grants(one(render(helm), "ClusterRole")) == sets
+    assert calls - grants(operator_role(render(helm))) == sets
 
 
 async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool) -> set[ApiCall]:
@@ -771,7 +781,11 @@ async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_d
 
 def test_watch_namespaces_get_roles_and_nothing_cluster_wide(helm):
     docs = render(helm, "--set=operator.watchNamespaces={rl,eval}")
-    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    # Cluster-scoped only the users' roles, which grant nothing until someone binds them.
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"} == {
+        "prorsa-edit", "prorsa-view"
+    }  # fmt: skip
     roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
     bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
     assert set(roles) == set(bindings) == {"rl", "eval", NAMESPACE}
@@ -811,7 +825,7 @@ def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
 
 
 def test_rbac_is_least_privilege(helm):
-    role = one(render(helm), "ClusterRole")
+    role = operator_role(render(helm))
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
@@ -819,15 +833,16 @@ def test_rbac_is_least_privilege(helm):
     # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
     assert {r for g, r, v in held if v == "delete"} == {"pods"}
     # LeaderWorkerSets only where the cluster serves the API (or the values say so).
-    with_sets = grants(one(render(helm, *LWS_API), "ClusterRole"))
+    with_sets = grants(operator_role(render(helm, *LWS_API)))
     assert with_sets - held == {
         (lws.GROUP, lws.PLURAL, verb) for verb in ("list", "create", "delete")
     }
     forced = render(helm, "--set=rbac.leaderWorkerSets=true", *WATCH_RL)
     (watched,) = [d for d in forced if d["kind"] == "Role" and d["metadata"]["namespace"] == "rl"]
     assert grants(watched) >= with_sets - held
-    assert grants(one(render(helm, *LWS_API, "--set=rbac.leaderWorkerSets=false"),
-                      "ClusterRole")) == held  # fmt: skip
+    assert grants(operator_role(render(helm, *LWS_API, "--set=rbac.leaderWorkerSets=false"))) == (
+        held
+    )
     assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
     assert not {v for g, r, v in held if r == "secrets"} - {"get", "create"}
     assert not {r for g, r, v in held if v == "update"}
@@ -850,6 +865,40 @@ def test_rbac_is_least_privilege(helm):
         for binding in render(helm, *flags):
             if binding["kind"] in ("ClusterRoleBinding", "RoleBinding"):
                 assert binding["subjects"] == subjects
+
+
+def test_user_roles_aggregate_into_the_built_in_roles_and_cover_rolloutclusters(helm):
+    """prorsa-edit and prorsa-view: what people and tools using RolloutClusters are bound to
+    (docs/security.md); aggregated, so a namespace's admins, editors and viewers have them."""
+    docs = render(helm)
+    roles = {
+        d["metadata"]["name"]: d
+        for d in docs
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"] in ("prorsa-edit", "prorsa-view")
+    }
+    assert set(roles) == {"prorsa-edit", "prorsa-view"}
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    labels = {
+        n: {k for k in r["metadata"]["labels"] if k.startswith(aggregate)} for n, r in roles.items()
+    }
+    assert labels == {
+        "prorsa-edit": {aggregate + "admin", aggregate + "edit"},
+        "prorsa-view": {aggregate + "view"},
+    }
+    edit, view = grants(roles["prorsa-edit"]), grants(roles["prorsa-view"])
+    read = {(GROUP, r, v) for r in (PLURAL, f"{PLURAL}/status") for v in ("get", "list", "watch")}
+    assert view == read
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
+    assert edit == read | {(GROUP, PLURAL, v) for v in writes}
+    # Nothing but RolloutClusters: not their status (the operator's), no pods, no Secrets.
+    assert {g for g, _, _ in edit | view} == {GROUP}
+    assert not [b for b in docs if b["kind"].endswith("Binding")
+                and b["roleRef"]["name"] in roles]  # fmt: skip
+    assert "prorsa-edit" not in {
+        d["metadata"]["name"] for d in render(helm, "--set=rbac.userRoles=false")
+    }
+    page = (ROOT / "docs" / "security.md").read_text()
+    assert "prorsa-edit" in page and "prorsa-view" in page
 
 
 # -- NetworkPolicy -------------------------------------------------------------------------------
