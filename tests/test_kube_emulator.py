@@ -1045,3 +1045,51 @@ def test_audit_log_records_each_users_calls_as_rbac_sees_them(kube, core, tmp_pa
     }  # fmt: skip
     admin = {c for c in kube.emulator.api_calls() if c.user == "admin"}
     assert ApiCall(user="admin", verb="list", group="", resource="secrets", namespace="rl") in admin
+
+
+def test_printer_columns_follow_jsonpath_filters_as_the_real_server_does() -> None:
+    """``.status.conditions[?(@.type=="Ready")].status``: the first match, as the API server's
+    table convertor takes it (cert-manager and Prorsa print such columns)."""
+    import datetime
+
+    from prorsa_lab.doubles.kube_resources import specs_from_crd, table_columns, table_row
+
+    (spec,) = specs_from_crd(
+        {
+            "metadata": {"name": "things.example.com"},
+            "spec": {
+                "group": "example.com",
+                "scope": "Namespaced",
+                "names": {"plural": "things", "kind": "Thing"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "additionalPrinterColumns": [
+                            {"name": "Ready", "type": "string",
+                             "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                            {"name": "Since", "type": "string",
+                             "jsonPath": ".status.conditions[?(@.type=='Ready')].reason"},
+                            {"name": "First", "type": "string",
+                             "jsonPath": ".status.conditions[0].type"},
+                        ],
+                    }
+                ],
+            },
+        }
+    )  # fmt: skip
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    names = [c["name"] for c in table_columns(spec)]
+    assert names == ["Name", "Ready", "Since", "First", "Age"]
+    thing = {
+        "metadata": {"name": "t", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "conditions": [
+                {"type": "Degraded", "status": "True", "reason": "AgentTimeout"},
+                {"type": "Ready", "status": "False", "reason": "EnginesUnavailable"},
+            ]
+        },
+    }
+    assert table_row(spec, thing, now)[1:4] == ["False", "EnginesUnavailable", "Degraded"]
+    assert table_row(spec, {"metadata": {"name": "bare"}}, now)[1:4] == [None, None, None]

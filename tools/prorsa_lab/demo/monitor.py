@@ -114,6 +114,9 @@ class Monitor:
     accuracy: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     metrics: Metrics = field(default_factory=dict)
     event_rate: float = 0.0  # webhook events per second over the last interval
+    # Seconds the cluster's Degraded condition was True, between status reads.
+    degraded_seconds: float = 0.0
+    _degraded_since: float | None = None
     errors: int = 0
     _http: httpx.AsyncClient | None = None
     # The agents serve https with their cluster's CA (operator/prorsa/k8s/agent_tls.py):
@@ -190,6 +193,13 @@ class Monitor:
         reply.raise_for_status()
         self.status = reply.json().get("status") or {}
         now = self.clock()
+        degraded = any(
+            c.get("type") == "Degraded" and c.get("status") == "True"
+            for c in self.status.get("conditions") or []
+        )
+        if self._degraded_since is not None:
+            self.degraded_seconds += now - self._degraded_since
+        self._degraded_since = now if degraded else None
         if self.status.get("accuracy"):
             self.accuracy.append((now, self.status["accuracy"]))
         for entry in self.status.get("switchHistory") or []:
