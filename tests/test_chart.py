@@ -44,7 +44,7 @@ from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
-from prorsa_contract.labels import DRAINING
+from prorsa_contract.labels import DIST_INIT_PORT, DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
 from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 from prorsa_lab.doubles.stack import OPERATOR_USER, cluster_manifest, stack
@@ -59,6 +59,8 @@ MONITORING_APIS = (
     "--api-versions=monitoring.coreos.com/v1/ServiceMonitor",
     "--api-versions=monitoring.coreos.com/v1/PrometheusRule",
 )
+# Every namespace watched (a ClusterRole); the engines' NetworkPolicy must then be placed.
+ALL_NS = ("--set=operator.watchAllNamespaces=true", "--set=networkPolicy.namespaces={rl}")
 # Every optional part on, with non-default values where they change the output.
 EVERYTHING = (
     "--set=ingress.enabled=true",
@@ -148,6 +150,20 @@ def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return found[0]
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
+    return found[0]
+
+
+def webhook_service(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return named(docs, "Service", "prorsa-webhook")
+
+
+def metrics_service(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return named(docs, "Service", "prorsa-metrics")
+
+
 def kinds(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(d["kind"] for d in docs)
 
@@ -205,9 +221,11 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
 
 def test_defaults_render_the_operator_without_optional_parts(helm):
     # No Prometheus Operator API known to `helm template`: "auto" renders neither CR.
+    # Watching the release namespace: Roles there, its engines' and the operator's
+    # NetworkPolicies, and the users' two ClusterRoles (which grant nothing until bound).
     assert kinds(render(helm)) == [
-        "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ConfigMap",
-        "Deployment", "Service", "ServiceAccount",
+        "ClusterRole", "ClusterRole", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy",
+        "Role", "RoleBinding", "Service", "Service", "ServiceAccount",
     ]  # fmt: skip
 
 
@@ -278,12 +296,18 @@ def parse_operator_args(c: dict[str, Any]):
 def test_operator_args_are_what_prorsa_operator_accepts(helm):
     c = container(render(helm))
     args = parse_operator_args(c)
-    assert args.all_namespaces and args.namespace == []
+    # The secure default: the release namespace alone (its engines get the NetworkPolicy).
+    assert not args.all_namespaces and args.namespace == [NAMESPACE]
     assert args.operator_namespace == NAMESPACE
     assert not args.admission
     # --listen serves the webhook, /metrics and the readiness probe: the "webhook" port.
     host, _, port = args.listen.rpartition(":")
     assert host == "0.0.0.0" and int(port) == port_number(c, "webhook")
+    # /metrics has a port of its own (trainers reach the webhook's, Prometheus this one).
+    host, _, port = args.metrics_listen.rpartition(":")
+    assert host == "0.0.0.0" and int(port) == port_number(c, "metrics") == 8788
+    everywhere = parse_operator_args(container(render(helm, *ALL_NS)))
+    assert everywhere.all_namespaces and everywhere.namespace == []
     # TLS is on by default: the probe speaks HTTPS to the webhook port.
     assert c["readinessProbe"]["httpGet"] == {
         "path": "/healthz",
@@ -310,7 +334,7 @@ def test_operator_args_follow_the_values(helm):
     args = parse_operator_args(c)
     assert not args.all_namespaces and args.namespace == ["rl", "eval"]
     assert args.admission and port_number(c, "admission") == 9443
-    service = one(render(helm, "--set=operator.admission=true"), "Service")
+    service = webhook_service(render(helm, "--set=operator.admission=true"))
     assert {"name": "admission", "port": 9443, "targetPort": "admission", "protocol": "TCP"} in (
         service["spec"]["ports"]
     )
@@ -323,7 +347,7 @@ def test_operator_args_follow_the_values(helm):
 
 def test_webhook_service_is_the_one_the_operator_would_create(helm):
     docs = render(helm)
-    service = one(docs, "Service")
+    service = webhook_service(docs)
     theirs = objects.webhook_service(namespace=NAMESPACE)
     assert service["metadata"]["name"] == theirs["metadata"]["name"] == "prorsa-webhook"
     assert service["metadata"]["namespace"] == NAMESPACE
@@ -339,16 +363,24 @@ def test_webhook_service_is_the_one_the_operator_would_create(helm):
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
 
 
-def test_service_monitor_scrapes_the_webhook_service_keeping_cluster_labels(helm):
+def test_service_monitor_scrapes_the_metrics_service_keeping_cluster_labels(helm):
     docs = render(helm, *EVERYTHING)
-    sm, service = one(docs, "ServiceMonitor"), one(docs, "Service")
+    sm, service = one(docs, "ServiceMonitor"), metrics_service(docs)
+    # The metrics Service: the operator's pods, on the metrics port (not the webhook's).
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 8788, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= (
+        webhook_service(docs)["metadata"]["labels"].items()
+    )
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = sm["spec"]["endpoints"]
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
-    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     # Without honorLabels Prometheus renames the series' namespace label (the
     # RolloutCluster's) to exported_namespace, and the dashboard's $namespace finds nothing.
     assert endpoint["honorLabels"] is True
@@ -399,7 +431,8 @@ def test_ingress_tls_without_a_secret_is_refused(helm):
 
 @dataclass(frozen=True)
 class Served:
-    url: str
+    url: str  # the webhook's port
+    metrics_url: str  # the metrics port
     ca: str  # PEM
 
 
@@ -407,7 +440,11 @@ class Served:
 async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
     """The operator's HTTPS surface, assembled as the operator assembles it, on loopback,
     with a throwaway certificate for the names the chart's Certificate asks for."""
+    from prometheus_client import CollectorRegistry
+
+    from prorsa.ingest.webhook_metrics import WebhookMetrics
     from prorsa.k8s.agent_tls import issue_serving_cert
+    from prorsa.kopf_handlers import serve_metrics
     from prorsa_contract.serving_tls import ServingCert
 
     certificate = one(render(helm, *EVERYTHING), "Certificate")
@@ -417,17 +454,21 @@ async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
     (tmp_path / "tls.crt").write_text(issued.cert)
     (tmp_path / "tls.key").write_text(issued.key)
     tls = ServingCert(cert_file=tmp_path / "tls.crt", key_file=tmp_path / "tls.key")
+    prom = CollectorRegistry()
     app = web.Application()
-    WebhookServer(ClusterRegistry()).add_routes(app)
+    WebhookServer(ClusterRegistry(), metrics=WebhookMetrics(prom)).add_routes(app, metrics=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.context)
     await site.start()
+    metrics = await serve_metrics(prom, host="127.0.0.1", port=0, tls=tls)
     host, port = runner.addresses[0][:2]
+    metrics_port = metrics.addresses[0][1]
     try:
-        yield Served(f"https://{host}:{port}", issued.ca)
+        yield Served(f"https://{host}:{port}", f"https://{host}:{metrics_port}", issued.ca)
     finally:
         await runner.cleanup()
+        await metrics.cleanup()
 
 
 async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(helm, operator_https):
@@ -444,9 +485,12 @@ async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(hel
     async with httpx.AsyncClient(base_url=operator_https.url, timeout=5, verify=verify) as client:
         ready = await client.get(c["readinessProbe"]["httpGet"]["path"], extensions=sni)
         assert ready.status_code == 200
-        scrape = await client.get(endpoint["path"], extensions=sni)
+        # The ServiceMonitor scrapes the metrics port; the webhook's port serves no metrics.
+        assert endpoint["port"] == "metrics"
+        scrape = await client.get(f"{operator_https.metrics_url}{endpoint['path']}", extensions=sni)
         assert scrape.status_code == 200
         assert "prorsa_webhook_events_total" in scrape.text
+        assert (await client.get("/metrics", extensions=sni)).status_code == 404
         # Each Ingress path leads to a webhook route (a JSON answer, not aiohttp's 404 page).
         for path in ("/openapi.json", "/v1/namespaces/rl/rolloutclusters/qwen/forecast"):
             assert ingress_matches(ingress, path)
@@ -679,7 +723,7 @@ KOPF_NEEDS = {
 
 
 def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
-    held = grants(operator_role(render(helm, *LWS_API)))
+    held = grants(operator_role(render(helm, *ALL_NS, *LWS_API)))
     calls = api_calls_in_operator_code()
     assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
     assert calls - held == set()
@@ -687,7 +731,7 @@ def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
     # Without the LeaderWorkerSet API the chart grants everything but the LWS calls.
     sets = {c for c in calls if c[0] == lws.GROUP}
     assert {v for _, _, v in sets} == {"list", "create", "delete"}
-    assert calls - grants(operator_role(render(helm))) == sets
+    assert calls - grants(operator_role(render(helm, *ALL_NS))) == sets
 
 
 async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool) -> set[ApiCall]:
@@ -760,7 +804,7 @@ async def ready(env: Any) -> bool:
 async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not(
     helm, watch, leader_worker_set
 ):
-    docs = render(helm, *(WATCH_RL if watch else ()), *(LWS_API if leader_worker_set else ()))
+    docs = render(helm, *(WATCH_RL if watch else ALL_NS), *(LWS_API if leader_worker_set else ()))
     account = one(docs, "ServiceAccount")["metadata"]
     assert service_account_user(account["namespace"], account["name"]) == OPERATOR_USER
     held = grants_of(docs, OPERATOR_USER)
@@ -813,7 +857,7 @@ def router_role() -> dict[str, Any]:
     return next(m for m in manifests if m["kind"] == "Role")
 
 
-@pytest.mark.parametrize("flags", [(), WATCH_RL], ids=["cluster-role", "namespace-role"])
+@pytest.mark.parametrize("flags", [ALL_NS, WATCH_RL], ids=["cluster-role", "namespace-role"])
 def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
     """RBAC refuses to let the operator create a Role granting more than it holds there."""
     held = {
@@ -825,7 +869,7 @@ def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
 
 
 def test_rbac_is_least_privilege(helm):
-    role = operator_role(render(helm))
+    role = operator_role(render(helm, *ALL_NS))
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
@@ -833,16 +877,16 @@ def test_rbac_is_least_privilege(helm):
     # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
     assert {r for g, r, v in held if v == "delete"} == {"pods"}
     # LeaderWorkerSets only where the cluster serves the API (or the values say so).
-    with_sets = grants(operator_role(render(helm, *LWS_API)))
+    with_sets = grants(operator_role(render(helm, *ALL_NS, *LWS_API)))
     assert with_sets - held == {
         (lws.GROUP, lws.PLURAL, verb) for verb in ("list", "create", "delete")
     }
     forced = render(helm, "--set=rbac.leaderWorkerSets=true", *WATCH_RL)
     (watched,) = [d for d in forced if d["kind"] == "Role" and d["metadata"]["namespace"] == "rl"]
     assert grants(watched) >= with_sets - held
-    assert grants(operator_role(render(helm, *LWS_API, "--set=rbac.leaderWorkerSets=false"))) == (
-        held
-    )
+    assert grants(
+        operator_role(render(helm, *ALL_NS, *LWS_API, "--set=rbac.leaderWorkerSets=false"))
+    ) == (held)
     assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
     assert not {v for g, r, v in held if r == "secrets"} - {"get", "create"}
     assert not {r for g, r, v in held if v == "update"}
@@ -977,6 +1021,10 @@ def policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == "NetworkPolicy"]
 
 
+def engine_policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in policies(docs) if p["metadata"]["name"].endswith("-engines")]
+
+
 def engine_pod_labels(role: str) -> dict[str, str]:
     spec = load_cluster(ROOT / "examples" / "rolloutcluster.yaml").spec
     pod = objects.engine_pod(cluster="qwen3-coder", namespace="rl", index=0, role=role, spec=spec)
@@ -1001,8 +1049,9 @@ def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_por
         f"--set-json=networkPolicy.agentMetricsFrom={prometheus_peer}",
     )  # fmt: skip
     fences = policies(docs)
-    assert [p["metadata"]["namespace"] for p in fences] == ["rl"]
-    kubernetes_validate.validate(fences[0], K8S_VERSION, strict=True)
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == ["rl"]
+    for fence in fences:
+        kubernetes_validate.validate(fence, K8S_VERSION, strict=True)
     operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     operator = Pod(namespace=NAMESPACE, labels=operator_labels)
     router = Pod(namespace="rl", labels=router_pod_labels())
@@ -1014,40 +1063,100 @@ def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_por
     agent, http, bootstrap = objects.AGENT_PORT, objects.ENGINE_PORT, objects.BOOTSTRAP_PORT
     expected = {
         # source: (agent 8080, SGLang HTTP 30000, PD bootstrap 8998)
-        "operator": (operator, True, False, True),
-        "router": (router, False, True, True),
-        "engine": (peer_engine, True, True, True),
-        "trainer": (trainer, False, True, True),
-        "prometheus": (prometheus, True, False, True),
-        "stranger": (stranger, False, False, True),
-        "elsewhere": (elsewhere, False, False, True),
+        "operator": (operator, True, False, False),
+        "router": (router, False, True, False),
+        "engine": (peer_engine, False, False, True),
+        "trainer": (trainer, False, True, False),
+        "prometheus": (prometheus, True, False, False),
+        "stranger": (stranger, False, False, False),
+        "elsewhere": (elsewhere, False, False, False),
     }
     for role in ("prefill", "decode", DRAINING):
         target = Pod(namespace="rl", labels=engine_pod_labels(role))
         for name, (source, to_agent, to_http, to_bootstrap) in expected.items():
             got = tuple(reachable(fences, source, target, p) for p in (agent, http, bootstrap))
             assert got == (to_agent, to_http, to_bootstrap), (role, name)
-        # Every other port as before, UDP too (transfer engines, NCCL).
+        # Every other port as before, UDP too (transfer engines, NCCL, the rendezvous).
         assert reachable(fences, stranger, target, 12345)
         assert reachable(fences, stranger, target, 4791, "UDP")
-    # The policy fences engines only: the router and the operator stay reachable.
+        assert reachable(fences, peer_engine, target, DIST_INIT_PORT)
+    # The policy fences engines only: the router stays reachable.
     assert reachable(fences, stranger, router, objects.ROUTER_PORT)
-    assert reachable(fences, stranger, operator, objects.WEBHOOK_PORT)
+
+
+def test_network_policy_lets_prometheus_alone_reach_the_operators_metrics(helm):
+    """Item 4: metrics on a port of their own, which the operator's NetworkPolicy limits to
+    Prometheus; the webhook stays open to trainers, admission to the API server."""
+    docs = render(helm, "--set=operator.admission=true")
+    fences = policies(docs)
+    (fence,) = [p for p in fences if p["metadata"]["name"] == "prorsa-operator"]
+    assert fence["metadata"]["namespace"] == NAMESPACE
+    operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    operator = Pod(namespace=NAMESPACE, labels=operator_labels)
+    c = container(docs)
+    webhook, metrics = port_number(c, "webhook"), port_number(c, "metrics")
+    admission, liveness = port_number(c, "admission"), port_number(c, "liveness")
+    prometheus = Pod(namespace="monitoring", labels={"app.kubernetes.io/name": "prometheus"})
+    trainer = Pod(namespace="rl", labels={"app": "trainer"})
+    stranger = Pod(namespace=NAMESPACE, labels={"app": "notebook"})
+    for source, allowed in ((prometheus, {webhook, metrics, admission}),
+                            (trainer, {webhook, admission}),
+                            (stranger, {webhook, admission})):  # fmt: skip
+        for port in (webhook, metrics, admission, liveness):
+            assert reachable(fences, source, operator, port) == (port in allowed), (source, port)
+    # Narrowed by the values: trainers of one namespace only, Prometheus of one namespace.
+    narrow = render(
+        helm,
+        '--set-json=networkPolicy.webhookFrom=[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "rl"}}}]',
+        '--set-json=networkPolicy.metricsFrom=[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "monitoring"}}}]',
+    )
+    fences = policies(narrow)
+    assert reachable(fences, trainer, operator, webhook)
+    assert not reachable(fences, stranger, operator, webhook)
+    assert reachable(fences, Pod(namespace="monitoring", labels={}), operator, metrics)
+    assert not reachable(fences, trainer, operator, metrics)
+    assert not reachable(fences, trainer, operator, admission)  # admission is off here
 
 
 @pytest.mark.parametrize(
     ("flags", "namespaces"),
     [
-        ((), []),  # every namespace watched: which ones run engines is not known
+        ((), [NAMESPACE]),  # the default: the release namespace, fenced
         (WATCH_RL, ["rl"]),
         (("--set=operator.watchNamespaces={rl,eval}",), ["rl", "eval"]),
         (("--set=networkPolicy.namespaces={gpu}",), ["gpu"]),
+        (ALL_NS, ["rl"]),
         ((*WATCH_RL, "--set=networkPolicy.enabled=false"), []),
     ],
-    ids=["all-namespaces", "watched", "two-watched", "listed", "disabled"],
+    ids=["default", "watched", "two-watched", "listed", "all-namespaces-listed", "disabled"],
 )
 def test_network_policies_go_where_the_engines_run(helm, flags, namespaces):
-    assert [p["metadata"]["namespace"] for p in policies(render(helm, *flags))] == namespaces
+    docs = render(helm, *flags)
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == namespaces
+    operator = [p for p in policies(docs) if p not in engine_policies(docs)]
+    assert [p["metadata"]["namespace"] for p in operator] == ([NAMESPACE] if namespaces else [])
+
+
+def test_watching_every_namespace_needs_the_engines_namespaces_or_an_explicit_opt_out(helm):
+    """No install leaves SGLang's port (and /server_info's admin key) open by default."""
+    result = run_helm(
+        helm, "template", "prorsa", str(CHART), "--set=operator.watchAllNamespaces=true"
+    )
+    assert result.returncode != 0
+    assert "list the namespaces that run RolloutClusters in networkPolicy.namespaces" in (
+        result.stderr
+    )
+    opted_out = render(
+        helm, "--set=operator.watchAllNamespaces=true", "--set=networkPolicy.enabled=false"
+    )
+    assert not policies(opted_out)
+    both = run_helm(
+        helm, "template", "prorsa", str(CHART), "--set=operator.watchAllNamespaces=true",
+        "--set=operator.watchNamespaces={rl}",
+    )  # fmt: skip
+    assert both.returncode != 0 and "set one of them" in both.stderr
 
 
 # -- values.schema.json ---------------------------------------------------------------------------
@@ -1146,8 +1255,11 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         kubeconfig = kube.kubeconfig_path
         notes = helm_on(kubeconfig, "install", "prorsa", str(CHART), "--disable-openapi-validation")
         assert f"prorsa-webhook.{NAMESPACE}.svc:8787/v1/namespaces/" in notes
-        # Watching every namespace, the chart cannot know where engines run: it says so.
-        assert "WARNING: no NetworkPolicy rendered" in notes
+        # The secure default: the release namespace, fenced; metrics on their own port.
+        assert f"handles RolloutClusters in namespace {NAMESPACE}." in notes
+        assert f"NetworkPolicy prorsa-engines in {NAMESPACE}: " in notes
+        assert f"prorsa-metrics.{NAMESPACE}.svc:8788/metrics" in notes
+        assert "WARNING" not in notes
         api = config.new_client_from_config(config_file=str(kubeconfig))
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         ext = client.ApiextensionsV1Api(api)

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import kopf
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
 from prorsa.clusters import ClusterRegistry
@@ -43,6 +43,9 @@ class OperatorConfig:
 
     listen_host: str = "0.0.0.0"
     listen_port: int = obj.WEBHOOK_PORT
+    # /metrics on a port of its own, never the webhook's (None: not served).
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = obj.METRICS_PORT
     # tls.crt + tls.key: the webhook and /metrics serve HTTPS (docs/security.md); None: HTTP.
     webhook_tls_dir: str | None = None
     options: OperatorOptions = field(default_factory=OperatorOptions)
@@ -67,6 +70,7 @@ class OperatorContext:
     server: WebhookServer
     metrics: OperatorMetrics
     runner: web.AppRunner | None = None
+    metrics_runner: web.AppRunner | None = None
     port: int = 0
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
     group_manager: str = groups.OPERATOR_MANAGED
@@ -115,8 +119,9 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
         # Daemons may still be winding down (or were cancelled before their runtime
         # finished): every switch must be cancelled before the agents' client closes.
         await asyncio.gather(*(runtime.close() for runtime in list(ctx.runtimes.values())))
-        if ctx.runner is not None:
-            await ctx.runner.cleanup()
+        for runner in (ctx.runner, ctx.metrics_runner):
+            if runner is not None:
+                await runner.cleanup()
         await ctx.agents.aclose()
 
     @kopf.on.probe(id="clusters", registry=registry)
@@ -186,7 +191,8 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
             key_file=Path(config.webhook_tls_dir, "tls.key"),
         )
     app = web.Application()
-    ctx.server.add_routes(app)
+    # Unauthenticated /metrics names every served cluster: not on the trainers' port.
+    ctx.server.add_routes(app, metrics=False)
     ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
     await ctx.runner.setup()
     site = web.TCPSite(
@@ -199,7 +205,11 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
     addresses = ctx.runner.addresses
     ctx.port = addresses[0][1] if addresses else config.listen_port
     scheme = "https" if tls else "http"
-    log.info("webhook and metrics on %s://%s:%d", scheme, config.listen_host, ctx.port)
+    log.info("webhook on %s://%s:%d", scheme, config.listen_host, ctx.port)
+    if config.metrics_port is not None:
+        ctx.metrics_runner = await serve_metrics(
+            prom, host=config.metrics_host, port=config.metrics_port, tls=tls
+        )
     if tls is None and config.listen_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "the webhook serves plain HTTP: trainer tokens cross the network in clear "
@@ -211,6 +221,33 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         except Exception:
             log.exception("could not create the shared webhook Service")
     return ctx
+
+
+def metrics_app(registry: CollectorRegistry) -> web.Application:
+    """``GET /metrics`` of ``registry``, alone on its listener (the NetworkPolicy limits
+    who reaches it; the webhook's port, which trainers reach, does not serve it)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        del request
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve_metrics(
+    registry: CollectorRegistry, *, host: str, port: int, tls: ServingCert | None
+) -> web.AppRunner:
+    """Start the metrics listener (HTTPS with the webhook's certificate when it has one)."""
+    runner = web.AppRunner(metrics_app(registry), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=tls.context if tls else None).start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", host, bound)
+    return runner
 
 
 def _register_admission(registry: kopf.OperatorRegistry) -> None:

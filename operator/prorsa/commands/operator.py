@@ -14,7 +14,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     scope.add_argument(
         "-n", "--namespace", action="append", default=[], help="watch this namespace (repeat)"
     )
-    parser.add_argument("--listen", default="0.0.0.0:8787", help="webhook and /metrics HOST:PORT")
+    parser.add_argument("--listen", default="0.0.0.0:8787", help="trainer webhook HOST:PORT")
+    parser.add_argument(
+        "--metrics-listen",
+        default="0.0.0.0:8788",
+        help="/metrics HOST:PORT, a port apart from the webhook's (empty: no metrics)",
+    )
     parser.add_argument(
         "--webhook-tls-dir",
         help="directory with tls.crt and tls.key (a mounted kubernetes.io/tls Secret): the "
@@ -54,9 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
     tune_gc()
 
-    host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise SystemExit(f"prorsa operator: error: --listen must be HOST:PORT, got {args.listen!r}")
+    host, port = _host_port("--listen", args.listen)
+    metrics_host, metrics_port = (
+        _host_port("--metrics-listen", args.metrics_listen) if args.metrics_listen else ("", None)
+    )
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -65,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     config = OperatorConfig(
         namespaced=not clusterwide,
         listen_host=host,
-        listen_port=int(port),
+        listen_port=port,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
         webhook_tls_dir=args.webhook_tls_dir,
         operator_namespace=args.operator_namespace,
         admission=args.admission,
@@ -85,3 +93,10 @@ def run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness or None,
     )
     return 0
+
+
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"prorsa operator: error: {flag} must be HOST:PORT, got {value!r}")
+    return host, int(port)

@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
+METRICS_PORT = 8788
+"""The operator's /metrics: a port of its own, apart from the trainers' webhook."""
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
 AGENT_TLS_PATH = "/var/run/prorsa/agent-tls"

@@ -114,6 +114,7 @@ class Monitor:
     accuracy: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     metrics: Metrics = field(default_factory=dict)
     event_rate: float = 0.0  # webhook events per second over the last interval
+    metrics_url: str = ""  # the operator's /metrics (its own port); empty: {webhook}/metrics
     # Seconds the cluster's Degraded condition was True, between status reads.
     degraded_seconds: float = 0.0
     _degraded_since: float | None = None
@@ -175,7 +176,7 @@ class Monitor:
 
     async def _metrics(self) -> None:
         assert self._http is not None
-        reply = await self._http.get(f"{self.webhook}/metrics")
+        reply = await self._http.get(self.metrics_url or f"{self.webhook}/metrics")
         reply.raise_for_status()
         fresh = parse_metrics(reply.text)
         before = metric_sum(self.metrics, "prorsa_webhook_events_total")

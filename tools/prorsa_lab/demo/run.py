@@ -421,14 +421,15 @@ async def _run(
         operator_started()
         await env.create_cluster(demo_manifest(options))
         print(
-            f"  API server {env.server.url}, webhook and /metrics {env.webhook}, "
+            f"  API server {env.server.url}, webhook {env.webhook}, "
+            f"metrics {env.metrics_url}, "
             f"smg router {env.router_url}\n"
             "  While it runs, from another shell:\n"
             f"    export KUBECONFIG={kubeconfig}\n"
             "    kubectl get rolloutclusters -A\n"
             "    kubectl get pods -n rl -L prorsa.io/role -w\n"
             "    kubectl describe rolloutcluster -n rl demo   # status, then one Event per switch\n"
-            f"    curl -s {env.webhook}/metrics | grep ^prorsa_instances\n"
+            f"    curl -s {env.metrics_url} | grep ^prorsa_instances\n"
             "    # the latest Decision (the trainer's token opens the webhook's endpoints):\n"
             f"    curl -s -H 'Authorization: Bearer {env.token}' "
             f"{env.webhook}{env.cluster_path(CLUSTER)}/forecast\n"
@@ -477,6 +478,7 @@ async def _run(
                     token=env.token,
                     agent_port=env.kubelet.agent_port,
                     directory=directory,
+                    metrics_url=env.metrics_url,
                 )
             )
             trainer = DemoTrainer(

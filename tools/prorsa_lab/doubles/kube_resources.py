@@ -186,6 +186,7 @@ BUILTIN_RESOURCES: tuple[ResourceSpec, ...] = (
         "rbac.authorization.k8s.io", "clusterrolebindings", "ClusterRoleBinding", namespaced=False
     ),
     _builtin("coordination.k8s.io", "leases", "Lease"),
+    _builtin("networking.k8s.io", "networkpolicies", "NetworkPolicy", short=["netpol"]),
     _builtin(
         "apiextensions.k8s.io",
         "customresourcedefinitions",

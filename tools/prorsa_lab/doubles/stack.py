@@ -113,6 +113,7 @@ class Stack:
     server: KubeEmulatorServer
     kubelet: FakeKubelet
     webhook_port: int
+    metrics_port: int
     kubeconfig: str
     operator_kubeconfig: str
     namespace: str = NAMESPACE
@@ -136,6 +137,8 @@ class Stack:
         config = OperatorConfig(
             listen_host="127.0.0.1",
             listen_port=self.webhook_port,
+            metrics_host="127.0.0.1",
+            metrics_port=self.metrics_port,
             webhook_tls_dir=self.webhook_tls_dir,
             login_kubeconfig=self.operator_kubeconfig,
             watch_timeout=self.watch_timeout,
@@ -195,6 +198,12 @@ class Stack:
     def webhook(self) -> str:
         scheme = "https" if self.webhook_tls_dir else "http"
         return f"{scheme}://127.0.0.1:{self.webhook_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The operator's /metrics, on its own port (https with the webhook's certificate)."""
+        scheme = "https" if self.webhook_tls_dir else "http"
+        return f"{scheme}://127.0.0.1:{self.metrics_port}/metrics"
 
     def cluster_path(self, cluster: str = "demo") -> str:
         """The webhook path prefix of one RolloutCluster (``.../events``, ``/forecast``)."""
@@ -313,7 +322,7 @@ class Stack:
 
     async def metrics(self) -> str:
         async with self.http() as client:
-            return (await client.get(f"{self.webhook}/metrics", timeout=5)).text
+            return (await client.get(self.metrics_url, timeout=5)).text
 
 
 def write_webhook_cert(directory: str) -> None:
@@ -417,6 +426,7 @@ async def stack(
                     server=server,
                     kubelet=kubelet,
                     webhook_port=webhook_port or free_port(),
+                    metrics_port=free_port(),
                     kubeconfig=kubeconfig,
                     operator_kubeconfig=operator_kubeconfig,
                     namespace=namespace,
