@@ -44,6 +44,7 @@ from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
+from prorsa.kopf_handlers import LeaderElection
 from prorsa_contract.labels import DIST_INIT_PORT, DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
 from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
@@ -221,11 +222,13 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
 
 def test_defaults_render_the_operator_without_optional_parts(helm):
     # No Prometheus Operator API known to `helm template`: "auto" renders neither CR.
-    # Watching the release namespace: Roles there, its engines' and the operator's
-    # NetworkPolicies, and the users' two ClusterRoles (which grant nothing until bound).
+    # Watching the release namespace: Roles there (the operator's, the leader's), its
+    # engines' and the operator's NetworkPolicies, the users' two ClusterRoles (which grant
+    # nothing until bound), two replicas and their PodDisruptionBudget.
     assert kinds(render(helm)) == [
         "ClusterRole", "ClusterRole", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy",
-        "Role", "RoleBinding", "Service", "Service", "ServiceAccount",
+        "PodDisruptionBudget", "Role", "Role", "RoleBinding", "RoleBinding", "Service", "Service",
+        "ServiceAccount",
     ]  # fmt: skip
 
 
@@ -275,7 +278,47 @@ def test_operator_pod_is_locked_down(helm):
     # certificate is mounted read-only).
     writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
     assert writable == ["/tmp"]
-    assert one(docs, "Deployment")["spec"]["replicas"] == 1  # kopf --standalone: one operator
+
+
+def test_two_replicas_elect_a_leader_and_the_webhook_service_selects_it(helm):
+    docs = render(helm)
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }  # fmt: skip
+    c = container(docs)
+    args = parse_operator_args(c)
+    assert args.leader_elect and args.operator_namespace == NAMESPACE
+    assert (args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+            args.leader_elect_retry_period) == (15, 10, 2)  # fmt: skip
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The webhook Service selects the leader's label, which no template carries: the
+    # leading process puts it on its own pod.
+    service = webhook_service(docs)
+    assert service["spec"]["selector"][objects.LEADER_LABEL] == "true"
+    assert objects.LEADER_LABEL not in deployment["spec"]["template"]["metadata"]["labels"]
+    # Metrics come from every replica (the standby says it stands by).
+    assert objects.LEADER_LABEL not in metrics_service(docs)["spec"]["selector"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["selector"]["matchLabels"] == selector
+    (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    # One replica without election: no Lease asked for, recreated on upgrade, no PDB.
+    single = render(helm, "--set=replicaCount=1", "--set=operator.leaderElection.enabled=false")
+    assert not parse_operator_args(container(single)).leader_elect
+    assert one(single, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert "PodDisruptionBudget" not in kinds(single)
+    leader_role = named(single, "Role", "prorsa-operator-leader")
+    assert grants(leader_role) == {("", "pods", "list"), ("", "pods", "patch")}
+    assert grants(named(docs, "Role", "prorsa-operator-leader")) >= {
+        ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
+    }
 
 
 def test_operator_image_defaults_to_the_chart_version_and_honours_a_digest(helm):
@@ -308,16 +351,12 @@ def test_operator_args_are_what_prorsa_operator_accepts(helm):
     assert host == "0.0.0.0" and int(port) == port_number(c, "metrics") == 8788
     everywhere = parse_operator_args(container(render(helm, *ALL_NS)))
     assert everywhere.all_namespaces and everywhere.namespace == []
-    # TLS is on by default: the probe speaks HTTPS to the webhook port.
-    assert c["readinessProbe"]["httpGet"] == {
-        "path": "/healthz",
-        "port": "webhook",
-        "scheme": "HTTPS",
-    }
-    # --liveness is kopf's endpoint: the liveness probe asks exactly it.
+    # --liveness is the process's probe listener: liveness there, readiness at /readyz (a
+    # standby is ready too; trainers reach the leader through the Service's selector).
     live = urlsplit(args.liveness)
     assert live.port == port_number(c, "liveness") == 8080
     assert c["livenessProbe"]["httpGet"] == {"path": live.path, "port": "liveness"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "liveness"}
     assert args.agent_port == 8080  # the agent CONTRACT's port
 
 
@@ -355,9 +394,11 @@ def test_webhook_service_is_the_one_the_operator_would_create(helm):
     assert [p["port"] for p in service["spec"]["ports"]] == [
         p["port"] for p in theirs["spec"]["ports"]
     ]
-    # The Service reaches the operator pod, on its webhook port.
+    # The Service reaches the leading operator pod (the template's labels and the one the
+    # leader adds to its pod), on its webhook port.
     pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
+    leading = pod_labels | {objects.LEADER_LABEL: "true"}
+    assert service["spec"]["selector"].items() <= leading.items()
     assert service["spec"]["ports"][0]["targetPort"] == "webhook"
     deployment = one(docs, "Deployment")
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
@@ -444,7 +485,7 @@ async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
 
     from prorsa.ingest.webhook_metrics import WebhookMetrics
     from prorsa.k8s.agent_tls import issue_serving_cert
-    from prorsa.kopf_handlers import serve_metrics
+    from prorsa.operator_process import serve_metrics
     from prorsa_contract.serving_tls import ServingCert
 
     certificate = one(render(helm, *EVERYTHING), "Certificate")
@@ -477,14 +518,14 @@ async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(hel
     sm = one(docs, "ServiceMonitor")
     ingress = one(docs, "Ingress")
     (endpoint,) = sm["spec"]["endpoints"]
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and endpoint["scheme"] == "https"
+    assert endpoint["scheme"] == "https"
+    # The probes are the process's (tests/test_operator_ha.py asks the chart's paths).
+    assert c["readinessProbe"]["httpGet"]["port"] == "liveness"
     # Prometheus checks the name the ServiceMonitor gives, against the Secret's CA: the
     # certificate cert-manager issues for the chart's names passes.
     verify = ssl.create_default_context(cadata=operator_https.ca)
     sni = {"sni_hostname": endpoint["tlsConfig"]["serverName"]}
     async with httpx.AsyncClient(base_url=operator_https.url, timeout=5, verify=verify) as client:
-        ready = await client.get(c["readinessProbe"]["httpGet"]["path"], extensions=sni)
-        assert ready.status_code == 200
         # The ServiceMonitor scrapes the metrics port; the webhook's port serves no metrics.
         assert endpoint["port"] == "metrics"
         scrape = await client.get(f"{operator_https.metrics_url}{endpoint['path']}", extensions=sni)
@@ -745,6 +786,9 @@ async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool)
         tick_seconds=0.3, watch_timeout=2.0, watch_namespaces=watch,
         operator_namespace=NAMESPACE, router_settle_timeout=0.2,
         leader_worker_set=leader_worker_set,
+        # As the chart runs it: a replica that elects itself and labels its pod.
+        leader_election=LeaderElection(lease_duration=6.0, renew_deadline=4.0, retry_period=0.5),
+        operator_pod="prorsa-0",
     ) as env:  # fmt: skip
         await comes_up_and_follows_demand_both_ways(env, cluster_manifest(router={"enabled": True}))
         if leader_worker_set:
@@ -830,22 +874,38 @@ def test_watch_namespaces_get_roles_and_nothing_cluster_wide(helm):
     assert {d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"} == {
         "prorsa-edit", "prorsa-view"
     }  # fmt: skip
-    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
-    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    leader = "prorsa-operator-leader"  # leader election, in the release namespace
+    roles = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "Role" and d["metadata"]["name"] != leader
+    }
+    bindings = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "RoleBinding" and d["metadata"]["name"] != leader
+    }
     assert set(roles) == set(bindings) == {"rl", "eval", NAMESPACE}
     assert grants(roles["rl"]) == grants(roles["eval"])
-    # The release namespace (not watched): the shared webhook Service only.
+    # The release namespace (not watched): the shared webhook Service, and the Lease and
+    # the leader's pod label.
     assert grants(roles[NAMESPACE]) == {("", "services", "get"), ("", "services", "create")}
+    assert named(docs, "Role", leader)["metadata"]["namespace"] == NAMESPACE
+    assert grants(named(docs, "Role", leader)) == {
+        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+        ("coordination.k8s.io", "leases", "update"), ("", "pods", "list"), ("", "pods", "patch"),
+    }  # fmt: skip
     for ns, binding in bindings.items():
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
             "name": roles[ns]["metadata"]["name"],
         }  # fmt: skip
-    # A watched release namespace gets the full Role, once.
+    # A watched release namespace gets the full Role, once (and the leader's).
     both = render(helm, f"--set=operator.watchNamespaces={{rl,{NAMESPACE}}}")
-    assert sorted(d["metadata"]["namespace"] for d in both if d["kind"] == "Role") == sorted(
-        ["rl", NAMESPACE]
-    )
+    assert sorted(
+        d["metadata"]["namespace"] for d in both if d["kind"] == "Role" and
+        d["metadata"]["name"] != leader
+    ) == sorted(["rl", NAMESPACE])  # fmt: skip
     args = parse_operator_args(container(docs))
     assert args.namespace == ["rl", "eval"] and not args.all_namespaces
 
@@ -1168,7 +1228,9 @@ def test_watching_every_namespace_needs_the_engines_namespaces_or_an_explicit_op
         ("--set=securityContext.allowPrivilegeEscalation=true", "allowPrivilegeEscalation"),
         ("--set=podSecurityContext.runAsNonRoot=false", "runAsNonRoot"),
         ("--set=metrics.serviceMonitor.enabled=yes", "metrics.serviceMonitor.enabled"),
-        ("--set=replicaCount=2", "replicaCount"),
+        ("--set=replicaCount=0", "replicaCount"),
+        ("--set=operator.leaderElection.enabled=false", "needs operator.leaderElection.enabled"),
+        ("--set=operator.leaderElection.renewDeadlineSeconds=20", "renewDeadlineSeconds <"),
         ("--set=metrics.serviceMonitor.interval=15", "interval"),
         ("--set=operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
         ("--set=image.digest=abc", "image.digest"),
@@ -1259,6 +1321,7 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         assert f"handles RolloutClusters in namespace {NAMESPACE}." in notes
         assert f"NetworkPolicy prorsa-engines in {NAMESPACE}: " in notes
         assert f"prorsa-metrics.{NAMESPACE}.svc:8788/metrics" in notes
+        assert "2 replica(s): one leads" in notes and "get lease prorsa-operator" in notes
         assert "WARNING" not in notes
         api = config.new_client_from_config(config_file=str(kubeconfig))
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)

@@ -1093,3 +1093,31 @@ def test_printer_columns_follow_jsonpath_filters_as_the_real_server_does() -> No
     }
     assert table_row(spec, thing, now)[1:4] == ["False", "EnginesUnavailable", "Degraded"]
     assert table_row(spec, {"metadata": {"name": "bare"}}, now)[1:4] == [None, None, None]
+
+
+def test_leases_are_written_under_optimistic_concurrency(kube: KubeEmulatorServer) -> None:
+    """What leader election rests on: of two writers that read the same Lease, only the
+    first replace succeeds (409 for the second), and a second create is refused."""
+    with kube.api_client() as api:
+        leases = client.CoordinationV1Api(api)
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "prorsa-operator"},
+            "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15,
+                     "renewTime": "2026-01-01T00:00:00.000000Z"},
+        }  # fmt: skip
+        leases.create_namespaced_lease("rl", body)
+        with pytest.raises(ApiException) as info:
+            leases.create_namespaced_lease("rl", body)
+        assert info.value.status == 409
+        seen = api.sanitize_for_serialization(leases.read_namespaced_lease("prorsa-operator", "rl"))
+        first = {**seen, "spec": {**seen["spec"], "holderIdentity": "b"}}
+        second = {**seen, "spec": {**seen["spec"], "holderIdentity": "c"}}
+        leases.replace_namespaced_lease("prorsa-operator", "rl", first)
+        with pytest.raises(ApiException) as info:
+            leases.replace_namespaced_lease("prorsa-operator", "rl", second)
+        assert info.value.status == 409
+        now = leases.read_namespaced_lease("prorsa-operator", "rl")
+        assert now.spec.holder_identity == "b"
+        assert now.spec.renew_time is not None  # MicroTime round-trips

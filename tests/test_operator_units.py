@@ -165,17 +165,34 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
 ) -> None:
     """With --namespace the chart binds Roles only: kopf must not list namespaces or
     watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
-    from prorsa import kopf_handlers as handlers
+    from prorsa import operator_process
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(
-        handlers, "build_registry", lambda config: seen.setdefault("config", config)
-    )
-    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+
+    def run_operator(config: OperatorConfig) -> int:
+        seen["config"] = config
+        return 0
+
+    monkeypatch.setattr(operator_process, "run_operator", run_operator)
     monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
     assert command.run(build_parser().parse_args(["operator", *argv])) == 0
     config = seen["config"]
     assert isinstance(config, OperatorConfig) and config.namespaced is namespaced
-    assert seen["clusterwide"] is not namespaced
+    assert config.namespaces == (("rl", "eval") if namespaced else ())
+    assert config.leader_election is None
+
+
+def test_leader_election_needs_the_operator_namespace_and_takes_client_gos_timings() -> None:
+    from prorsa.cli import build_parser
+    from prorsa.commands import operator as command
+
+    with pytest.raises(SystemExit, match="--leader-elect needs --operator-namespace"):
+        command.run(build_parser().parse_args(["operator", "--leader-elect"]))
+    args = build_parser().parse_args(
+        ["operator", "--leader-elect", "--operator-namespace=prorsa-system", "--pod-name=p-0"]
+    )
+    assert (args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+            args.leader_elect_retry_period) == (15.0, 10.0, 2.0)  # fmt: skip
+    assert args.pod_name == "p-0" and args.metrics_listen == "0.0.0.0:8788"

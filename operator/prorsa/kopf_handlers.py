@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import kopf
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from prorsa.clusters import ClusterRegistry
@@ -55,8 +55,28 @@ class OperatorConfig:
     # Watching named namespaces (kopf --namespace) rather than all: kopf then neither lists
     # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
     namespaced: bool = False
+    namespaces: tuple[str, ...] = ()
+    # The liveness and readiness probes (prorsa.operator_process), e.g.
+    # http://0.0.0.0:8080/healthz (readiness at /readyz); None: not served.
+    liveness: str | None = None
+    # Two replicas, one leading (a Lease in operator_namespace); None: this one acts alone.
+    leader_election: LeaderElection | None = None
+    pod_name: str | None = None  # this process's pod: the webhook Service selects the leader's
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderElection:
+    """``prorsa operator --leader-elect-*`` (client-go's defaults, docs/operations.md)."""
+
+    lease_name: str = "prorsa-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+Serving = Callable[["OperatorContext"], Awaitable[None]]
 
 
 @dataclass
@@ -70,7 +90,6 @@ class OperatorContext:
     server: WebhookServer
     metrics: OperatorMetrics
     runner: web.AppRunner | None = None
-    metrics_runner: web.AppRunner | None = None
     port: int = 0
     runtimes: dict[tuple[str, str], ClusterRuntime] = field(default_factory=dict)
     group_manager: str = groups.OPERATOR_MANAGED
@@ -83,10 +102,19 @@ def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
         raise ValueError(format_validation_error(exc, root="spec")) from None
 
 
-def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
-    """The kopf handlers of ``prorsa operator``, registered on a registry of their own."""
+def build_registry(
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None = None,
+    on_serving: Serving | None = None,
+) -> kopf.OperatorRegistry:
+    """The kopf handlers of ``prorsa operator``, registered on a registry of their own.
+
+    ``prom`` is the process's metrics registry (its listener outlives kopf:
+    :mod:`prorsa.operator_process`); ``on_serving`` is awaited once the webhook serves.
+    """
     registry = kopf.OperatorRegistry()
-    _register_lifecycle(registry, config)
+    _register_lifecycle(registry, config, prom=prom, on_serving=on_serving)
     if config.admission:
         _register_admission(registry)
     _register_clusters(registry)
@@ -97,7 +125,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 _RESOURCE = (GROUP, VERSION, PLURAL)
 
 
-def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+def _register_lifecycle(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None,
+    on_serving: Serving | None,
+) -> None:
     """Log-in, start-up (settings, webhook listener), clean-up and the liveness probe."""
     if config.login_kubeconfig:
 
@@ -108,8 +142,10 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         _configure(settings, config)
-        _load_credentials(config)
-        memo.prorsa = await _start_context(config)
+        load_credentials(config)
+        memo.prorsa = ctx = await _start_context(config, prom or CollectorRegistry())
+        if on_serving is not None:
+            await on_serving(ctx)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -119,9 +155,8 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
         # Daemons may still be winding down (or were cancelled before their runtime
         # finished): every switch must be cancelled before the agents' client closes.
         await asyncio.gather(*(runtime.close() for runtime in list(ctx.runtimes.values())))
-        for runner in (ctx.runner, ctx.metrics_runner):
-            if runner is not None:
-                await runner.cleanup()
+        if ctx.runner is not None:
+            await ctx.runner.cleanup()
         await ctx.agents.aclose()
 
     @kopf.on.probe(id="clusters", registry=registry)
@@ -161,7 +196,7 @@ def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
     )
 
 
-def _load_credentials(config: OperatorConfig) -> None:
+def load_credentials(config: OperatorConfig) -> None:
     """The kubernetes client's credentials, for the Kubernetes adapter's own calls."""
     if config.login_kubeconfig:
         import kubernetes
@@ -171,9 +206,8 @@ def _load_credentials(config: OperatorConfig) -> None:
         _load_kube_config()
 
 
-async def _start_context(config: OperatorConfig) -> OperatorContext:
-    """The process-wide state, with the webhook and metrics listener already serving."""
-    prom = CollectorRegistry()
+async def _start_context(config: OperatorConfig, prom: CollectorRegistry) -> OperatorContext:
+    """The operator's state while it leads, with the webhook listener already serving."""
     registry_ = ClusterRegistry()
     ctx = OperatorContext(
         config=config,
@@ -206,10 +240,6 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
     ctx.port = addresses[0][1] if addresses else config.listen_port
     scheme = "https" if tls else "http"
     log.info("webhook on %s://%s:%d", scheme, config.listen_host, ctx.port)
-    if config.metrics_port is not None:
-        ctx.metrics_runner = await serve_metrics(
-            prom, host=config.metrics_host, port=config.metrics_port, tls=tls
-        )
     if tls is None and config.listen_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "the webhook serves plain HTTP: trainer tokens cross the network in clear "
@@ -217,37 +247,13 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         )
     if config.operator_namespace:
         try:
-            await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
+            service = obj.webhook_service(
+                namespace=config.operator_namespace, leader=config.pod_name is not None
+            )
+            await ctx.kube.ensure(service)
         except Exception:
             log.exception("could not create the shared webhook Service")
     return ctx
-
-
-def metrics_app(registry: CollectorRegistry) -> web.Application:
-    """``GET /metrics`` of ``registry``, alone on its listener (the NetworkPolicy limits
-    who reaches it; the webhook's port, which trainers reach, does not serve it)."""
-
-    async def metrics(request: web.Request) -> web.Response:
-        del request
-        return web.Response(
-            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    return app
-
-
-async def serve_metrics(
-    registry: CollectorRegistry, *, host: str, port: int, tls: ServingCert | None
-) -> web.AppRunner:
-    """Start the metrics listener (HTTPS with the webhook's certificate when it has one)."""
-    runner = web.AppRunner(metrics_app(registry), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, ssl_context=tls.context if tls else None).start()
-    bound = runner.addresses[0][1] if runner.addresses else port
-    log.info("metrics on %s://%s:%d/metrics", "https" if tls else "http", host, bound)
-    return runner
 
 
 def _register_admission(registry: kopf.OperatorRegistry) -> None:

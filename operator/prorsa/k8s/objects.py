@@ -35,6 +35,8 @@ ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
 METRICS_PORT = 8788
 """The operator's /metrics: a port of its own, apart from the trainers' webhook."""
+LEADER_LABEL = "prorsa.io/leader"
+"""On the leading operator's pod (value ``"true"``): the webhook Service selects it."""
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
 AGENT_TLS_PATH = "/var/run/prorsa/agent-tls"
@@ -403,8 +405,17 @@ def router_objects(
     ]
 
 
-def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str, Any]:
-    """The one webhook Service shared by every cluster (in the operator's namespace)."""
+def webhook_service(
+    *, namespace: str, name: str = "prorsa-webhook", leader: bool = True
+) -> dict[str, Any]:
+    """The one webhook Service shared by every cluster (in the operator's namespace).
+
+    With ``leader`` it selects the leading operator's pod alone, the one whose webhook holds
+    the clusters' state (the standby serves none); without, every operator pod.
+    """
+    selector = {"app.kubernetes.io/name": "prorsa", COMPONENT_LABEL: "operator"}
+    if leader:
+        selector[LEADER_LABEL] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -414,7 +425,7 @@ def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str
             "labels": {MANAGED_BY: "prorsa", "app.kubernetes.io/name": "prorsa"},
         },
         "spec": {
-            "selector": {"app.kubernetes.io/name": "prorsa", COMPONENT_LABEL: "operator"},
+            "selector": selector,
             "ports": [{"name": "webhook", "port": WEBHOOK_PORT, "targetPort": WEBHOOK_PORT}],
         },
     }
