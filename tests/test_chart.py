@@ -1351,3 +1351,34 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         # Helm never deletes CRDs (that would delete every RolloutCluster with them).
         assert ext.read_custom_resource_definition("rolloutclusters.prorsa.io")
         api.close()
+
+
+def _helm_installs(page: Path) -> list[list[str]]:
+    """The ``--set`` flags of each ``helm install prorsa charts/prorsa`` a page shows."""
+    import shlex
+
+    text = page.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        if "helm install prorsa charts/prorsa" not in line:
+            continue
+        words = shlex.split(line.split("#", 1)[0])
+        flags = [f"--set={v}" for flag, v in itertools.pairwise(words) if flag == "--set"]
+        found.append(flags + [w for w in words if w.startswith("--set=")])
+    return found
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/operations.md"])
+def test_the_documented_install_renders_what_the_page_says(helm, page):
+    """The quick start as written: the operator watches the namespace the example
+    RolloutCluster lives in, and that namespace's engines get the NetworkPolicy."""
+    (flags,) = _helm_installs(ROOT / page)
+    docs = render(helm, *flags)
+    example = load_cluster(ROOT / "examples" / "rolloutcluster.yaml")
+    namespace = example.metadata.namespace
+    args = parse_operator_args(container(docs))
+    assert args.namespace == [namespace] and not args.all_namespaces
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == [namespace]
+    text = (ROOT / page).read_text()
+    # The namespace exists before the chart renders a Role and a NetworkPolicy in it.
+    assert text.index(f"kubectl create namespace {namespace}") < text.index("helm install")

@@ -159,9 +159,13 @@ async def test_an_agent_that_times_out_degrades_the_cluster_for_all_to_see(caplo
         # Several ticks later: still the one Warning Event for the cause.
         await ticks_pass(env, 5)
         warnings = [e for e in await env.events() if e.get("reason") == "AgentTimeout"]
-        assert len(warnings) == 1, [e["message"] for e in warnings]
-        assert warnings[0]["type"] == "Warning"
-        assert warnings[0]["message"].startswith(f"{victim} unavailable (agent health check")
+        assert warnings and all(e["type"] == "Warning" for e in warnings)
+        # Once per cause: another Event only when another pod joins it (on a loaded machine a
+        # healthy agent may miss the 2 s too), each naming its pods.
+        named = [e["message"].split(" unavailable (")[0] for e in warnings]
+        assert all(victim in n.split(", ") for n in named), named
+        assert len(named) == len(set(named)), named
+        assert " unavailable (agent health check timed out)" in warnings[0]["message"]
         lines = [r.getMessage() for r in caplog.records if r.name == "prorsa.runtime"]
         assert any(f"{victim} unavailable: its agent did not answer" in m for m in lines), lines
 
