@@ -50,6 +50,8 @@ DESCRIPTIONS: dict[str, str] = {
     "engine.tolerations": "Tolerations of the engine pods.",
     "engine.volumes": "Extra volumes of the engine pods (e.g. the model weights).",
     "engine.volumeMounts": "Extra volume mounts of the engine container.",
+    # A list of objects: without an entry here only its members would get a row.
+    "engine.imagePullSecrets": "Secrets the kubelet pulls the engine image with.",
     "gpuBudget": "G of Eq. 1: GPUs for all engines; instances = gpuBudget / "
     "engine.gpusPerInstance (must divide).",
     "roles.prefill.min": "Never fewer prefill instances than this.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -41,6 +41,9 @@ class OperatorConfig:
 
     listen_host: str = "0.0.0.0"
     listen_port: int = obj.WEBHOOK_PORT
+    # /metrics on a port of its own, never the webhook's (None: not served).
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = obj.METRICS_PORT
     # tls.crt + tls.key: the webhook and /metrics serve HTTPS (docs/security.md); None: HTTP.
     webhook_tls_dir: str | None = None
     options: OperatorOptions = field(default_factory=OperatorOptions)
@@ -50,8 +53,28 @@ class OperatorConfig:
     # Watching named namespaces (kopf --namespace) rather than all: kopf then neither lists
     # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
     namespaced: bool = False
+    namespaces: tuple[str, ...] = ()
+    # The liveness and readiness probes (prorsa.operator_process), e.g.
+    # http://0.0.0.0:8080/healthz (readiness at /readyz); None: not served.
+    liveness: str | None = None
+    # Two replicas, one leading (a Lease in operator_namespace); None: this one acts alone.
+    leader_election: LeaderElection | None = None
+    pod_name: str | None = None  # this process's pod: the webhook Service selects the leader's
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderElection:
+    """``prorsa operator --leader-elect-*`` (client-go's defaults, docs/operations.md)."""
+
+    lease_name: str = "prorsa-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+Serving = Callable[["OperatorContext"], Awaitable[None]]
 
 
 @dataclass
@@ -78,10 +101,19 @@ def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
         raise ValueError(str(exc)) from None
 
 
-def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
-    """The kopf handlers of ``prorsa operator``, registered on a registry of their own."""
+def build_registry(
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None = None,
+    on_serving: Serving | None = None,
+) -> kopf.OperatorRegistry:
+    """The kopf handlers of ``prorsa operator``, registered on a registry of their own.
+
+    ``prom`` is the process's metrics registry (its listener outlives kopf:
+    :mod:`prorsa.operator_process`); ``on_serving`` is awaited once the webhook serves.
+    """
     registry = kopf.OperatorRegistry()
-    _register_lifecycle(registry, config)
+    _register_lifecycle(registry, config, prom=prom, on_serving=on_serving)
     if config.admission:
         _register_admission(registry)
     _register_clusters(registry)
@@ -92,7 +124,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 _RESOURCE = (GROUP, VERSION, PLURAL)
 
 
-def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+def _register_lifecycle(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None,
+    on_serving: Serving | None,
+) -> None:
     """Log-in, start-up (settings, webhook listener), clean-up and the liveness probe."""
     if config.login_kubeconfig:
 
@@ -103,8 +141,10 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         _configure(settings, config)
-        _load_credentials(config)
-        memo.prorsa = await _start_context(config)
+        load_credentials(config)
+        memo.prorsa = ctx = await _start_context(config, prom or CollectorRegistry())
+        if on_serving is not None:
+            await on_serving(ctx)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -155,7 +195,7 @@ def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
     )
 
 
-def _load_credentials(config: OperatorConfig) -> None:
+def load_credentials(config: OperatorConfig) -> None:
     """The kubernetes client's credentials, for the Kubernetes adapter's own calls."""
     if config.login_kubeconfig:
         import kubernetes
@@ -165,9 +205,8 @@ def _load_credentials(config: OperatorConfig) -> None:
         _load_kube_config()
 
 
-async def _start_context(config: OperatorConfig) -> OperatorContext:
-    """The process-wide state, with the webhook and metrics listener already serving."""
-    prom = CollectorRegistry()
+async def _start_context(config: OperatorConfig, prom: CollectorRegistry) -> OperatorContext:
+    """The operator's state while it leads, with the webhook listener already serving."""
     registry_ = ClusterRegistry()
     ctx = OperatorContext(
         config=config,
@@ -185,7 +224,8 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
             key_file=Path(config.webhook_tls_dir, "tls.key"),
         )
     app = web.Application()
-    ctx.server.add_routes(app)
+    # Unauthenticated /metrics names every served cluster: not on the trainers' port.
+    ctx.server.add_routes(app, metrics=False)
     ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
     await ctx.runner.setup()
     site = web.TCPSite(
@@ -198,7 +238,7 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
     addresses = ctx.runner.addresses
     ctx.port = addresses[0][1] if addresses else config.listen_port
     scheme = "https" if tls else "http"
-    log.info("webhook and metrics on %s://%s:%d", scheme, config.listen_host, ctx.port)
+    log.info("webhook on %s://%s:%d", scheme, config.listen_host, ctx.port)
     if tls is None and config.listen_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "the webhook serves plain HTTP: trainer tokens cross the network in clear "
@@ -206,7 +246,10 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         )
     if config.operator_namespace:
         try:
-            await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
+            service = obj.webhook_service(
+                namespace=config.operator_namespace, leader=config.pod_name is not None
+            )
+            await ctx.kube.ensure(service)
         except Exception:
             log.exception("could not create the shared webhook Service")
     return ctx

@@ -21,17 +21,21 @@ from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
+
+from prorsa.core import pod_bounds
 
 GROUP = "prorsa.io"
 VERSION = "v1alpha1"
@@ -120,6 +124,71 @@ class _Spec(BaseModel):
         return out
 
 
+def _refuse(problems: list[pod_bounds.Problem]) -> None:
+    if problems:
+        raise ValueError("; ".join(f"{path}: {message}" for path, message in problems))
+
+
+def _volume(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.volume_problems(value))
+    return value
+
+
+def _env(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.env_problems(value))
+    return value
+
+
+def _pod_security(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.pod_security_problems(value))
+    return value
+
+
+def _container_security(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.container_security_problems(value))
+    return value
+
+
+def _pod_labels(value: dict[str, str]) -> dict[str, str]:
+    _refuse(pod_bounds.metadata_problems(value, labels=True))
+    return value
+
+
+def _pod_annotations(value: dict[str, str]) -> dict[str, str]:
+    _refuse(pod_bounds.metadata_problems(value, labels=False))
+    return value
+
+
+# Kubernetes objects the spec passes through to the engine pods, within the bounds of
+# prorsa.core.pod_bounds; their CRD schema declares the fields the CEL rules read.
+Volume = Annotated[
+    dict[str, Any], AfterValidator(_volume), WithJsonSchema(pod_bounds.VOLUME_SCHEMA)
+]
+EnvVar = Annotated[dict[str, Any], AfterValidator(_env), WithJsonSchema(pod_bounds.ENV_SCHEMA)]
+PodSecurityContext = Annotated[
+    dict[str, Any],
+    AfterValidator(_pod_security),
+    WithJsonSchema(pod_bounds.POD_SECURITY_SCHEMA),
+]
+ContainerSecurityContext = Annotated[
+    dict[str, Any],
+    AfterValidator(_container_security),
+    WithJsonSchema(pod_bounds.CONTAINER_SECURITY_SCHEMA),
+]
+PodLabels = Annotated[
+    dict[str, str], AfterValidator(_pod_labels), WithJsonSchema(pod_bounds.POD_LABELS_SCHEMA)
+]
+PodAnnotations = Annotated[
+    dict[str, str],
+    AfterValidator(_pod_annotations),
+    WithJsonSchema(pod_bounds.POD_ANNOTATIONS_SCHEMA),
+]
+
+
+class LocalObjectReference(_Spec):
+    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Secret name.")
+
+
 class ModelSpec(_Spec):
     path: Annotated[str, Field(min_length=1)] = Field(description="Model weights path.")
     served_name: str | None = Field(None, alias="servedName")
@@ -150,10 +219,10 @@ class EngineSpec(_Spec):
     tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
     transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
-    env: list[dict[str, Any]] = Field(
+    env: Annotated[list[EnvVar], Field(max_length=256)] = Field(
         default_factory=list,
         description="Extra environment variables of the engine container (EnvVar list), "
-        "e.g. NCCL or Mooncake settings.",
+        "e.g. NCCL or Mooncake settings. No valueFrom.secretKeyRef (docs/security.md).",
     )
     gpu_resource_name: str = Field(
         "nvidia.com/gpu",
@@ -169,23 +238,66 @@ class EngineSpec(_Spec):
         "(see docs/engine-flags.md).",
     )
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
-    pod_security_context: dict[str, Any] | None = Field(
+    tolerations: Annotated[list[dict[str, Any]], Field(max_length=64)] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(
+        None, description="The engine pods' affinity (node, pod and pod anti-affinity)."
+    )
+    topology_spread_constraints: Annotated[list[dict[str, Any]], Field(max_length=16)] = Field(
+        default_factory=list,
+        alias="topologySpreadConstraints",
+        description="The engine pods' topologySpreadConstraints; select them with "
+        "labelSelector matchLabels prorsa.io/cluster: <name>.",
+    )
+    scheduler_name: Annotated[str, Field(min_length=1, max_length=253)] | None = Field(
+        None,
+        alias="schedulerName",
+        description="Scheduler of the engine pods (e.g. a gang scheduler); unset: the "
+        "cluster's default.",
+    )
+    priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = Field(
+        None, alias="priorityClassName", description="PriorityClass of the engine pods."
+    )
+    image_pull_secrets: Annotated[list[LocalObjectReference], Field(max_length=16)] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        description="Secrets the kubelet pulls the engine image with ([{name}]): the only "
+        "Secrets of the namespace a RolloutCluster can name for its pods.",
+    )
+    pod_labels: PodLabels = Field(
+        default_factory=dict,
+        alias="podLabels",
+        description="More labels of the engine pods. The operator's own (prorsa.io/*, "
+        "app.kubernetes.io/managed-by, name, instance, component) are refused.",
+    )
+    pod_annotations: PodAnnotations = Field(
+        default_factory=dict,
+        alias="podAnnotations",
+        description="More annotations of the engine pods, e.g. Multus networks "
+        "(k8s.v1.cni.cncf.io/networks) for RDMA. prorsa.io/* and "
+        "sglang.ai/bootstrap-port are refused.",
+    )
+    volumes: Annotated[list[Volume], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Extra volumes of the engine pods (e.g. the model weights). No "
+        "hostPath, and no Secret (secret, projected secret, csi nodePublishSecretRef).",
+    )
+    volume_mounts: Annotated[list[dict[str, Any]], Field(max_length=64)] = Field(
+        default_factory=list, alias="volumeMounts"
+    )
+    pod_security_context: PodSecurityContext | None = Field(
         None,
         alias="podSecurityContext",
-        description="The engine pods' securityContext (PodSecurityContext). Unset: "
-        "runAsNonRoot and seccompProfile RuntimeDefault (the engine image runs as UID "
-        "10001). Given: used as it is, e.g. {runAsUser: 0} for an RDMA setup that needs "
-        "root (docs/security.md).",
+        description="The engine pods' securityContext (PodSecurityContext), merged over "
+        "the defaults (runAsNonRoot, seccompProfile RuntimeDefault; the engine image runs "
+        "as UID 10001). runAsNonRoot false and runAsUser 0 are refused (docs/security.md).",
     )
-    security_context: dict[str, Any] | None = Field(
+    security_context: ContainerSecurityContext | None = Field(
         None,
         alias="securityContext",
-        description="The engine container's securityContext. Unset: no privilege "
-        "escalation, every capability dropped but IPC_LOCK (RDMA memory registration). "
-        "Given: used as it is (docs/security.md).",
+        description="The engine container's securityContext, merged over the defaults (no "
+        "privilege escalation, every capability dropped but IPC_LOCK). privileged, "
+        "allowPrivilegeEscalation, root and capabilities that amount to root on the node "
+        "are refused (docs/security.md).",
     )
 
     @property

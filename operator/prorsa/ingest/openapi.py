@@ -268,7 +268,8 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": {
                 "get": {
                     "operationId": "getMetrics",
-                    "summary": "Prometheus metrics (prorsa_webhook_*).",
+                    "summary": "Prometheus metrics (prorsa_webhook_*); `prorsa ingest` only: "
+                    "the operator serves them on a port of its own (8788).",
                     "responses": {
                         "200": {
                             "description": "Prometheus text exposition format.",

@@ -88,8 +88,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Decode", "type": "integer", "jsonPath": ".status.instances.decode"},
     {"name": "Target", "type": "string", "jsonPath": ".status.target.split"},
     {"name": "Margin", "type": "number", "jsonPath": ".status.target.safetyMargin"},
+    # Ready and Phase by default: an engine lost shrinks the split, which must show.
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+    },
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Mode", "type": "string", "jsonPath": ".status.target.mode", "priority": 1},
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -37,6 +37,7 @@ class Kube:
         # LeaderWorkerSets only, on an attribute of their own: the chart's RBAC test finds the
         # operator's API calls by attribute, and these are granted apart (rbac.yaml).
         self.lws = client.CustomObjectsApi(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)  # the leader's Lease
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -201,6 +202,40 @@ class Kube:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    # -- the leader's Lease (prorsa.k8s.leader) ---------------------------------------------------
+
+    async def read_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = await self._call(self.coordination.read_namespaced_lease, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self._plain(found)
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create the Lease; False when one of that name exists already (someone was first)."""
+        try:
+            await self._call(self.coordination.create_namespaced_lease, namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
+
+    async def replace_lease(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Write the Lease if nobody wrote it since ``body``'s resourceVersion; else False."""
+        try:
+            await self._call(
+                self.coordination.replace_namespaced_lease,
+                body["metadata"]["name"], namespace, body,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
 
     # -- the custom resource -----------------------------------------------------------------------
 

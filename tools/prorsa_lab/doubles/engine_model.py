@@ -126,6 +126,8 @@ class Faults:
     * ``unhealthy_after_switch``: the switch reports success but the engine no longer
       generates (``/health_generate`` times out with 503).
     * ``step_time_multiplier``: slows every prefill batch and decode step (a slow drain).
+    * ``hang_loads``: ``/v1/loads`` answers only once the fault is cleared (a scheduler
+      stuck in a collective: the agent's ``/v1/state`` then outlasts the operator's poll).
     """
 
     switch_failure: SwitchFailure | None = None
@@ -135,6 +137,7 @@ class Faults:
     hang_on_switch: bool = False
     unhealthy_after_switch: bool = False
     step_time_multiplier: float = 1.0
+    hang_loads: bool = False
 
     def update(self, values: dict[str, Any]) -> None:
         """Apply a partial update (the ``POST /_double/faults`` body); unknown keys fail."""
@@ -155,7 +158,7 @@ class Faults:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0")
-        for name in ("crash_on_switch", "hang_on_switch", "unhealthy_after_switch"):
+        for name in ("crash_on_switch", "hang_on_switch", "unhealthy_after_switch", "hang_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         mult = self.step_time_multiplier
