@@ -197,6 +197,7 @@ def test_the_router_sets_the_pace_of_a_switch_of_an_idle_instance() -> None:
     # role a little after the flip: an idle instance still takes 6 + 5 + 2 s to serve.
     loop, cluster, _rec = make(
         [PREFILL, DECODE, DECODE],
+        profile=load_profile("qwen3-tp8"),  # one rank per instance: smg's worker is the pod
         switch_seconds=5.0,
         router_drain_seconds=6.0,
         router_register_seconds=2.0,

@@ -154,9 +154,14 @@ class EngineSpec(_Spec):
         a long prompt takes that many times longer than the instance's speed suggests.
         """
         args = self.extra_args
-        if "--enable-dp-attention" not in args:
-            return 1
         size = 1
+        # SGLang 0.5.23's spelling, and the deprecated one it still accepts
+        # (parallel_hook.handle_deprecated_dp_attention).
+        for value in flag_values(args, "--attn-dp-size", "--attention-data-parallel-size"):
+            if value.isdigit() and int(value) >= 1:
+                size = int(value)
+        if "--enable-dp-attention" not in args:
+            return size
         for value in flag_values(args, "--dp-size", "--dp", "--data-parallel-size"):
             if value.isdigit() and int(value) >= 1:
                 size = int(value)
