@@ -286,8 +286,7 @@ DEPLOYMENTS = [
         chunk=1024,
         max_context=131072,
         kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
-        source="attention DP8 over MoE TP8 (BF16: FP8 blocks do not divide 1536/8), "
-        "chunk 8192/8",
+        source="attention DP8 over MoE TP8 (BF16: FP8 blocks do not divide 1536/8), chunk 8192/8",
         role_switch_capable=True,
         extra=BF16_WEIGHTS_FP8_KV,
     ),
@@ -306,8 +305,7 @@ DEPLOYMENTS = [
         chunk=2048,
         max_context=131072,
         kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
-        source="paper §5.1's attention TP2 x DP4 with MoE TP8 instead of EP8 (BF16), "
-        "chunk 8192/4",
+        source="paper §5.1's attention TP2 x DP4 with MoE TP8 instead of EP8 (BF16), chunk 8192/4",
         role_switch_capable=True,
         extra=BF16_WEIGHTS_FP8_KV,
     ),

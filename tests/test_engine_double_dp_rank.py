@@ -57,9 +57,7 @@ async def test_a_routed_rank_is_honoured_and_leaves_the_round_robin_alone(
 
 async def test_a_rank_outside_the_engine_is_refused(client: httpx.AsyncClient) -> None:
     async with EngineDouble(EngineConfig(role="null", dp_size=2)) as engine:
-        reply = await client.post(
-            f"{engine.url}/generate", json={"text": "w", "routed_dp_rank": 2}
-        )
+        reply = await client.post(f"{engine.url}/generate", json={"text": "w", "routed_dp_rank": 2})
         assert reply.status_code == 400
         assert "routed_dp_rank=2 out of range [0, 2)" in reply.text
         assert await prefilled(client, engine.url) == [0, 0]

@@ -115,9 +115,7 @@ def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
         (["--dp-size", "2"], False),  # replicas, not attention DP: smg's worker is the pod
     ],
 )
-def test_the_router_places_requests_on_attention_dp_ranks(
-    extra: list[str], dp_aware: bool
-) -> None:
+def test_the_router_places_requests_on_attention_dp_ranks(extra: list[str], dp_aware: bool) -> None:
     # With attention DP smg picks the rank by prefix (--dp-aware); SGLang's own DP
     # controller would round-robin it. No sticky sessions: cache_aware follows the prefix.
     spec = parse_cluster(cluster_manifest(router={"enabled": True}, engine={"extraArgs": extra}))

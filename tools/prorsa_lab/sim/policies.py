@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prorsa.core.controller import CACHE_FILL, Controller, Demand, DemandInputs

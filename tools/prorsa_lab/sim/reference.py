@@ -73,7 +73,10 @@ def _prefill_target(sim: Simulation) -> int:
 
 def move_to(sim: Simulation, target: int) -> bool:
     """Start the switches that bring the split to ``target`` prefill instances (False: not
-    enough instances free to switch), least-loaded first, as the operator's executor."""
+    enough instances free to switch, or a split without one of the roles), least-loaded
+    first, as the operator's executor."""
+    if not 1 <= target <= len(sim.cluster.instances) - 1:
+        return False
     need = target - _prefill_target(sim)
     if need == 0:
         return True
@@ -174,10 +177,7 @@ class Reference:
         self.snapshot_seconds += time.perf_counter() - t0
         self.snapshot_bytes = max(self.snapshot_bytes, len(snapshot))
         limit = sim.scenario.time_limit
-        if self.hold is None:
-            hold = self._forks(snapshot, [split], limit)[0]
-        else:
-            hold = self.hold
+        hold = self._forks(snapshot, [split], limit)[0] if self.hold is None else self.hold
         # A candidate must beat holding: a fork still running at the hold's end is cut.
         until = min(hold, limit) if math.isfinite(hold) else limit
         found = self._forks(snapshot, candidates, until)
@@ -204,9 +204,7 @@ class Reference:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(max_workers=self.workers)
             out = list(
-                self._pool.map(
-                    run_fork, [snapshot] * len(targets), targets, [until] * len(targets)
-                )
+                self._pool.map(run_fork, [snapshot] * len(targets), targets, [until] * len(targets))
             )
         else:
             out = [run_fork(snapshot, t, until) for t in targets]
