@@ -272,6 +272,7 @@ def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -
     ref = rollout._config(
         parser.parse_args(["--reference-cadence", "45", "--reference-moves=-1,1"])
     )
+    assert (ref.reference_cadence, ref.reference_moves) == (45.0, (-1, 1))
     assert "reference" not in rollout._config(parser.parse_args(["--no-reference"])).policies
     for flag, bad in (("--reference-cadence", "0"), ("--reference-moves", "0,1")):
         assert main(["bench", "rollout", flag, bad, "--workers", "1"]) == 2

@@ -284,7 +284,7 @@ def test_without_dp_aware_routing_the_engine_round_robins_its_ranks() -> None:
         for i in range(8):
             cluster.submit(req(f"r{i}", 2_000, 5))
         assert [len(r.pq) for r in cluster.instances[0].ranks] == [2, 2, 2, 2]
-    loop, cluster, rec = make([PREFILL, DECODE], dp_aware=False)
+    loop, cluster, _rec = make([PREFILL, DECODE], dp_aware=False)
     for i in range(4):
         cluster.submit(req(f"r{i}", 2_000, 500))
     run_until(loop, 5, cluster)
