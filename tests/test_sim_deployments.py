@@ -111,6 +111,4 @@ def test_the_operator_renders_flags_sglang_accepts_with_role_switching(model: st
     else:
         assert "--enable-dp-attention" not in argv
     spec = Scenario(model=model, task="coding").spec()
-    assert ("--dp-aware" in router_args(cluster="sim", namespace="rl", spec=spec)) is (
-        p.ranks > 1
-    )
+    assert ("--dp-aware" in router_args(cluster="sim", namespace="rl", spec=spec)) is (p.ranks > 1)
