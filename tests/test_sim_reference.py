@@ -120,6 +120,11 @@ def test_the_grid_runs_each_reference_from_its_best_static_split() -> None:
     assert ref["extra"]["cadenceSeconds"] == 40.0
     with pytest.raises(ValueError, match="static sweep"):
         run_jobs([Job(cfg.scenarios()[0], "reference", False)], workers=1, config=cfg)
+    # In a pool of two the one reference runs last and forks over both: the same answer.
+    pooled = run_jobs(jobs(cfg), workers=2, config=cfg)
+    assert sorted((r["policy"], r["makespan"]) for r in pooled) == sorted(
+        (r["policy"], r["makespan"]) for r in results
+    )
 
 
 def test_the_default_cadence_follows_the_best_static_makespan() -> None:
