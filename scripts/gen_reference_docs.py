@@ -74,7 +74,7 @@ DESCRIPTIONS: dict[str, str] = {
     "its last switch ended.",
     "switching.maxConcurrent": "Switches in flight at once.",
     "switching.drainTimeoutSeconds": "How long the agent waits for in-flight requests before "
-    "aborting them.",
+    "aborting them; at most 3600 s, the agent's limit for a role request.",
     "router.enabled": "Deploy the smg router in PD mode with Kubernetes discovery on the "
     "role labels; false: your own router routes by `prorsa.io/role`.",
     "router.image": "Router image.",

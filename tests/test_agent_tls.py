@@ -22,6 +22,7 @@ from prorsa.k8s.agents import AgentClient, agent_address
 from prorsa.k8s.runtime import ClusterRuntime
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import ConfigError
+from prorsa_contract.agent_api import RoleRequest
 from prorsa_contract.serving_tls import ServingCert as AgentServingCert
 from prorsa_lab.doubles.sglang_double import EnginePod
 
@@ -86,7 +87,8 @@ async def test_the_operator_verifies_the_agent_and_flips_it_over_tls(pod, issued
     try:
         state = await agents.state(address)
         assert state is not None and state.role == "decode"
-        result = await agents.set_role(address, role="prefill", drain_timeout=1.0, token=TOKEN)
+        request = RoleRequest(role="prefill", drain_timeout_seconds=1.0)
+        result = await agents.set_role(address, request=request, token=TOKEN)
         assert result.ok, result
         state = await agents.state(address)
         assert state is not None and state.role == "prefill"

@@ -163,6 +163,9 @@ def test_switch_intent_round_trip() -> None:
     }
     assert parse_intent("not json") is None
     assert parse_intent('{"to": "sideways"}') is None
+    # A target is enough: an origin that is no role and keys it does not know are dropped.
+    assert parse_intent('{"to": "decode", "from": "up", "extra": 1}') == {"to": "decode"}
+    assert parse_intent('["to", "decode"]') is None
 
 
 @pytest.mark.parametrize(

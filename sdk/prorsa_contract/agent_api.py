@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 Role = Literal["prefill", "decode"]
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+MAX_DRAIN_TIMEOUT_SECONDS = 3600.0
+"""The longest drain a role request may ask for (``spec.switching.drainTimeoutSeconds``)."""
 
 
 class EngineState(BaseModel):
@@ -46,9 +48,9 @@ class RoleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
 
     role: Role
-    drain_timeout_seconds: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
-        30.0, alias="drainTimeoutSeconds"
-    )
+    drain_timeout_seconds: Annotated[
+        float, Field(ge=0, le=MAX_DRAIN_TIMEOUT_SECONDS, allow_inf_nan=False)
+    ] = Field(30.0, alias="drainTimeoutSeconds")
 
 
 class RoleResult(BaseModel):

@@ -22,6 +22,9 @@ and the workers ``<cluster>-engine-<i>-0-<r>``, and a worker's rank is its
 from __future__ import annotations
 
 import json
+from typing import Final, Literal, NotRequired, TypedDict, get_args
+
+from prorsa_contract.agent_api import Role
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 CLUSTER_LABEL = "prorsa.io/cluster"
@@ -30,7 +33,9 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 INDEX_LABEL = "prorsa.io/index"
 BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
 SWITCH_ANNOTATION = "prorsa.io/switch"
-DRAINING = "draining"
+DRAINING: Final = "draining"
+RoleLabel = Role | Literal["draining"]
+"""The values of ``prorsa.io/role``: an engine role, or out of the router mid-switch."""
 GROUP_LABEL = "prorsa.io/group"
 NODE_RANK_LABEL = "prorsa.io/node-rank"
 NODES_LABEL = "prorsa.io/nodes"
@@ -67,18 +72,44 @@ def agent_tls_secret_name(cluster: str) -> str:
     return f"{cluster}-agent-tls"
 
 
-def switch_intent(*, to: str, phase: str, started: str, origin: str) -> str:
+SwitchIntent = TypedDict(
+    "SwitchIntent",
+    {"to": Role, "from": NotRequired[Role], "phase": NotRequired[str], "started": NotRequired[str]},
+)
+"""The ``prorsa.io/switch`` annotation, parsed: the switch's target role, the role it left
+(absent on an intent written before it was recorded), its phase and its start time."""
+
+_ROLES: tuple[Role, ...] = get_args(Role)
+
+
+def switch_intent(*, to: Role, phase: str, started: str, origin: Role) -> str:
     """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
     return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})
 
 
-def parse_intent(value: str | None) -> dict[str, str] | None:
+def parse_intent(value: str | None) -> SwitchIntent | None:
+    """The intent an annotation holds; None when it names no target role.
+
+    A ``from`` that is not a role is dropped (the switch is still finished: its target is
+    known), and so are keys this version does not know.
+    """
     if not value:
         return None
     try:
         data = json.loads(value)
     except json.JSONDecodeError:
         return None
-    if not isinstance(data, dict) or data.get("to") not in ("prefill", "decode"):
+    if not isinstance(data, dict):
         return None
-    return {k: str(v) for k, v in data.items()}
+    to = next((r for r in _ROLES if r == data.get("to")), None)
+    if to is None:
+        return None
+    intent: SwitchIntent = {"to": to}
+    origin = next((r for r in _ROLES if r == data.get("from")), None)
+    if origin is not None:
+        intent["from"] = origin
+    if "phase" in data:
+        intent["phase"] = str(data["phase"])
+    if "started" in data:
+        intent["started"] = str(data["started"])
+    return intent

@@ -36,6 +36,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from prorsa.core import pod_bounds
+from prorsa_contract.agent_api import MAX_DRAIN_TIMEOUT_SECONDS
 
 GROUP = "prorsa.io"
 VERSION = "v1alpha1"
@@ -435,7 +436,9 @@ class SwitchingSpec(_Spec):
     mode: Literal["Auto", "Recommend", "Off"] = "Auto"
     cooldown_seconds: NonNegFloat = Field(30.0, alias="cooldownSeconds")
     max_concurrent: PosInt = Field(1, alias="maxConcurrent")
-    drain_timeout_seconds: NonNegFloat = Field(30.0, alias="drainTimeoutSeconds")
+    drain_timeout_seconds: Annotated[
+        float, Field(ge=0, le=MAX_DRAIN_TIMEOUT_SECONDS, allow_inf_nan=False)
+    ] = Field(30.0, alias="drainTimeoutSeconds")
     hysteresis: Annotated[float, Field(ge=0, le=10)] = Field(
         0.0,
         description="Switch only when the best split's demand/capacity headroom beats the "

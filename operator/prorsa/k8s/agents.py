@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from prorsa.k8s.agent_tls import agent_server_name
 from prorsa.k8s.objects import AGENT_TLS_CERT_ENV
-from prorsa_contract.agent_api import EngineState, RoleResult
+from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
 from prorsa_contract.labels import CLUSTER_LABEL
 
 STATE_TIMEOUT = 2.0
@@ -166,16 +166,17 @@ class AgentClient:
         return {a.instance: r for a, r in zip(addresses, results, strict=True)}
 
     async def set_role(
-        self, address: AgentAddress, *, role: str, drain_timeout: float, token: str
+        self, address: AgentAddress, *, request: RoleRequest, token: str
     ) -> RoleResult:
-        """``POST /v1/role``. The agent drains, aborts, flips and verifies; this waits.
+        """``POST /v1/role`` with ``request``. The agent drains, aborts, flips and verifies;
+        this waits.
 
         The call is idempotent on the agent: a retry after a lost connection reports the
         same switch's progress or result instead of starting another.
         """
-        body = {"role": role, "drainTimeoutSeconds": drain_timeout}
+        body = request.model_dump(mode="json", by_alias=True)
         headers = {"Authorization": f"Bearer {token}"}
-        timeout = httpx.Timeout(drain_timeout + 900.0, connect=5.0)
+        timeout = httpx.Timeout(request.drain_timeout_seconds + 900.0, connect=5.0)
         last_error = ""
         last_reply: httpx.Response | None = None
         failures = 0

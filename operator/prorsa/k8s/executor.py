@@ -28,12 +28,13 @@ from prorsa.core.decision import Switch
 from prorsa.k8s import groups, lws
 from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.kube import Kube
-from prorsa_contract.agent_api import RoleResult
+from prorsa_contract.agent_api import Role, RoleRequest, RoleResult
 from prorsa_contract.labels import (
     DRAINING,
     GROUP_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
+    RoleLabel,
     parse_intent,
     switch_intent,
 )
@@ -48,8 +49,8 @@ def utcnow() -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwitchOutcome:
     pod: str
-    origin: str
-    to: str
+    origin: Role
+    to: Role
     started: str
     seconds: float
     result: str  # "succeeded" | "restored" | "replaced" | "lost"
@@ -112,9 +113,10 @@ class SwitchExecutor:
         intent = parse_intent((pod["metadata"].get("annotations") or {}).get(SWITCH_ANNOTATION))
         if intent is None or name in self.active or self.closed:
             return False
-        origin = intent.get("from") or ("decode" if intent["to"] == "prefill" else "prefill")
+        to = intent["to"]
+        origin: Role = intent.get("from") or ("decode" if to == "prefill" else "prefill")
         task = asyncio.create_task(
-            self._run(pod, origin, intent["to"], resume=True, started=intent.get("started"))
+            self._run(pod, origin, to, resume=True, started=intent.get("started"))
         )
         self._track(name, task)
         return True
@@ -145,7 +147,13 @@ class SwitchExecutor:
                 self.active.pop(name, None)
 
     async def _run(
-        self, pod: dict[str, Any], origin: str, to: str, *, resume: bool, started: str | None = None
+        self,
+        pod: dict[str, Any],
+        origin: Role,
+        to: Role,
+        *,
+        resume: bool,
+        started: str | None = None,
     ) -> SwitchOutcome:
         name = pod["metadata"]["name"]
         started = started or utcnow()
@@ -198,9 +206,8 @@ class SwitchExecutor:
             await self.kube.patch_pod(
                 ns, name, {"metadata": {"annotations": {SWITCH_ANNOTATION: phase}}}
             )
-            result = await self.agents.set_role(
-                address, role=to, drain_timeout=s.drain_timeout, token=self.token()
-            )
+            request = RoleRequest(role=to, drain_timeout_seconds=s.drain_timeout)
+            result = await self.agents.set_role(address, request=request, token=self.token())
 
         # Steps 5–6.
         if result.ok:
@@ -235,7 +242,7 @@ class SwitchExecutor:
         await self.on_done(done)
         return done
 
-    async def _relabel(self, name: str, role: str, *, grouped: bool) -> None:
+    async def _relabel(self, name: str, role: RoleLabel, *, grouped: bool) -> None:
         # Workers first: the leader's label and intent go last, so a crash in between
         # leaves the intent, and the next operator finishes the whole group.
         if grouped:

@@ -36,7 +36,7 @@ from prorsa.k8s.availability import Availability, DegradedReporter, assess
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
-from prorsa_contract.agent_api import EngineState, Role
+from prorsa_contract.agent_api import EngineState
 from prorsa_contract.labels import (
     AGENT_PORT,
     CLUSTER_LABEL,
@@ -183,9 +183,8 @@ class ClusterRuntime:
                 annotations = pod["metadata"].get("annotations") or {}
                 intent = parse_intent(annotations.get(SWITCH_ANNOTATION))
                 if intent is not None:
-                    to: Role = "prefill" if intent["to"] == "prefill" else "decode"
                     async with self.handle.exclusive() as controller:
-                        controller.resume_switch(pod_name, to=to)
+                        controller.resume_switch(pod_name, to=intent["to"])
 
     async def _ensure_agent_tls(self) -> None:
         """The agents' certificate Secret: issued once, then only its CA is read back.
