@@ -17,7 +17,7 @@ from prorsa.core.decision import Switch
 from prorsa.k8s.agents import AgentClient, agent_address
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
 from prorsa.kopf_handlers import parse_spec
-from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
+from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult
 from prorsa_contract.labels import ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.doubles.stack import cluster_manifest
 
@@ -30,19 +30,19 @@ class Agent:
     """A loopback agent that records every role request it is sent."""
 
     def __init__(self) -> None:
-        self.role = "decode"
+        self.role: Role = "decode"
         self.bodies: list[bytes] = []
         self.auth: list[str | None] = []
 
     async def state(self, request: web.Request) -> web.Response:
-        return web.json_response(EngineState(instance=POD, role=self.role).wire())  # type: ignore[arg-type]
+        return web.json_response(EngineState(instance=POD, role=self.role).wire())
 
     async def switch(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.read())
         self.auth.append(request.headers.get("Authorization"))
         wanted = RoleRequest.model_validate_json(self.bodies[-1])
         old, self.role = self.role, wanted.role
-        result = RoleResult(ok=True, old_role=old, new_role=wanted.role)  # type: ignore[arg-type]
+        result = RoleResult(ok=True, old_role=old, new_role=wanted.role)
         return web.json_response(result.wire())
 
 
