@@ -267,6 +267,19 @@ async def test_an_engine_that_never_gets_idle_fails_safely(client):
 # ------------------------------------------------------------------ switches that fail
 
 
+async def test_an_engine_outside_pd_mode_is_unhealthy_and_not_switched(client):
+    """SGLang's mode is no role (``null``: launched without PD disaggregation): the agent
+    reports its last role unhealthy and refuses a switch, naming the mode."""
+    async with EnginePod(instance="e-n", token=TOKEN, engine=EngineConfig(role="null")) as pod:
+        state = await _state(client, pod.agent_url)
+        assert state.healthy is False and state.role == "decode"
+        response = await _role(client, pod, "prefill")
+        assert response.status_code == 503
+        result = RoleResult.model_validate(response.json())
+        assert result.safe_to_restore is True and not result.ok
+        assert "not in PD disaggregation mode (mode 'null')" in result.message
+
+
 async def test_safe_refusal_reports_safe_to_restore_and_keeps_serving(client):
     async with EnginePod(instance="e-2", token=TOKEN, faults=Faults(switch_failure="safe")) as pod:
         response = await _role(client, pod, "prefill")

@@ -45,7 +45,7 @@ from prorsa_agent.engine_client import EngineClient, EngineUnavailable
 from prorsa_agent.health import EngineHealth
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
-from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
+from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult, as_role
 from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa_agent")
@@ -327,9 +327,10 @@ class Agent:
                 healthy=False,
             )
             return web.json_response(state.wire())
-        in_pd = loads.role in ("prefill", "decode")
-        if in_pd:
-            health.last_role = loads.role  # type: ignore[assignment]
+        role = as_role(loads.role)
+        in_pd = role is not None
+        if role is not None:
+            health.last_role = role
         state = EngineState(
             instance=self.config.instance,
             role=health.last_role,
@@ -405,20 +406,22 @@ class Agent:
                     ),
                 )
             refusal = self._refusal()
-            current = None
+            current: Role | None = None
             if refusal is None:
                 try:
-                    current = (await self.engine.loads()).role
+                    mode = (await self.engine.loads()).role
                 except EngineUnavailable as exc:
                     refusal = RoleResult(
                         ok=False, safe_to_restore=True, message=f"engine not answering: {exc}"
                     )
-            if refusal is None and current not in ("prefill", "decode"):
-                refusal = RoleResult(
-                    ok=False,
-                    safe_to_restore=True,
-                    message=f"engine is not in PD disaggregation mode (mode {current!r})",
-                )
+                else:
+                    current = as_role(mode)
+                    if current is None:
+                        refusal = RoleResult(
+                            ok=False,
+                            safe_to_restore=True,
+                            message=f"engine is not in PD disaggregation mode (mode {mode!r})",
+                        )
             if refusal is not None:
                 self.metrics.switches.labels(result="refused", to=wanted.role).inc()
                 return _result(503, refusal)
@@ -435,7 +438,7 @@ class Agent:
                 )
             progress = SwitchProgress(
                 target=wanted.role,
-                old_role=current,  # type: ignore[arg-type]
+                old_role=current,
                 drain_timeout=wanted.drain_timeout_seconds,
             )
             job = _Job(progress, asyncio.create_task(self._run_switch(progress)))

@@ -11,6 +11,15 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+def as_role(value: object) -> Role | None:
+    """``value`` as a Role; None when it is none (SGLang's mode of an engine outside PD
+    disaggregation, a hand-edited annotation)."""
+    return next((role for role in ROLES if role == value), None)
+
+
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 MAX_DRAIN_TIMEOUT_SECONDS = 3600.0

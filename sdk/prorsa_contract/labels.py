@@ -22,9 +22,9 @@ and the workers ``<cluster>-engine-<i>-0-<r>``, and a worker's rank is its
 from __future__ import annotations
 
 import json
-from typing import Final, Literal, NotRequired, TypedDict, get_args
+from typing import Final, Literal, NotRequired, TypedDict
 
-from prorsa_contract.agent_api import Role
+from prorsa_contract.agent_api import Role, as_role
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 CLUSTER_LABEL = "prorsa.io/cluster"
@@ -79,8 +79,6 @@ SwitchIntent = TypedDict(
 """The ``prorsa.io/switch`` annotation, parsed: the switch's target role, the role it left
 (absent on an intent written before it was recorded), its phase and its start time."""
 
-_ROLES: tuple[Role, ...] = get_args(Role)
-
 
 def switch_intent(*, to: Role, phase: str, started: str, origin: Role) -> str:
     """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
@@ -101,11 +99,11 @@ def parse_intent(value: str | None) -> SwitchIntent | None:
         return None
     if not isinstance(data, dict):
         return None
-    to = next((r for r in _ROLES if r == data.get("to")), None)
+    to = as_role(data.get("to"))
     if to is None:
         return None
     intent: SwitchIntent = {"to": to}
-    origin = next((r for r in _ROLES if r == data.get("from")), None)
+    origin = as_role(data.get("from"))
     if origin is not None:
         intent["from"] = origin
     if "phase" in data:
