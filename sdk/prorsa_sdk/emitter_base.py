@@ -52,7 +52,8 @@ def tls_context(verify: TlsVerify) -> ssl.SSLContext:
 
 
 class EmitterOptions(CoreOptions, total=False):
-    """The settings both emitters take by keyword: the core's, and (defaults in brackets)"""
+    """The settings both emitters take by keyword: the core's (:class:`CoreOptions`) and
+    the token and recording, which the drivers handle (defaults in brackets)."""
 
     token: str  # the trainer's bearer token, or:
     token_file: str | os.PathLike[str]  # a file holding it, re-read when it changes
