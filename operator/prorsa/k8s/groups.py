@@ -38,6 +38,7 @@ from prorsa_contract.labels import (
     NODES_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
+    RoleLabel,
     engine_name,
     worker_name,
 )
@@ -261,7 +262,7 @@ async def _align_workers(
             )
 
 
-async def label_workers(kube: Any, namespace: str, leader: str, role: str) -> None:
+async def label_workers(kube: Any, namespace: str, leader: str, role: RoleLabel) -> None:
     """Give every worker of ``leader``'s group the role label (none for a one-node pod)."""
     for pod in await kube.list_pods(namespace, f"{GROUP_LABEL}={leader}"):
         if node_rank(pod) != 0:
