@@ -436,11 +436,8 @@ class SwitchingSpec(_Spec):
     cooldown_seconds: NonNegFloat = Field(30.0, alias="cooldownSeconds")
     max_concurrent: PosInt = Field(1, alias="maxConcurrent")
     drain_timeout_seconds: NonNegFloat = Field(30.0, alias="drainTimeoutSeconds")
-    # 0.2: measured on the simulator's grid (docs/benchmarks.md): a headroom gain under
-    # 20% is within what the forecast and the weight-update bursts move from tick to tick,
-    # and switches made for it came back within minutes at the price of two switches.
     hysteresis: Annotated[float, Field(ge=0, le=10)] = Field(
-        0.2,
+        0.0,
         description="Switch only when the best split's demand/capacity headroom beats the "
         "current split's by this fraction; keeps forecast noise from flapping roles.",
     )
