@@ -277,3 +277,40 @@ def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -
     for flag, bad in (("--reference-cadence", "0"), ("--reference-moves", "0,1")):
         assert main(["bench", "rollout", flag, bad, "--workers", "1"]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_reuse_runs_only_the_controller_and_keeps_the_rest_of_a_previous_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Tuning the Controller reruns prorsa and the oracle against a previous run's statics
+    and reference, and refuses a previous run of another grid or seed."""
+    tiny = [*TINY[:5], "8", *TINY[6:]]  # one setting: general, staleness 8
+    assert main(["bench", "rollout", *tiny, "--json", "--out", str(tmp_path)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["grid"]["seed"] == 1
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps(first))
+    assert main(["bench", "rollout", *tiny, "--json", "--reuse", str(previous)]) == 0
+    progress = capsys.readouterr()
+    again = json.loads(progress.out)
+    # Only the two policies that run the Controller were simulated again.
+    assert "[2/2]" in progress.err and "[3/" not in progress.err
+    by = {r["policy"]: r for r in again["rollout"]}
+    was = {r["policy"]: r for r in first["rollout"]}
+    assert set(by) == set(was) == set(rollout.POLICIES)
+    for p in by:  # deterministic per seed: every figure is the same
+        assert by[p]["makespanSeconds"] == pytest.approx(was[p]["makespanSeconds"])
+        assert by[p]["switches"] == was[p]["switches"]
+    assert again["settings"] == first["settings"]
+    assert again["referenceSchedules"] == first["referenceSchedules"]
+    assert [g["ok"] for g in again["goals"]] == [g["ok"] for g in first["goals"]]
+    for bad, why in (
+        (["--seed", "2"], "seed 1, here 2"),
+        (["--staleness", "0"], "has no figures for qwen3-tp8/general/on-policy"),
+    ):
+        args = [*tiny, *bad] if bad[0] == "--seed" else [*TINY[:4], *TINY[6:], *bad]
+        assert main(["bench", "rollout", *args, "--reuse", str(previous)]) == 2
+        assert why in capsys.readouterr().err
+    previous.write_text("{}")
+    assert main(["bench", "rollout", *tiny, "--reuse", str(previous)]) == 2
+    assert "not a `prorsa bench rollout --json` output" in capsys.readouterr().err

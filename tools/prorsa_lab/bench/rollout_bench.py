@@ -29,6 +29,9 @@ from prorsa_lab.sim.workloads import get_task
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"
 
 AGENTIC = ("coding", "general")
+# The policies that run the Controller (its defaults change what they do); the others are
+# taken from a previous run by --reuse.
+CONTROLLER_POLICIES = ("prorsa", "oracle")
 POLICIES = (
     "colocation",
     "best-static",
@@ -121,6 +124,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-reference", action="store_true", help="leave out the foresight reference"
     )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="JSON",
+        help="a previous --json of the same grid and seed: colocation, the static sweep, "
+        "the Dynamo planners and the reference (none of which reads the Controller's "
+        "settings) are taken from it, and only prorsa and the oracle run again; for tuning "
+        "the Controller's defaults",
+    )
     parser.add_argument("--workers", type=int, help="processes (default: one per CPU)")
 
 
@@ -172,6 +184,8 @@ def _config(args: argparse.Namespace) -> Any:
         kw["reference_moves"] = moves
     if args.no_reference:
         kw["policies"] = tuple(p for p in base.policies if p != "reference")
+    if getattr(args, "reuse", None) is not None:
+        kw["policies"] = CONTROLLER_POLICIES
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
 
     for m in cfg.models:
@@ -342,11 +356,112 @@ def goals(rows: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> dict[str, Any]:
+def grid_of(cfg: GridConfig) -> dict[str, Any]:
+    """What the figures of a run depend on besides the Controller: --reuse checks it."""
+    return {
+        "seed": cfg.seed,
+        "steps": cfg.steps,
+        "scale": cfg.scale,
+        "instances": cfg.instances,
+        "hicacheRatio": cfg.hicache_ratio,
+        "weightUpdateEvents": cfg.weight_update_events,
+        "weightUpdateSeconds": cfg.weight_update_seconds,
+        "routerSeconds": list(cfg.router_seconds),
+        "prefillEvents": cfg.prefill_events,
+        "static": list(cfg.static_splits()),
+        "dpRouting": cfg.dp_routing,
+        "referenceCadence": cfg.reference_cadence,
+        "referencePoints": cfg.reference_points,
+        "referenceMoves": list(cfg.reference_moves),
+    }
+
+
+# What --reuse takes from a previous run: every policy that does not read the Controller's
+# settings (the Dynamo planners start where the spec's roles.prefill.initial says).
+REUSED = ("colocation", "best-static", "task-static", "reactive", "throughput", "reference")
+
+
+def read_previous(path: Path, cfg: GridConfig) -> dict[str, Any]:
+    """A previous ``--json`` that ``--reuse`` can take figures from for this grid.
+
+    It must be of the same grid (``grid`` in its JSON; a file written before that was
+    recorded is checked on the seed of its reference schedules) and hold every setting.
+    """
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+        settings = {(x["model"], x["task"], x["staleness"]) for x in doc["settings"]}
+        doc["rollout"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"--reuse {path}: not a `prorsa bench rollout --json` output ({exc})"
+        ) from exc
+    mine = grid_of(cfg)
+    theirs = doc.get("grid")
+    if theirs is not None:
+        differ = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if differ:
+            raise ValueError(
+                f"--reuse {path}: ran another grid ("
+                + ", ".join(f"{k} {theirs.get(k)!r}, here {mine[k]!r}" for k in differ)
+                + ")"
+            )
+    else:
+        seeds = {x.get("seed") for x in doc.get("referenceSchedules") or []}
+        if seeds != {cfg.seed}:
+            ran = ", ".join(map(str, sorted(seeds, key=str))) or "unknown"
+            raise ValueError(f"--reuse {path}: ran seed {ran}, not {cfg.seed}")
+    for sc in cfg.scenarios():
+        if (sc.model, sc.task, sc.staleness) not in settings:
+            raise ValueError(f"--reuse {path}: has no figures for {sc.label}")
+    return doc
+
+
+def reuse(rows: list[SettingRow], doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fill ``rows`` with the figures of :data:`REUSED` from a previous run's JSON
+    (:func:`read_previous`); returns its reference schedules for these settings."""
+    settings = {(x["model"], x["task"], x["staleness"]): x for x in doc["settings"]}
+    old = {(x["model"], x["task"], x["staleness"], x["policy"]): x for x in doc["rollout"]}
+    keys = set()
+    for row in rows:
+        key = (row.model, row.task, row.staleness)
+        found = settings[key]
+        keys.add(key)
+        row.best_static = found["bestStatic"]["prefill"]
+        row.task_static = found["taskStatic"]["prefill"]
+        row.colocation_idle = found["colocationIdleRatio"]
+        for p in REUSED:
+            x = old.get((*key, p))
+            if x is None:
+                continue
+            ms = x["makespanSeconds"]
+            row.makespan[p] = math.inf if ms is None else ms
+            row.details[p] = {
+                "decodeKvUtilisation": x["decodeKvUtilisation"],
+                "admissionQueue": x["admissionQueue"],
+                "switches": x["switches"],
+                "dpRouting": found.get("dpRouting"),
+            }
+    return [
+        x
+        for x in doc.get("referenceSchedules") or []
+        if (x["model"], x["task"], x["staleness"]) in keys
+    ]
+
+
+def as_json(
+    rows: list[Any],
+    png: Path | None,
+    *,
+    gl: list[dict[str, Any]],
+    grid: dict[str, Any] | None = None,
+    schedules: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The JSON of ``--json``; ``schedules``: the reference's, when taken from a previous run."""
     rollout = []
     wape = []
     settings = []
-    schedules = []
+    reused = schedules is not None
+    schedules = list(schedules or [])
     for r in rows:
         for p in POLICIES:
             if p not in r.makespan:
@@ -397,7 +512,7 @@ def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> d
             }
         )
         ref = r.details.get("reference")
-        if ref is not None:
+        if ref is not None and not reused:
             extra = ref.get("extra") or {}
             schedules.append(
                 {
@@ -417,6 +532,7 @@ def as_json(rows: list[Any], png: Path | None, *, gl: list[dict[str, Any]]) -> d
                 }
             )
     return {
+        "grid": grid,
         "rollout": rollout,
         "wape": wape,
         "settings": settings,
@@ -433,6 +549,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"prorsa bench rollout: {exc}", file=sys.stderr)
         return 2
+    previous = None
+    if args.reuse is not None:
+        try:
+            previous = read_previous(args.reuse, cfg)
+        except ValueError as exc:
+            print(f"prorsa bench rollout: {exc}", file=sys.stderr)
+            return 2
     todo = jobs(cfg)
     started = time.monotonic()
     done = 0
@@ -453,6 +576,7 @@ def run(args: argparse.Namespace) -> int:
     rows = aggregate(results, instances=cfg.instances)
     # The grid's order: role-switch-capable deployments first, EP references after.
     rows.sort(key=lambda r: cfg.models.index(r.model))
+    schedules = None if previous is None else reuse(rows, previous)
     png: Path | None = None
     pick = [r for r in rows if r.task in AGENTIC and r.staleness == max(cfg.staleness)]
     pick = [r for r in pick if r.model == rows[0].model] or rows[:1]
@@ -460,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
         png = write_png(pick, args.out / "rollout.png")
     gl = goals(rows)
     elapsed = time.monotonic() - started
-    doc = as_json(rows, png, gl=gl)
+    doc = as_json(rows, png, gl=gl, grid=grid_of(cfg), schedules=schedules)
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
