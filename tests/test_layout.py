@@ -1,7 +1,9 @@
-"""The source layout: every package is installed, and no two modules share a name.
+"""The source layout: every package is installed, and no two modules of a package share a name.
 
-A module's file name is what a reader sees in tracebacks, logs and ``git log --stat``; two
-``engine.py`` files for two different engines make every one of them ambiguous.
+A module's file name is what a reader sees in tracebacks, logs and ``git log --stat``, with
+its folder: ``doubles/kube/watch.py`` says which watch it is, so a name need be unique only
+within its subpackage, and a name does not repeat what its package already says
+(``kube/watch.py``, not ``kube/kube_watch.py``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,27 @@ def modules() -> list[Path]:
     ]
 
 
-def test_no_two_modules_share_a_file_name() -> None:
-    by_name: dict[str, list[str]] = defaultdict(list)
+def test_no_two_modules_of_a_package_share_a_file_name() -> None:
+    """Unique within a subpackage: a module and a subpackage of one folder never share a name."""
+    by_name: dict[tuple[Path, str], list[str]] = defaultdict(list)
     for path in modules():
-        by_name[path.name].append(path.relative_to(ROOT).as_posix())
-    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+        by_name[path.parent, path.stem].append(path.relative_to(ROOT).as_posix())
+    for package in {path.parent for path in modules()}:
+        for sub in package.iterdir():
+            if (sub / "__init__.py").exists():
+                by_name[package, sub.name].append(sub.relative_to(ROOT).as_posix() + "/")
+    shared = {name: paths for (_, name), paths in by_name.items() if len(paths) > 1}
     assert not shared, f"rename so each name says what it holds: {shared}"
+
+
+def test_no_module_repeats_its_package_name() -> None:
+    """``kube/watch.py``, not ``kube/kube_watch.py``: the folder already says it."""
+    stutter = [
+        path.relative_to(ROOT).as_posix()
+        for path in modules()
+        if path.stem.startswith(path.parent.name + "_")
+    ]
+    assert not stutter, f"drop the package's name from these file names: {stutter}"
 
 
 def test_every_package_is_under_a_source_root() -> None:

@@ -35,9 +35,9 @@ from prorsa_contract.labels import (
     MANAGED_BY,
     ROLE_LABEL,
 )
-from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
-from prorsa_lab.doubles.kube_schema import apply_structural_schema
-from prorsa_lab.doubles.kube_schema import validate as _validate
+from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube.schema import apply_structural_schema
+from prorsa_lab.doubles.kube.schema import validate as _validate
 from prorsa_lab.doubles.stack import cluster_manifest
 
 HOST = {"name": "root", "hostPath": {"path": "/"}}

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from prorsa_lab.sim.costmodel import ModelProfile, StepTimes, load_profile
-from prorsa_lab.sim.loop import Loop
-from prorsa_lab.sim.sim_engine import (
+from prorsa_lab.sim.engine import (
     COLOCATED,
     DECODE,
     DECODE_RESERVE_TOKENS,
@@ -17,6 +16,7 @@ from prorsa_lab.sim.sim_engine import (
     Cluster,
     Request,
 )
+from prorsa_lab.sim.loop import Loop
 
 
 class Recorder:

@@ -43,10 +43,10 @@ from prorsa.kopf_handlers import LeaderElection, OperatorConfig
 from prorsa.operator_process import OperatorProcess
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
-from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
-from prorsa_lab.doubles.kube_resources import PODS_KEY
+from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube.lws_controller import FakeLwsController, leader_worker_set_crd
+from prorsa_lab.doubles.kube.resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
-from prorsa_lab.doubles.lws_controller import FakeLwsController, leader_worker_set_crd
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
 
 NAMESPACE = "rl"

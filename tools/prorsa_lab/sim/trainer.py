@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prorsa_contract import events as ev
+from prorsa_lab.sim.engine import Cluster, Request
 from prorsa_lab.sim.loop import Loop
-from prorsa_lab.sim.sim_engine import Cluster, Request
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScript
 
 Injection = Literal["replaceOnReward", "fixedRate", "groupReplenish"]
