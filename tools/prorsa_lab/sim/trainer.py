@@ -350,7 +350,7 @@ class Trainer:
         self.stats.admissions.append((now, req.prompt))
 
     def on_aborted(self, req: Request, now: float) -> None:
-        """Cancel-and-resend: the SDK resubmits prompt + partial output (DESIGN step 3)."""
+        """Cancel-and-resend: the SDK resubmits prompt + partial output."""
         t: Trajectory = req.owner  # type: ignore[assignment]
         if t.finished or t.req is not req:
             return
