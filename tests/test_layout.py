@@ -8,6 +8,7 @@ within its subpackage, and a name does not repeat what its package already says
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -62,3 +63,21 @@ def test_every_package_is_under_a_source_root() -> None:
     assert {"operator", "sdk", "engine_image", "tools"} <= set(SOURCE_ROOTS)
     for root in SOURCE_ROOTS:  # and each root holds a package (no stale entry)
         assert list((ROOT / root).glob("*/__init__.py")), root
+
+
+def test_every_slow_mark_names_a_test_that_exists() -> None:
+    """`make test-fast` leaves out what tests/conftest.py lists: a renamed test or module
+    must not fall out of the list unnoticed (and then slow the fast run down)."""
+    from conftest import SLOW_MODULES, SLOW_TESTS
+
+    tests = ROOT / "tests"
+    for module in SLOW_MODULES:
+        assert (tests / module).is_file(), f"tests/conftest.py SLOW_MODULES: no {module}"
+    for module, names in SLOW_TESTS.items():
+        tree = ast.parse((tests / module).read_text())
+        defined = {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        assert names <= defined, f"tests/conftest.py SLOW_TESTS: not in {module}: {names - defined}"
