@@ -121,7 +121,7 @@ def cluster_runtime(
 
     from prorsa.clusters import ClusterRegistry
     from prorsa.core.controller import Controller
-    from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+    from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime
     from prorsa.operator_metrics import OperatorMetrics
 
     handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
@@ -134,6 +134,6 @@ def cluster_runtime(
         kube=kube,
         agents=agents,
         metrics=OperatorMetrics(CollectorRegistry()),
-        options=options or OperatorOptions(persist=False),
+        options=options or ClusterLoopSettings(persist=False),
         post_event=post_event or _no_event,
     )

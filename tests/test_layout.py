@@ -81,3 +81,17 @@ def test_every_slow_mark_names_a_test_that_exists() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
         }
         assert names <= defined, f"tests/conftest.py SLOW_TESTS: not in {module}: {names - defined}"
+
+
+def test_the_contract_package_says_what_it_holds() -> None:
+    """`prorsa_contract` is what every side depends on: its docstring lists each module."""
+    import prorsa_contract
+
+    package = Path(prorsa_contract.__file__).parent
+    doc = prorsa_contract.__doc__ or ""
+    missing = [
+        path.stem
+        for path in sorted(package.glob("*.py"))
+        if path.name != "__init__.py" and f"prorsa_contract.{path.stem}`" not in doc
+    ]
+    assert not missing, f"sdk/prorsa_contract/__init__.py: list these modules: {missing}"

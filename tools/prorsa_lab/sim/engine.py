@@ -197,7 +197,7 @@ class SwitchJob:
 class Instance:
     """One engine instance (an SGLang server with R attention-DP ranks)."""
 
-    def __init__(self, cluster: Cluster, index: int, role: str) -> None:
+    def __init__(self, cluster: SimCluster, index: int, role: str) -> None:
         self.cluster = cluster
         self.index = index
         self.name = f"{cluster.prefix}-engine-{index}"
@@ -645,7 +645,7 @@ def _clear_caches(r: Rank) -> None:
     r.load_seconds = 0.0
 
 
-class Cluster:
+class SimCluster:
     """The instances plus the router, the KV transfer links and the switch executor."""
 
     def __init__(

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prorsa_contract import events as ev
-from prorsa_lab.sim.engine import Cluster, Request
+from prorsa_lab.sim.engine import Request, SimCluster
 from prorsa_lab.sim.loop import Loop
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScript
 
@@ -107,7 +107,7 @@ class Trainer:
         self,
         *,
         loop: Loop,
-        cluster: Cluster,
+        cluster: SimCluster,
         task: TaskProfile,
         seed: int,
         staleness: int,
