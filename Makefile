@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test lint bench demo venv clean
+.PHONY: test test-fast lint bench demo venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ lint: $(TEST_STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The suite without the tests that run the whole operator on loopback (marked `slow` in
+# tests/conftest.py): what to run while working; `make test` runs everything.
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(DEMO_STAMP)
 	$(BIN)/prorsa bench all

@@ -24,8 +24,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from prorsa_lab.sim.engine import DECODE, PREFILL
 from prorsa_lab.sim.policies import _least_loaded, _split
-from prorsa_lab.sim.sim_engine import DECODE, PREFILL
 from prorsa_lab.sim.simulator import Scenario, Simulation, simulate
 
 

@@ -1,4 +1,12 @@
-"""Shared fixtures: a small RolloutCluster spec and an event builder."""
+"""Shared fixtures (a small RolloutCluster spec, an event builder) and the ``slow`` marks.
+
+``make test-fast`` (``pytest -m "not slow"``) leaves out the tests that run the whole
+operator on loopback (kopf, the Kubernetes API emulator, engine doubles with their agents,
+often the real smg or a ``prorsa operator`` process): each takes from a few seconds to a
+minute. ``make test`` runs them all. The marks live here, in one list, rather than in each
+module, so a newcomer finds them in one place; a test file added to a module listed here is
+slow too.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,44 @@ import pytest
 
 from prorsa.core.spec import RolloutClusterSpec, parse_cluster
 from prorsa_contract.events import Event, parse_events
+
+# Modules whose every test runs the operator end to end.
+SLOW_MODULES = {
+    "test_operator_e2e.py": "the operator's scenarios against the emulator and engine doubles",
+    "test_multinode_e2e.py": "two-pod instances end to end, with and without LeaderWorkerSet",
+    "test_multinode_demo.py": "the multinode demo",
+    "test_operator_ha.py": "a `prorsa operator` process killed mid-switch, the standby takes over",
+    "test_operator_labels.py": "the stack's pods and their labels",
+    "test_smg_router.py": "the real smg against the stack",
+    "test_smg_dp_routing.py": "the real smg with DP engines",
+}
+# Single tests that run the whole operator in an otherwise quick module.
+SLOW_TESTS = {
+    "test_chart.py": {
+        # The chart's RBAC held against every call of a whole operator scenario.
+        "test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not",
+    },
+    "test_kubectl_view.py": {
+        "test_engine_pods_are_ready_and_events_print_kubectls_columns",
+        "test_describe_lists_every_switch_the_status_shows",
+        "test_the_fake_kubelet_writes_container_statuses_kubectl_counts_ready_from",
+    },
+    "test_operator_degraded.py": {
+        "test_an_agent_that_times_out_degrades_the_cluster_for_all_to_see"
+    },
+    "test_operator_spec_update.py": {"test_a_smoothing_edit_reaches_the_running_operator"},
+    "test_trainer_token.py": {"test_the_operator_follows_a_rotation_while_a_trainer_posts"},
+    "test_webhook_tls.py": {"test_the_operator_webhook_serves_https_and_the_sdk_verifies_it"},
+    "test_memory_bounds.py": {"test_the_operator_stays_under_the_charts_memory_limit_at_the_cap"},
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.name
+        name = getattr(item, "originalname", item.name)
+        if module in SLOW_MODULES or name in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def make_spec(**spec: Any) -> RolloutClusterSpec:
@@ -75,7 +121,7 @@ def cluster_runtime(
 
     from prorsa.clusters import ClusterRegistry
     from prorsa.core.controller import Controller
-    from prorsa.k8s.runtime import ClusterRuntime, OperatorOptions
+    from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime
     from prorsa.operator_metrics import OperatorMetrics
 
     handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
@@ -88,6 +134,6 @@ def cluster_runtime(
         kube=kube,
         agents=agents,
         metrics=OperatorMetrics(CollectorRegistry()),
-        options=options or OperatorOptions(persist=False),
+        options=options or ClusterLoopSettings(persist=False),
         post_event=post_event or _no_event,
     )

@@ -13,8 +13,8 @@ import pytest
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import (
     AgentConfig,
-    Backoff,
     ConfigError,
+    RestartBackoff,
     Timeouts,
     args_from_env,
     engine_argv,
@@ -185,13 +185,13 @@ def test_listen_addresses():
 
 
 def test_backoff_grows_and_caps():
-    backoff = Backoff(initial=1.0, factor=2.0, maximum=5.0)
+    backoff = RestartBackoff(initial=1.0, factor=2.0, maximum=5.0)
     delays = [1.0]
     for _ in range(4):
         delays.append(backoff.next(delays[-1]))
     assert delays == [1.0, 2.0, 4.0, 5.0, 5.0]
     with pytest.raises(ConfigError):
-        Backoff(initial=0.0)
+        RestartBackoff(initial=0.0)
 
 
 def test_invalid_settings_name_the_setting(tmp_path: Path):

@@ -38,7 +38,7 @@ from prorsa_contract.labels import AGENT_COMMAND
 from prorsa_lab.doubles.kubelet import runs_in_the_engine_image
 
 ROOT = Path(__file__).resolve().parent.parent
-# What engine_image/Dockerfile copies into the image (tests/test_dockerfile.py checks it),
+# What engine_image/Dockerfile copies into the image (tests/test_engine_image.py checks it),
 # at the same relative places: engine_image/pyproject.toml reaches ../sdk/prorsa_contract.
 IMAGE_SOURCES = ("engine_image", "sdk/prorsa_contract")
 LIGHT = {"pydantic", "httpx", "sniffio", "aiohttp", "prometheus-client"}

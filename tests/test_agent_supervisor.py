@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa_agent.config import AgentConfig, Backoff, LaunchSpec, engine_argv
+from prorsa_agent.config import AgentConfig, LaunchSpec, RestartBackoff, engine_argv
 from prorsa_agent.server import Agent
 from prorsa_contract.agent_api import EngineState, RoleResult
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS
@@ -29,7 +29,7 @@ from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS
 TOKEN = "launch-token-19"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DOUBLE = (sys.executable, "-m", "prorsa_lab.doubles.sglang_double")
-FAST_BACKOFF = Backoff(initial=0.05, factor=2.0, maximum=0.4, stable_after=30.0)
+FAST_BACKOFF = RestartBackoff(initial=0.05, factor=2.0, maximum=0.4, stable_after=30.0)
 
 
 def _free_port() -> int:

@@ -17,13 +17,13 @@ import httpx
 import pytest
 
 from prorsa.k8s import objects
-from prorsa.k8s.agent_tls import ServingCert, agent_server_name, issue_agent_cert
+from prorsa.k8s.agent_tls import IssuedCert, agent_server_name, issue_agent_cert
 from prorsa.k8s.agents import AgentClient, agent_address
 from prorsa.k8s.runtime import ClusterRuntime
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import ConfigError
 from prorsa_contract.agent_api import RoleRequest
-from prorsa_contract.serving_tls import ServingCert as AgentServingCert
+from prorsa_contract.serving_tls import ServingCert
 from prorsa_lab.doubles.sglang_double import EnginePod
 
 TOKEN = "agent-token-tls"
@@ -32,12 +32,12 @@ POD = f"{CLUSTER}-engine-0"
 
 
 @pytest.fixture(scope="module")
-def issued() -> ServingCert:
+def issued() -> IssuedCert:
     return issue_agent_cert(cluster=CLUSTER, namespace=NAMESPACE)
 
 
 @pytest.fixture
-async def pod(issued: ServingCert) -> AsyncIterator[EnginePod]:
+async def pod(issued: IssuedCert) -> AsyncIterator[EnginePod]:
     async with EnginePod(instance=POD, token=TOKEN, tls_cert=issued.cert, tls_key=issued.key) as p:
         yield p
 
@@ -190,7 +190,7 @@ async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text(first.cert)
     key.write_text(first.key)
-    serving = AgentServingCert(cert_file=cert, key_file=key)
+    serving = ServingCert(cert_file=cert, key_file=key)
 
     async def hello(_request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -227,7 +227,7 @@ async def test_a_rotated_certificate_is_served_to_new_connections(tmp_path: Path
         await runner.cleanup()
 
     with pytest.raises(ValueError, match="cannot load the TLS certificate"):
-        AgentServingCert(cert_file=tmp_path / "missing.crt", key_file=key)
+        ServingCert(cert_file=tmp_path / "missing.crt", key_file=key)
 
 
 async def test_the_runtime_issues_the_secret_once_and_trusts_its_ca():

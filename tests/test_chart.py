@@ -47,8 +47,8 @@ from prorsa.k8s.kube import Kube
 from prorsa.k8s.manifest_file import load_cluster
 from prorsa.kopf_handlers import LeaderElection
 from prorsa_contract.labels import DIST_INIT_PORT, DRAINING
-from prorsa_lab.doubles.kube_audit import ApiCall
-from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube.audit import ApiCall
+from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
 from prorsa_lab.doubles.stack import OPERATOR_USER, cluster_manifest, stack
 
 ROOT = Path(__file__).resolve().parent.parent

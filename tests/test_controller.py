@@ -1,4 +1,4 @@
-"""The Controller end to end: events + engine states + now -> Decision (DESIGN.md)."""
+"""The Controller end to end: events + engine states + now -> Decision."""
 
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ ADDON_SHORT_NAMES = {"ro", "rollout", "rollouts", "pr", "prs", "tr", "trs", "cr"
 def test_short_names_collide_with_no_builtin_or_common_resource() -> None:
     """`kubectl get rc` lists ReplicationControllers on every real cluster: a RolloutCluster
     short name must not be one a built-in (or a common add-on) already answers to."""
-    from prorsa_lab.doubles.kube_resources import BUILTIN_RESOURCES
+    from prorsa_lab.doubles.kube.resources import BUILTIN_RESOURCES
 
     names = crd()["spec"]["names"]
     ours = set(names["shortNames"])

@@ -27,8 +27,8 @@ from test_crd import BAD, GOOD, schema, with_spec
 
 from prorsa.cli import main
 from prorsa.k8s.crd_manifest import SPEC_RULES
-from prorsa_lab.doubles.kube_schema import apply_structural_schema
-from prorsa_lab.doubles.kube_schema import validate as emulator_validate
+from prorsa_lab.doubles.kube.schema import apply_structural_schema
+from prorsa_lab.doubles.kube.schema import validate as emulator_validate
 
 
 def _is_integer(checker: Any, value: Any) -> bool:

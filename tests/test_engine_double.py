@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from prorsa_agent.config import engine_argv
-from prorsa_lab.doubles.engine_cli import check_cache_flags, configure
+from prorsa_lab.doubles.engine.cli import check_cache_flags, configure
 from prorsa_lab.doubles.sglang_double import (
     CRASH_EXIT_CODE,
     NOT_IDLE,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import make_spec
 
-from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
+from prorsa.clusters import ClusterRegistry, IngestLimits, WebhookCluster
 from prorsa.core.controller import Controller
 from prorsa.ingest import WebhookServer
 
@@ -44,7 +44,7 @@ class Served:
     http: httpx.AsyncClient
     server: WebhookServer
     registry: ClusterRegistry
-    handle: ClusterHandle
+    handle: WebhookCluster
 
     async def post(self, events: list[dict], **headers: str) -> httpx.Response:
         return await self.http.post(

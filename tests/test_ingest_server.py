@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import make_spec
 
-from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
+from prorsa.clusters import ClusterRegistry, IngestLimits, WebhookCluster
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.ingest import WebhookServer
@@ -37,7 +37,7 @@ class Served:
     url: str
     http: httpx.AsyncClient
     server: WebhookServer
-    handle: ClusterHandle
+    handle: WebhookCluster
 
     async def post(self, events: list[dict], **kw: Any) -> httpx.Response:
         headers = {**AUTH, **kw.pop("headers", {})}

@@ -28,7 +28,7 @@ from kopf.testing import KopfRunner
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "rolloutcluster.yaml"
@@ -992,7 +992,7 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
         [
             sys.executable,
             "-m",
-            "prorsa_lab.doubles.kube_emulator",
+            "prorsa_lab.doubles.kube.emulator",
             "--kubeconfig",
             str(config),
             "--namespace",
@@ -1017,7 +1017,7 @@ def test_python_dash_m_serves_and_prints_the_kubeconfig(tmp_path: pathlib.Path) 
 
 
 def test_audit_log_records_each_users_calls_as_rbac_sees_them(kube, core, tmp_path):
-    from prorsa_lab.doubles.kube_audit import ApiCall
+    from prorsa_lab.doubles.kube.audit import ApiCall
 
     operator = client.CoreV1Api(
         KubeEmulatorServer.client_for(kube.kubeconfig_for("op", tmp_path / "op"))
@@ -1052,7 +1052,7 @@ def test_printer_columns_follow_jsonpath_filters_as_the_real_server_does() -> No
     table convertor takes it (cert-manager and Prorsa print such columns)."""
     import datetime
 
-    from prorsa_lab.doubles.kube_resources import specs_from_crd, table_columns, table_row
+    from prorsa_lab.doubles.kube.resources import specs_from_crd, table_columns, table_row
 
     (spec,) = specs_from_crd(
         {

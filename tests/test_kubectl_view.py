@@ -22,8 +22,8 @@ from types import ModuleType
 import pytest
 
 from prorsa_contract.labels import COMPONENT_LABEL
-from prorsa_lab.doubles.kube_event_table import EVENTS_KEY
-from prorsa_lab.doubles.kube_resources import BUILTIN_RESOURCES, PODS_KEY, table_columns, table_row
+from prorsa_lab.doubles.kube.event_table import EVENTS_KEY
+from prorsa_lab.doubles.kube.resources import BUILTIN_RESOURCES, PODS_KEY, table_columns, table_row
 from prorsa_lab.doubles.stack import NAMESPACE, Stack, cluster_manifest, stack
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeaderElector, LeadershipLost, LeaseSettings
-from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
 
 NS = "prorsa-system"
 

@@ -16,8 +16,8 @@ from test_multinode import FakeKube, env_of, manifest, reconcile, running
 from prorsa.core.spec import parse_cluster
 from prorsa.k8s import groups, lws
 from prorsa.k8s.kube import Kube
-from prorsa_lab.doubles import lws_controller as fake
-from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube import lws_controller as fake
+from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
 
 
 def group_of(nodes: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -32,7 +32,7 @@ from prorsa.clusters import TrajectoryLimit
 from prorsa.core.spec import GROUP, PLURAL, VERSION, TrainerSpec
 from prorsa.k8s import crd_manifest
 from prorsa_contract.events import parse_events
-from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
 from prorsa_lab.doubles.kubelet import free_port
 from prorsa_lab.doubles.stack import PATIENCE, TOKEN, TOKEN_SECRET, cluster_manifest
 

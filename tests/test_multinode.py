@@ -230,7 +230,7 @@ async def test_a_worker_lagging_its_leaders_role_is_brought_in_line() -> None:
 async def test_worker_ranks_follow_their_leader() -> None:
     import asyncio
 
-    from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
+    from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
     from prorsa_lab.doubles.sglang_double import EngineDouble
 
     async with EngineDouble() as leader:

@@ -24,7 +24,7 @@ from prorsa_contract.labels import (
     ROLE_LABEL,
     SWITCH_ANNOTATION,
 )
-from prorsa_lab.doubles import lws_controller as fake_lws
+from prorsa_lab.doubles.kube import lws_controller as fake_lws
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, OPERATOR_USER, Stack, cluster_manifest, stack
 

@@ -7,7 +7,7 @@ import asyncio
 
 from conftest import cluster_runtime, make_spec
 
-from prorsa.k8s.runtime import OperatorOptions
+from prorsa.k8s.runtime import ClusterLoopSettings
 from prorsa_lab.doubles.stack import PATIENCE, cluster_manifest, stack
 
 
@@ -19,7 +19,7 @@ async def test_a_spec_update_waits_for_the_tick_that_holds_the_controller() -> N
         raise AssertionError("a spec update posts no event")
 
     # A spec update talks to no API: no Kubernetes or agent double.
-    runtime = cluster_runtime(old, options=OperatorOptions(), post_event=post_event)
+    runtime = cluster_runtime(old, options=ClusterLoopSettings(), post_event=post_event)
     handle = runtime.handle
     async with handle.exclusive() as controller:  # a tick (or a batch) in progress
         update = asyncio.create_task(runtime.update_spec(new))

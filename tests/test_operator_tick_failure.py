@@ -15,7 +15,7 @@ from typing import Any
 from conftest import cluster_runtime, make_spec
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.k8s.runtime import OperatorOptions, tick_failure
+from prorsa.k8s.runtime import ClusterLoopSettings, tick_failure
 
 REFUSAL = (
     'leaderworkersets.leaderworkerset.x-k8s.io is forbidden: User "system:serviceaccount:'
@@ -48,7 +48,7 @@ async def test_a_refused_call_shows_in_the_status_and_one_warning_event() -> Non
     runtime = cluster_runtime(
         make_spec(),
         kube=kube,
-        options=OperatorOptions(persist=False, tick_seconds=0.01),
+        options=ClusterLoopSettings(persist=False, tick_seconds=0.01),
         post_event=post_event,
     )
     ticks = 0

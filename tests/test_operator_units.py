@@ -12,13 +12,13 @@ from conftest import make_spec
 
 from prorsa.core.spec import parse_cluster
 from prorsa.k8s import objects as obj
-from prorsa.kopf_handlers import OperatorConfig, build_registry, parse_spec
+from prorsa.kopf_handlers import OperatorSettings, build_registry, parse_spec
 from prorsa_contract.labels import parse_intent, switch_intent
 from prorsa_lab.doubles.stack import cluster_manifest
 
 
 def test_admission_refuses_bad_specs_naming_the_field() -> None:
-    registry = build_registry(OperatorConfig(admission=True))
+    registry = build_registry(OperatorSettings(admission=True))
     handlers = [h for h in registry._webhooks.get_all_handlers() if h.id == "spec"]
     assert handlers, "no validating admission handler registered"
     validate = handlers[0].fn
@@ -194,14 +194,14 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], namespaced: bool
 ) -> None:
     """With --namespace the chart binds Roles only: kopf must not list namespaces or
-    watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
+    watch CRDs then (OperatorSettings.namespaced turns its scanning off)."""
     from prorsa import operator_process
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
 
     seen: dict[str, object] = {}
 
-    def run_operator(config: OperatorConfig) -> int:
+    def run_operator(config: OperatorSettings) -> int:
         seen["config"] = config
         return 0
 
@@ -209,7 +209,7 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
     monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
     assert command.run(build_parser().parse_args(["operator", *argv])) == 0
     config = seen["config"]
-    assert isinstance(config, OperatorConfig) and config.namespaced is namespaced
+    assert isinstance(config, OperatorSettings) and config.namespaced is namespaced
     assert config.namespaces == (("rl", "eval") if namespaced else ())
     assert config.leader_election is None
 

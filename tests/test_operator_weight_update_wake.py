@@ -13,7 +13,7 @@ from typing import Any
 
 from conftest import cluster_runtime, make_spec
 
-from prorsa.k8s.runtime import OperatorOptions
+from prorsa.k8s.runtime import ClusterLoopSettings
 from prorsa_contract import events as ev
 
 
@@ -21,7 +21,7 @@ async def _run_until_second_tick(batch: list[ev.Event]) -> float | None:
     """Seconds from posting ``batch`` to the runtime's next tick (None: none within 5 s)."""
     # A period far longer than the test: only a wake-up can tick a second time.
     runtime = cluster_runtime(
-        make_spec(), options=OperatorOptions(persist=False, tick_seconds=3600.0)
+        make_spec(), options=ClusterLoopSettings(persist=False, tick_seconds=3600.0)
     )
     handle = runtime.handle
     first, second = asyncio.Event(), asyncio.Event()

@@ -27,7 +27,7 @@ from prorsa.cli import main
 from prorsa.core.spec import GROUP, PLURAL, VERSION, SpecError, parse_cluster
 from prorsa.k8s import crd_manifest, groups, lws
 from prorsa.k8s import objects as obj
-from prorsa.kopf_handlers import OperatorConfig, build_registry
+from prorsa.kopf_handlers import OperatorSettings, build_registry
 from prorsa_contract.labels import (
     BOOTSTRAP_ANNOTATION,
     CLUSTER_LABEL,
@@ -35,9 +35,9 @@ from prorsa_contract.labels import (
     MANAGED_BY,
     ROLE_LABEL,
 )
-from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
-from prorsa_lab.doubles.kube_schema import apply_structural_schema
-from prorsa_lab.doubles.kube_schema import validate as _validate
+from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
+from prorsa_lab.doubles.kube.schema import apply_structural_schema
+from prorsa_lab.doubles.kube.schema import validate as _validate
 from prorsa_lab.doubles.stack import cluster_manifest
 
 HOST = {"name": "root", "hostPath": {"path": "/"}}
@@ -145,7 +145,7 @@ def test_prorsa_plan_and_admission_refuse_them(case: str, tmp_path: Path, capsys
     assert main(["plan", "--cluster", str(path), "--events", str(events), "--at", "1"]) == 2
     err = capsys.readouterr().err
     assert f"spec.engine.{field.split('.')[0]}" in err, err
-    registry = build_registry(OperatorConfig(admission=True))
+    registry = build_registry(OperatorSettings(admission=True))
     (handler,) = [h for h in registry._webhooks.get_all_handlers() if h.id == "spec"]
     with pytest.raises(kopf.AdmissionError) as info:
         handler.fn(spec=bad["spec"])

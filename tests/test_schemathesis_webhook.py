@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from prorsa.clusters import ClusterHandle, ClusterRegistry
+from prorsa.clusters import ClusterRegistry, WebhookCluster
 from prorsa.core.controller import Controller
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.openapi import SENT_AT_HEADER
@@ -47,7 +47,7 @@ def _ndjson(ctx: Any, value: Any) -> bytes:
 @dataclass
 class Live:
     url: str
-    handle: ClusterHandle
+    handle: WebhookCluster
 
 
 @pytest.fixture(scope="module")

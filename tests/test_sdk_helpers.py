@@ -204,7 +204,7 @@ def test_the_names_trainers_import_stay_where_they_were() -> None:
 
     assert set(prorsa_sdk.__all__) >= {
         "AsyncEventEmitter",
-        "Backoff",
+        "RetryBackoff",
         "EmitterStats",
         "EventEmitter",
         "tls_context",
@@ -214,7 +214,7 @@ def test_the_names_trainers_import_stay_where_they_were() -> None:
     for name in (
         "AsyncEventEmitter",
         "AsyncSnapshotSource",
-        "Backoff",
+        "RetryBackoff",
         "EmitterOptions",
         "EmitterStats",
         "EventEmitter",

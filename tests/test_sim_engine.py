@@ -8,21 +8,21 @@ from typing import Any
 import pytest
 
 from prorsa_lab.sim.costmodel import ModelProfile, StepTimes, load_profile
-from prorsa_lab.sim.loop import Loop
-from prorsa_lab.sim.sim_engine import (
+from prorsa_lab.sim.engine import (
     COLOCATED,
     DECODE,
     DECODE_RESERVE_TOKENS,
     PREFILL,
-    Cluster,
     Request,
+    SimCluster,
 )
+from prorsa_lab.sim.loop import Loop
 
 
 class Recorder:
     """Stands in for the trainer: records what the engines report, resends aborts."""
 
-    def __init__(self, cluster: Cluster | None = None) -> None:
+    def __init__(self, cluster: SimCluster | None = None) -> None:
         self.log: list[tuple[str, str, float]] = []
         self.done: dict[str, float] = {}
         self.aborted: list[Request] = []
@@ -45,17 +45,17 @@ class Recorder:
 
 def make(
     roles: list[str], *, profile: ModelProfile | None = None, **kw: Any
-) -> tuple[Loop, Cluster, Recorder]:
+) -> tuple[Loop, SimCluster, Recorder]:
     loop = Loop()
     rec = Recorder()
-    cluster = Cluster(
+    cluster = SimCluster(
         loop=loop, profile=profile or load_profile("qwen3-235b"), roles=roles, listener=rec, **kw
     )
     rec.cluster = cluster
     return loop, cluster, rec
 
 
-def run_until(loop: Loop, t: float, cluster: Cluster | None = None) -> None:
+def run_until(loop: Loop, t: float, cluster: SimCluster | None = None) -> None:
     """Advance virtual time to ``t`` (checking invariants on the way when asked)."""
 
     def stop() -> None:
@@ -92,7 +92,7 @@ def test_one_request_takes_exactly_the_cost_model_time() -> None:
     assert state["sim-engine-0"].prefill_busy_seconds == pytest.approx(prefill)
 
 
-def _decode_delay(roles: list[str]) -> tuple[float, float, Cluster]:
+def _decode_delay(roles: list[str]) -> tuple[float, float, SimCluster]:
     """Finish time of 4 long decodes, with and without a 32k prompt arriving at t=2 s."""
     out = []
     for with_prompt in (False, True):
@@ -313,5 +313,5 @@ def test_a_returning_turn_finds_its_prefix_only_where_the_router_places_it() -> 
         assert first - start == pytest.approx(steps, rel=1e-6)
 
 
-def rank_of(rid: str, cluster: Cluster) -> Any:
+def rank_of(rid: str, cluster: SimCluster) -> Any:
     return next(r for i in cluster.instances for r in i.ranks for q in r.pq if q.rid == rid)

@@ -11,6 +11,7 @@ import pytest
 from prorsa.core.controller import Controller
 from prorsa_contract import events as ev
 from prorsa_contract.agent_api import EngineState
+from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, Request
 from prorsa_lab.sim.loop import SimulationError
 from prorsa_lab.sim.policies import (
     Colocation,
@@ -21,7 +22,6 @@ from prorsa_lab.sim.policies import (
     Throughput,
     baseline,
 )
-from prorsa_lab.sim.sim_engine import COLOCATED, DECODE, PREFILL, Request
 from prorsa_lab.sim.simulator import Scenario, Simulation, simulate
 
 EVENT_CLASSES = typing.get_args(typing.get_args(ev.Event)[0])

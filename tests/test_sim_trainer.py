@@ -13,7 +13,7 @@ from prorsa_contract import events as ev
 from prorsa_lab.sim.policies import Static
 from prorsa_lab.sim.simulator import Scenario, Simulation
 
-# Allowed next event types per event type: the lifecycle of Figure 4 (DESIGN.md table).
+# Allowed next event types per event type: the lifecycle of the paper's Figure 4.
 NEXT = {
     None: {"sample_dispatched"},
     "sample_dispatched": {"sandbox_started"},

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from prorsa_lab.doubles.engine_model import EngineConfig
+from prorsa_lab.doubles.engine.model import EngineConfig
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 

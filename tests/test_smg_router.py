@@ -20,8 +20,8 @@ import pytest
 import pytest_asyncio
 
 from prorsa_contract.labels import DRAINING, ROLE_LABEL
-from prorsa_lab.doubles.engine_model import EngineCore
-from prorsa_lab.doubles.kube_resources import PODS_KEY
+from prorsa_lab.doubles.engine.model import EngineCore
+from prorsa_lab.doubles.kube.resources import PODS_KEY
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, worker_types
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 

@@ -27,7 +27,7 @@ from prorsa.ingest import WebhookServer
 from prorsa.k8s import crd_manifest
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.trainer_token import TokenFollower, initial_token
-from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
 from prorsa_lab.doubles.stack import PATIENCE, TOKEN_SECRET, cluster_manifest, stack
 
 NS = "rl"

@@ -24,15 +24,15 @@ import yaml
 from conftest import make_spec
 from test_ingest_cli import CLUSTER, Proc
 
-from prorsa.clusters import ClusterHandle, ClusterRegistry
+from prorsa.clusters import ClusterRegistry, WebhookCluster
 from prorsa.core.controller import Controller
 from prorsa.ingest import WebhookServer
 from prorsa_contract.serving_tls import ServingCert
 from prorsa_lab.doubles.stack import cluster_manifest, stack, write_webhook_cert
-from prorsa_sdk import AsyncEventEmitter, Backoff, EventEmitter
+from prorsa_sdk import AsyncEventEmitter, EventEmitter, RetryBackoff
 
 TOKEN = "tok-tls"
-FAST = Backoff(base=0.01, cap=0.05)
+FAST = RetryBackoff(base=0.01, cap=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Served:
-    def __init__(self, url: str, handle: ClusterHandle) -> None:
+    def __init__(self, url: str, handle: WebhookCluster) -> None:
         self.url, self.handle = url, handle
 
 

@@ -24,9 +24,9 @@ from prorsa_agent.config import (
     DISABLE_HICACHE_ENV,
     SGLANG_COMMAND,
     AgentConfig,
-    Backoff,
     ConfigError,
     LaunchSpec,
+    RestartBackoff,
     Timeouts,
     args_from_env,
     engine_argv,
@@ -134,7 +134,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds a client may take to send a POST /v1/role body once its headers are "
         "in; then 408 and the connection is closed",
     )
-    backoff = Backoff()
+    backoff = RestartBackoff()
     t.add_argument("--restart-backoff", type=float, default=backoff.initial)
     t.add_argument("--restart-backoff-max", type=float, default=backoff.maximum)
     t.add_argument("--stop-grace", type=float, default=30.0)
@@ -176,7 +176,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
                 )
             ),
             secrets=(admin_key.strip(),) if admin_key else (),
-            backoff=Backoff(
+            backoff=RestartBackoff(
                 initial=args.restart_backoff,
                 maximum=max(args.restart_backoff, args.restart_backoff_max),
             ),

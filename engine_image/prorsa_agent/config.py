@@ -112,7 +112,7 @@ class Timeouts:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Backoff:
+class RestartBackoff:
     """Restart delays after engine crashes: initial, times factor, capped; reset when stable."""
 
     initial: float = 1.0
@@ -136,7 +136,7 @@ class LaunchSpec:
     argv: tuple[str, ...]
     secrets: tuple[str, ...] = field(default=(), repr=False)
     """Values in ``argv`` never to print (the engine admin key): see prorsa_agent.redact."""
-    backoff: Backoff = field(default_factory=Backoff)
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
     stop_grace: float = 30.0
     """SIGTERM, then this long, then SIGKILL (to the engine's whole process group)."""
 

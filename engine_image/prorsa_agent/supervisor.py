@@ -2,9 +2,9 @@
 
 The engine runs in its own process group so that stopping it also stops the scheduler and
 detokenizer processes SGLang forks. A crash is any exit the agent did not ask for; the delay
-before the next start grows by ``Backoff.factor`` up to ``Backoff.maximum`` and resets once a
-run has lasted ``Backoff.stable_after`` seconds, so a crash loop does not hammer the GPU
-while a rare crash is retried quickly.
+before the next start grows by ``RestartBackoff.factor`` up to ``RestartBackoff.maximum``
+and resets once a run has lasted ``RestartBackoff.stable_after`` seconds, so a crash loop
+does not hammer the GPU while a rare crash is retried quickly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from prorsa_agent.config import Backoff
+from prorsa_agent.config import RestartBackoff
 from prorsa_agent.redact import Redactor, pump
 
 log = logging.getLogger("prorsa_agent.supervisor")
@@ -33,7 +33,7 @@ class EngineSupervisor:
         self,
         *,
         argv: Sequence[str],
-        backoff: Backoff,
+        backoff: RestartBackoff,
         stop_grace: float,
         env: Mapping[str, str] | None = None,
         on_exit: Callable[[int | None, float], None] | None = None,

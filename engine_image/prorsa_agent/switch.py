@@ -1,4 +1,4 @@
-"""The role switch of one engine: drain, abort at the deadline, flip, verify (DESIGN step 3-4).
+"""The role switch of one engine: drain, abort at the deadline, flip, verify.
 
 Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a metrics label:
 

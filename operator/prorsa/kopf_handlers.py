@@ -27,7 +27,7 @@ from prorsa.k8s import groups, trainer_token
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.runtime import ClusterRuntime, EventPoster, OperatorOptions
+from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime, EventPoster
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
 from prorsa_contract.serving_tls import ServingCert
@@ -36,8 +36,9 @@ log = logging.getLogger("prorsa.operator")
 
 
 @dataclass(kw_only=True)
-class OperatorConfig:
-    """What ``prorsa operator`` is told on its command line."""
+class OperatorSettings:
+    """What ``prorsa operator`` is told on its command line (fixed for the process's life;
+    the state it builds from them is :class:`OperatorState`)."""
 
     listen_host: str = "0.0.0.0"
     listen_port: int = obj.WEBHOOK_PORT
@@ -46,7 +47,7 @@ class OperatorConfig:
     metrics_port: int | None = obj.METRICS_PORT
     # tls.crt + tls.key: the webhook and /metrics serve HTTPS (docs/security.md); None: HTTP.
     webhook_tls_dir: str | None = None
-    options: OperatorOptions = field(default_factory=OperatorOptions)
+    options: ClusterLoopSettings = field(default_factory=ClusterLoopSettings)
     operator_namespace: str | None = None  # where the shared webhook Service goes
     admission: bool = False
     admission_tls_dir: str | None = None  # tls.crt + tls.key (e.g. from cert-manager)
@@ -74,14 +75,15 @@ class LeaderElection:
     retry_period: float = 2.0
 
 
-Serving = Callable[["OperatorContext"], Awaitable[None]]
+Serving = Callable[["OperatorState"], Awaitable[None]]
 
 
 @dataclass
-class OperatorContext:
-    """Process-wide state shared by every handler (kept on kopf's memo)."""
+class OperatorState:
+    """Process-wide state shared by every handler (kept on kopf's memo): the clients, the
+    webhook, the metrics and each cluster's runtime, built from :class:`OperatorSettings`."""
 
-    config: OperatorConfig
+    config: OperatorSettings
     kube: Kube
     agents: AgentClient
     registry: ClusterRegistry
@@ -102,7 +104,7 @@ def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
 
 
 def build_registry(
-    config: OperatorConfig,
+    config: OperatorSettings,
     *,
     prom: CollectorRegistry | None = None,
     on_serving: Serving | None = None,
@@ -126,7 +128,7 @@ _RESOURCE = (GROUP, VERSION, PLURAL)
 
 def _register_lifecycle(
     registry: kopf.OperatorRegistry,
-    config: OperatorConfig,
+    config: OperatorSettings,
     *,
     prom: CollectorRegistry | None,
     on_serving: Serving | None,
@@ -148,7 +150,7 @@ def _register_lifecycle(
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        ctx: OperatorContext | None = getattr(memo, "prorsa", None)
+        ctx: OperatorState | None = getattr(memo, "prorsa", None)
         if ctx is None:
             return
         # Daemons may still be winding down (or were cancelled before their runtime
@@ -160,11 +162,11 @@ def _register_lifecycle(
 
     @kopf.on.probe(id="clusters", registry=registry)
     def probe(memo: kopf.Memo, **_: Any) -> int:
-        ctx: OperatorContext = memo.prorsa
+        ctx: OperatorState = memo.prorsa
         return len(ctx.runtimes)
 
 
-def _configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+def _configure(settings: kopf.OperatorSettings, config: OperatorSettings) -> None:
     settings.posting.level = logging.INFO
     settings.persistence.finalizer = "prorsa.io/finalizer"
     if config.namespaced:
@@ -181,7 +183,7 @@ def _configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
         settings.admission.managed = "prorsa.io"
 
 
-def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
+def _admission_server(config: OperatorSettings) -> kopf.WebhookServer:
     """The API server calls the admission webhook through the operator's Service."""
     host = f"prorsa-webhook.{config.operator_namespace}.svc" if config.operator_namespace else None
     tls = config.admission_tls_dir
@@ -195,7 +197,7 @@ def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
     )
 
 
-def load_credentials(config: OperatorConfig) -> None:
+def load_credentials(config: OperatorSettings) -> None:
     """The kubernetes client's credentials, for the Kubernetes adapter's own calls."""
     if config.login_kubeconfig:
         import kubernetes
@@ -205,10 +207,10 @@ def load_credentials(config: OperatorConfig) -> None:
         _load_kube_config()
 
 
-async def _start_context(config: OperatorConfig, prom: CollectorRegistry) -> OperatorContext:
+async def _start_context(config: OperatorSettings, prom: CollectorRegistry) -> OperatorState:
     """The operator's state while it leads, with the webhook listener already serving."""
     registry_ = ClusterRegistry()
-    ctx = OperatorContext(
+    ctx = OperatorState(
         config=config,
         kube=Kube(),
         agents=AgentClient(),
@@ -280,7 +282,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
         patch: kopf.Patch,
         **_: Any,
     ) -> None:
-        ctx: OperatorContext = memo.prorsa
+        ctx: OperatorState = memo.prorsa
         namespace = _namespaced(namespace)
         try:
             cluster = parse_spec(spec)
@@ -339,7 +341,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
     async def update(
         name: str, namespace: str | None, new: Any, meta: kopf.Meta, memo: kopf.Memo, **_: Any
     ) -> None:
-        ctx: OperatorContext = memo.prorsa
+        ctx: OperatorState = memo.prorsa
         runtime = ctx.runtimes.get((_namespaced(namespace), name))
         if runtime is None:
             return
@@ -353,7 +355,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
 
     @kopf.on.delete(*_RESOURCE, registry=registry, id="forget")
     async def delete(name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
-        ctx: OperatorContext = memo.prorsa
+        ctx: OperatorState = memo.prorsa
         namespace = _namespaced(namespace)
         runtime = ctx.runtimes.get((namespace, name))
         if runtime is not None:
@@ -394,7 +396,7 @@ def _register_pods(registry: kopf.OperatorRegistry) -> None:
         memo: kopf.Memo,
         **_: Any,
     ) -> None:
-        ctx: OperatorContext | None = getattr(memo, "prorsa", None)
+        ctx: OperatorState | None = getattr(memo, "prorsa", None)
         cluster = labels.get(CLUSTER_LABEL)
         if ctx is None or cluster is None or namespace is None:
             return

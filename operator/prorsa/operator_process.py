@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from prorsa.k8s import objects as obj
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeaderElector, LeadershipLost, LeaseSettings
-from prorsa.kopf_handlers import OperatorConfig, OperatorContext, build_registry, load_credentials
+from prorsa.kopf_handlers import OperatorSettings, OperatorState, build_registry, load_credentials
 from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa.operator")
@@ -91,10 +91,10 @@ def identity(pod_name: str | None) -> str:
 class OperatorProcess:
     """One ``prorsa operator`` process, leading or standing by."""
 
-    config: OperatorConfig
+    config: OperatorSettings
     prom: CollectorRegistry = field(default_factory=CollectorRegistry)
     role: Role = "starting"
-    context: OperatorContext | None = None  # while it leads and its webhook serves
+    context: OperatorState | None = None  # while it leads and its webhook serves
     identity: str = ""
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # leads, webhook up
     standing_by: asyncio.Event = field(default_factory=asyncio.Event)
@@ -181,7 +181,7 @@ class OperatorProcess:
             log.warning("could not %s the leader label of pod %s", "set" if leading else
                         "clear", pod, exc_info=True)  # fmt: skip
 
-    async def _on_serving(self, ctx: OperatorContext) -> None:
+    async def _on_serving(self, ctx: OperatorState) -> None:
         self.context = ctx
         await self._label(leading=True)  # trainers' requests come here from now on
         self.serving.set()
@@ -287,7 +287,7 @@ def pod_name_from_env() -> str | None:
     return os.environ.get("POD_NAME") or None
 
 
-def run_operator(config: OperatorConfig) -> int:
+def run_operator(config: OperatorSettings) -> int:
     """``prorsa operator``: the process until SIGTERM (0), or until it lost the Lease (1: the
     container restarts and stands by)."""
     import signal

@@ -1,10 +1,15 @@
-"""The wire contracts shared by the operator, the trainer SDK and the in-pod agent.
+"""What the operator, the trainer SDK and the in-pod agent share, so each depends on this
+package and nothing else of Prorsa (pydantic and the standard library are all it needs):
 
-:mod:`prorsa_contract.events` is the trainer webhook's body (docs/webhook-events.md),
-:mod:`prorsa_contract.agent_api` the in-pod agent's (docs/agent-api.md);
-:mod:`prorsa_contract.serving_tls` is how both servers present their certificates. Only
-pydantic (and the standard library) is needed to import them, so every side can depend on
-this package and nothing else of Prorsa.
+- :mod:`prorsa_contract.events`: the trainer webhook's body, the lifecycle events
+  (docs/webhook-events.md);
+- :mod:`prorsa_contract.agent_api`: the in-pod agent's API models (docs/agent-api.md);
+- :mod:`prorsa_contract.labels`: the engine pods' names, labels and annotations, which the
+  operator writes and routers, monitors and kubelets read;
+- :mod:`prorsa_contract.serving_tls`: how the webhook and the agent serve TLS (a
+  certificate re-read when renewed);
+- :mod:`prorsa_contract.aio`: the asyncio helpers every process shares (stopping on a
+  signal, cancelling and awaiting a task).
 """
 
 __version__ = "0.1.0"

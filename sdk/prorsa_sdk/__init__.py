@@ -10,9 +10,9 @@
 
 from prorsa_sdk.emitter import (
     AsyncEventEmitter,
-    Backoff,
     EmitterStats,
     EventEmitter,
+    RetryBackoff,
     tls_context,
 )
 from prorsa_sdk.resumable import ResumableGeneration, ResumeExhausted
@@ -20,11 +20,11 @@ from prorsa_sdk.tracker import TrajectoryTracker
 
 __all__ = [
     "AsyncEventEmitter",
-    "Backoff",
     "EmitterStats",
     "EventEmitter",
     "ResumableGeneration",
     "ResumeExhausted",
+    "RetryBackoff",
     "TrajectoryTracker",
     "tls_context",
 ]

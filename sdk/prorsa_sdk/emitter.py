@@ -66,9 +66,9 @@ from prorsa_sdk.emitter_base import (
 )
 from prorsa_sdk.emitter_core import (
     REPAIR_INTERVAL,
-    Backoff,
     Delivery,
     EmitterStats,
+    RetryBackoff,
     SnapshotRows,
 )
 from prorsa_sdk.sync_emitter import EventEmitter
@@ -78,11 +78,11 @@ __all__ = [
     "SENT_AT_HEADER",
     "AsyncEventEmitter",
     "AsyncSnapshotSource",
-    "Backoff",
     "Delivery",
     "EmitterOptions",
     "EmitterStats",
     "EventEmitter",
+    "RetryBackoff",
     "SnapshotRows",
     "SnapshotSource",
     "TlsVerify",

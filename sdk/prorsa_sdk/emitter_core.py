@@ -65,7 +65,7 @@ class EmitterStats:
 
 
 @dataclass(frozen=True, slots=True)
-class Backoff:
+class RetryBackoff:
     """Exponential backoff with full jitter: sleep U(0, min(cap, base * 2**attempt))."""
 
     base: float = 0.05
@@ -92,7 +92,7 @@ class CoreOptions(TypedDict, total=False):
     flush_interval: float  # [0.2] seconds an event may wait for a fuller batch
     max_buffer: int  # [100_000] events buffered before the oldest are dropped
     give_up_after: float  # [60] seconds 401/404 are retried before a batch is dropped
-    backoff: Backoff | None  # [Backoff()] retry delays
+    backoff: RetryBackoff | None  # [RetryBackoff()] retry delays
     clock: Callable[[], float]  # [time.time] the trainer clock events are stamped with
 
 
@@ -219,7 +219,7 @@ class EmitterCore:
         flush_interval: float = 0.2,
         max_buffer: int = 100_000,
         give_up_after: float = 60.0,
-        backoff: Backoff | None = None,
+        backoff: RetryBackoff | None = None,
         clock: Callable[[], float] = time.time,
         track: bool = False,
         recording: str | None = None,
@@ -246,7 +246,7 @@ class EmitterCore:
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
         self.give_up_after = give_up_after
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or RetryBackoff()
         self.clock = clock
         self.lock = threading.Lock()
         self.buffer: deque[bytes] = deque()  # events already encoded as JSON objects

@@ -50,7 +50,7 @@ class ResumeExhausted(RuntimeError):
         self.partial = partial
 
 
-class _Emitter(Protocol):
+class _RequestEvents(Protocol):
     def decode_finished(
         self, trajectory: str, *, output_tokens: int, finish: Any, ts: float | None = None
     ) -> str: ...
@@ -107,7 +107,7 @@ class ResumableGeneration:
         max_resumes: int = 8,
         max_retries: int = 3,
         retry_base: float = 0.2,
-        emitter: _Emitter | None = None,
+        emitter: _RequestEvents | None = None,
     ) -> None:
         if max_resumes < 0 or max_retries < 0:
             raise ValueError("max_resumes and max_retries must be >= 0")

@@ -1,7 +1,7 @@
 """Clusters served by one webhook listener: token, Controller, epoch and resync state each.
 
 The registry is what lets one aiohttp listener serve many RolloutClusters: the operator
-adds a :class:`ClusterHandle` when it starts managing a cluster and removes it when the
+adds a :class:`WebhookCluster` when it starts managing a cluster and removes it when the
 cluster goes away, at runtime, from the same asyncio loop the server runs on.
 
 A handle serialises every call into its Controller (which is not thread-safe) behind one
@@ -159,7 +159,7 @@ def _epoch_now() -> int:
     return time.time_ns() // 1_000_000
 
 
-class ClusterHandle:
+class WebhookCluster:
     """One RolloutCluster as the webhook sees it."""
 
     def __init__(
@@ -564,7 +564,7 @@ class ClusterHandle:
 
 
 class ClusterRegistry:
-    """(namespace, name) -> :class:`ClusterHandle`; add and remove at runtime.
+    """(namespace, name) -> :class:`WebhookCluster`; add and remove at runtime.
 
     Epochs are the registration time in unix milliseconds, made strictly increasing
     within a process: a cluster removed and added again (or a restarted server) gets a
@@ -573,7 +573,7 @@ class ClusterRegistry:
 
     def __init__(self, *, limits: IngestLimits | None = None) -> None:
         self.limits = limits or IngestLimits()
-        self._clusters: dict[tuple[str, str], ClusterHandle] = {}
+        self._clusters: dict[tuple[str, str], WebhookCluster] = {}
         self._last_epoch = 0
 
     def next_epoch(self) -> int:
@@ -590,14 +590,14 @@ class ClusterRegistry:
         epoch: int | None = None,
         resync: bool = True,
         clock: ClockOffset | None = None,
-    ) -> ClusterHandle:
+    ) -> WebhookCluster:
         """Serve a cluster (replacing any handle of the same name, with a new epoch).
 
         ``resync=True`` (the default) makes replies ask the trainer for a snapshot: right
         for any server that may have lost state. Pass False only for a cluster that is new
         to the world, with no trainer running against it yet.
         """
-        handle = ClusterHandle(
+        handle = WebhookCluster(
             namespace=namespace,
             name=name,
             token=token,
@@ -610,11 +610,11 @@ class ClusterRegistry:
         self._clusters[handle.key] = handle
         return handle
 
-    def remove(self, *, namespace: str, name: str) -> ClusterHandle | None:
+    def remove(self, *, namespace: str, name: str) -> WebhookCluster | None:
         """Stop serving a cluster; requests already running finish on the old handle."""
         return self._clusters.pop((namespace, name), None)
 
-    def get(self, namespace: str, name: str) -> ClusterHandle | None:
+    def get(self, namespace: str, name: str) -> WebhookCluster | None:
         return self._clusters.get((namespace, name))
 
     def knows_token(self, presented: str | None) -> bool:
@@ -625,7 +625,7 @@ class ClusterRegistry:
     def __len__(self) -> int:
         return len(self._clusters)
 
-    def __iter__(self) -> Iterator[ClusterHandle]:
+    def __iter__(self) -> Iterator[WebhookCluster]:
         return iter(list(self._clusters.values()))
 
     def pending_events(self) -> int:

@@ -9,12 +9,12 @@ HELP = "run an HTTP double of an SGLang 0.5.23 engine (role switching, loads, ab
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from prorsa_lab.doubles.engine_cli import configure as configure_engine
+    from prorsa_lab.doubles.engine.cli import configure as configure_engine
 
     configure_engine(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.doubles.engine_cli import run as run_engine
+    from prorsa_lab.doubles.engine.cli import run as run_engine
 
     return run_engine(args, sys.argv[2:])

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 
 if TYPE_CHECKING:
-    from prorsa.clusters import ClusterHandle
+    from prorsa.clusters import WebhookCluster
     from prorsa.core.decision import Decision
     from prorsa.ingest.recording import EventRecorder
     from prorsa_contract.serving_tls import ServingCert
@@ -298,7 +298,7 @@ async def _serve(
 
 
 async def follow_token_file(
-    path: Path, handle: ClusterHandle, token: str, *, interval: float = TOKEN_FILE_POLL_SECONDS
+    path: Path, handle: WebhookCluster, token: str, *, interval: float = TOKEN_FILE_POLL_SECONDS
 ) -> None:
     """Put the token of ``path`` in force whenever it changes, the old one refused (no
     overlap), as the operator follows its Secret. A file that cannot be read or holds no
@@ -342,7 +342,7 @@ def _tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
-def format_progress(handle: ClusterHandle, *, since: int = 0) -> str:
+def format_progress(handle: WebhookCluster, *, since: int = 0) -> str:
     """One line per tick while recording: what has been recorded and what is live."""
     import time
 
@@ -360,7 +360,7 @@ def format_progress(handle: ClusterHandle, *, since: int = 0) -> str:
     return time.strftime("%H:%M:%S") + " " + " | ".join(parts)
 
 
-def format_decision(decision: Decision, handle: ClusterHandle, *, since: int = 0) -> str:
+def format_decision(decision: Decision, handle: WebhookCluster, *, since: int = 0) -> str:
     """One line per tick: what a trainer developer watches while integrating."""
     import time
 

@@ -82,8 +82,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa.k8s.runtime import OperatorOptions
-    from prorsa.kopf_handlers import LeaderElection, OperatorConfig
+    from prorsa.k8s.runtime import ClusterLoopSettings
+    from prorsa.kopf_handlers import LeaderElection, OperatorSettings
     from prorsa.operator_process import run_operator
     from prorsa.process import tune_gc
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             renew_deadline=args.leader_elect_renew_deadline,
             retry_period=args.leader_elect_retry_period,
         )
-    config = OperatorConfig(
+    config = OperatorSettings(
         namespaced=not clusterwide,
         namespaces=tuple(args.namespace),
         liveness=args.liveness or None,
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         admission=args.admission,
         admission_tls_dir=args.admission_tls_dir,
         login_kubeconfig=args.kubeconfig,
-        options=OperatorOptions(
+        options=ClusterLoopSettings(
             agent_port=args.agent_port,
             router_url_template=args.router_url_template,
             tick_seconds=args.tick_seconds,

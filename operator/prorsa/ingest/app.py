@@ -41,11 +41,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prorsa.clusters.auth import bearer_token
 from prorsa.clusters.registry import (
-    ClusterHandle,
     ClusterRegistry,
     IngestLimits,
     QueueFull,
     TrajectoryLimit,
+    WebhookCluster,
 )
 from prorsa.core.forecast.table import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
@@ -94,7 +94,7 @@ class Refusal(Exception):
         reason: str | None,
         message: str,
         *,
-        handle: ClusterHandle | None = None,
+        handle: WebhookCluster | None = None,
         errors: list[FieldError] | None = None,
         retry_after: int | None = None,
     ) -> None:
@@ -272,7 +272,7 @@ class WebhookServer:
 
     # -- shared steps --------------------------------------------------------------------
 
-    def _cluster(self, request: web.Request) -> ClusterHandle:
+    def _cluster(self, request: web.Request) -> WebhookCluster:
         """The cluster of the path, once the token is one this server knows.
 
         A token no served cluster holds is 401 whether or not the cluster exists, with the
@@ -288,7 +288,7 @@ class WebhookServer:
             raise Refusal(404, "unknown_cluster", f"no RolloutCluster {ns}/{name} is served here")
         raise Refusal(401, "unauthorized", "missing or wrong bearer token")
 
-    def _window(self, handle: ClusterHandle) -> TimeWindow:
+    def _window(self, handle: WebhookCluster) -> TimeWindow:
         limits = self.limits
         return TimeWindow(
             now=handle.clock.wall(),
@@ -297,7 +297,7 @@ class WebhookServer:
         )
 
     def _sent_at(
-        self, request: web.Request, handle: ClusterHandle, window: TimeWindow
+        self, request: web.Request, handle: WebhookCluster, window: TimeWindow
     ) -> float | None:
         raw = request.headers.get(SENT_AT_HEADER)
         if raw is None:
@@ -324,7 +324,7 @@ class WebhookServer:
             )
         return value
 
-    def _emitter(self, request: web.Request, handle: ClusterHandle) -> str | None:
+    def _emitter(self, request: web.Request, handle: WebhookCluster) -> str | None:
         """The ``X-Prorsa-Emitter`` id the request names, if any (422 when malformed)."""
         raw = request.headers.get(EMITTER_HEADER)
         if raw is None:
@@ -337,7 +337,7 @@ class WebhookServer:
 
     @asynccontextmanager
     async def _holding(
-        self, request: web.Request, handle: ClusterHandle, budget: _Budget
+        self, request: web.Request, handle: WebhookCluster, budget: _Budget
     ) -> AsyncIterator[_Held]:
         """Count the body's bytes against ``budget`` until the block ends.
 
@@ -356,7 +356,7 @@ class WebhookServer:
             budget.held -= held.bytes
 
     async def _read(
-        self, request: web.Request, handle: ClusterHandle, *, limit: int, held: _Held
+        self, request: web.Request, handle: WebhookCluster, *, limit: int, held: _Held
     ) -> bytes:
         """The body, within ``body_timeout_seconds`` (408), ``limit`` bytes (413) and the
         server-wide budget (429), refusing as soon as one is exceeded."""
@@ -399,7 +399,7 @@ class WebhookServer:
             raise Refusal(400, None, "the client closed the connection", handle=handle) from None
         return b"".join(chunks)
 
-    async def _parse(self, body: bytes, fn: Callable[[bytes], T], handle: ClusterHandle) -> T:
+    async def _parse(self, body: bytes, fn: Callable[[bytes], T], handle: WebhookCluster) -> T:
         try:
             if len(body) > self.limits.offload_events * _BYTES_PER_EVENT:
                 return await asyncio.to_thread(fn, body)
@@ -550,7 +550,7 @@ def _unreadable(errors: list[FieldError]) -> bool:
     )
 
 
-def _invalid_emitter(handle: ClusterHandle, why: str) -> Refusal:
+def _invalid_emitter(handle: WebhookCluster, why: str) -> Refusal:
     return Refusal(
         422,
         "invalid",
@@ -560,7 +560,7 @@ def _invalid_emitter(handle: ClusterHandle, why: str) -> Refusal:
     )
 
 
-def _trajectory_limit(capped: TrajectoryLimit, handle: ClusterHandle) -> Refusal:
+def _trajectory_limit(capped: TrajectoryLimit, handle: WebhookCluster) -> Refusal:
     """429 with Retry-After at the cluster's live-trajectory limit; 422 for a snapshot
     that lists more trajectories than the limit (no retry can fit it)."""
     if capped.retry_after is None:
@@ -586,7 +586,7 @@ def _trajectory_limit(capped: TrajectoryLimit, handle: ClusterHandle) -> Refusal
     )
 
 
-def _busy(handle: ClusterHandle) -> Refusal:
+def _busy(handle: WebhookCluster) -> Refusal:
     return Refusal(
         429,
         "busy",
@@ -606,7 +606,7 @@ def _payload_problem(request: web.Request, exc: web.RequestPayloadError) -> str:
     return f"the body could not be read: {detail}"[:300]
 
 
-def _queue_full(full: QueueFull, handle: ClusterHandle) -> Refusal:
+def _queue_full(full: QueueFull, handle: WebhookCluster) -> Refusal:
     return Refusal(
         429,
         "queue_full",

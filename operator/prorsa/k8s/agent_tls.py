@@ -40,7 +40,7 @@ def agent_server_name(*, pod: str, cluster: str, namespace: str) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServingCert:
+class IssuedCert:
     """PEM texts: the CA certificate, and the serving certificate with its key."""
 
     ca: str
@@ -48,9 +48,7 @@ class ServingCert:
     key: str = field(repr=False)
 
 
-def issue_agent_cert(
-    *, cluster: str, namespace: str, now: dt.datetime | None = None
-) -> ServingCert:
+def issue_agent_cert(*, cluster: str, namespace: str, now: dt.datetime | None = None) -> IssuedCert:
     """A fresh CA and the agents' certificate for ``*.<cluster>-engines.<namespace>.svc``
     (and its ``.cluster.local`` form), signed by it; the CA key is dropped here."""
     domain = engines_domain(cluster=cluster, namespace=namespace)
@@ -70,7 +68,7 @@ def issue_serving_cert(
     ca_name: str = "prorsa CA",
     now: dt.datetime | None = None,
     validity: dt.timedelta = VALIDITY,
-) -> ServingCert:
+) -> IssuedCert:
     """A self-signed CA and one serving certificate it signs (ECDSA P-256, SHA-256)."""
     import ipaddress
 
@@ -125,7 +123,7 @@ def issue_serving_cert(
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
-    return ServingCert(
+    return IssuedCert(
         ca=ca_cert.public_bytes(pem).decode(),
         cert=cert.public_bytes(pem).decode(),
         key=key.private_bytes(

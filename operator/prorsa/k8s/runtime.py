@@ -25,7 +25,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.clusters import ClusterHandle
+from prorsa.clusters import WebhookCluster
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import groups, lws
@@ -58,8 +58,9 @@ EventPoster = Callable[[str, str, str], Awaitable[None]]  # (type, reason, messa
 
 
 @dataclass(kw_only=True)
-class OperatorOptions:
-    """Process-wide settings of the operator (flags of ``prorsa operator``)."""
+class ClusterLoopSettings:
+    """What every cluster's control loop is given: where agents and routers listen, the
+    tick, persistence (from ``prorsa operator``'s flags, part of :class:`OperatorSettings`)."""
 
     agent_port: int = AGENT_PORT
     router_url_template: str = "http://{name}-router.{namespace}.svc:{port}"
@@ -74,11 +75,11 @@ class ClusterRuntime:
     name: str
     spec: RolloutClusterSpec
     uid: str
-    handle: ClusterHandle
+    handle: WebhookCluster
     kube: Kube
     agents: AgentClient
     metrics: OperatorMetrics
-    options: OperatorOptions
+    options: ClusterLoopSettings
     post_event: EventPoster
     agent_token: str = ""
     agent_ca: str | None = None

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.clusters import ClusterHandle
+from prorsa.clusters import WebhookCluster
 from prorsa.clusters.auth import normalize_token
 from prorsa.core.spec import GROUP, VERSION, RolloutClusterSpec
 from prorsa.k8s import objects as obj
@@ -120,7 +120,7 @@ class TokenFollower:
     namespace: str
     name: str
     uid: str
-    handle: ClusterHandle
+    handle: WebhookCluster
     spec: Callable[[], RolloutClusterSpec]
     token: str
     """The token in force (what the handle was created with)."""

@@ -18,8 +18,8 @@ from typing import Any
 
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.policies import baseline
-from prorsa_lab.sim.sim_trainer import PREFILL_EVENTS
 from prorsa_lab.sim.simulator import Scenario, simulate
+from prorsa_lab.sim.trainer import PREFILL_EVENTS
 from prorsa_lab.sim.workloads import get_task
 
 HELP = "forecast WAPE with the full prefill events, first-token only, and none"

@@ -22,8 +22,8 @@ from typing import Any
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
-from prorsa_lab.sim.sim_trainer import PREFILL_EVENTS
 from prorsa_lab.sim.simulator import DP_ROUTINGS
+from prorsa_lab.sim.trainer import PREFILL_EVENTS
 from prorsa_lab.sim.workloads import get_task
 
 HELP = "rollout simulator: makespan per policy, speedups, forecast WAPE; writes a PNG"

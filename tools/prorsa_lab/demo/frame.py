@@ -13,9 +13,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prorsa_lab.demo.demo_trainer import DemoTrainer
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.smg_client import SmgClient
+from prorsa_lab.demo.trainer import DemoTrainer
 
 __all__ = ["PHASE_TEXT", "Frame", "bar", "clock", "frame", "tokens", "wape", "wrap_lines"]
 

@@ -34,7 +34,6 @@ import httpx
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_contract.labels import NODE_RANK_LABEL, ROLE_LABEL
-from prorsa_lab.demo.demo_trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.frame import wrap_lines
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.phases import (
@@ -47,6 +46,7 @@ from prorsa_lab.demo.phases import (
 )
 from prorsa_lab.demo.pod_directory import PodDirectory
 from prorsa_lab.demo.smg_client import SmgClient
+from prorsa_lab.demo.trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.view import LiveView, PlainView
 from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_seconds
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import httpx
 
 
-class _Emitter(Protocol):
+class _PrefillEvents(Protocol):
     def prefill_started(
         self, trajectory: str, *, request: str | None = None, instance: str | None = None
     ) -> str: ...
@@ -88,7 +88,7 @@ class SmgClient(httpx.AsyncBaseTransport):
         *,
         url: str,
         model: str,
-        emitter: _Emitter | None = None,
+        emitter: _PrefillEvents | None = None,
         incremental: bool = False,
         timeout: float = 600.0,
         clock: Callable[[], float] = time.time,

@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prorsa_lab.demo.demo_trainer import TrainerStats
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.pod_directory import PodDirectory
 from prorsa_lab.demo.smg_client import PrefillJob, SmgClient
+from prorsa_lab.demo.trainer import TrainerStats
 
 PREFILL_COLOUR = "#b0479a"
 DECODE_COLOUR = "#2b8cbe"

@@ -15,12 +15,12 @@ from abc import ABC, abstractmethod
 from typing import Any, TextIO
 
 from prorsa_contract.aio import cancel_and_wait
-from prorsa_lab.demo.demo_trainer import DemoTrainer
 from prorsa_lab.demo.frame import Frame, clock, tokens, wape
 from prorsa_lab.demo.frame import frame as build_frame
 from prorsa_lab.demo.monitor import Monitor, SwitchRecord
 from prorsa_lab.demo.pod_directory import PodDirectory
 from prorsa_lab.demo.smg_client import SmgClient
+from prorsa_lab.demo.trainer import DemoTrainer
 
 OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 

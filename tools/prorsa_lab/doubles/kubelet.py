@@ -15,7 +15,7 @@ tests and by ``make demo``.
 
 The pods of a multi-node instance of node rank >= 1 (``prorsa.io/node-rank``, or the worker
 index of a LeaderWorkerSet's pod) run the engine double's worker mode
-(:mod:`prorsa_lab.doubles.engine_worker`): linked to their leader's double by the group
+(:mod:`prorsa_lab.doubles.engine.worker`): linked to their leader's double by the group
 label, they exit (pod phase Failed) when the leader goes, and the leader serves only while
 every rank is there.
 
@@ -54,9 +54,9 @@ from prorsa_contract.labels import (
     MANAGED_BY,
     NODES_LABEL,
 )
-from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
-from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
-from prorsa_lab.doubles.pod_status import kubelet_pod_status
+from prorsa_lab.doubles.engine.pod import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
+from prorsa_lab.doubles.kube.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from prorsa_lab.doubles.engine_model import (
+from prorsa_lab.doubles.engine.model import (
     NOT_IDLE,
     SGLANG_VERSION,
     Counters,
@@ -38,8 +38,8 @@ from prorsa_lab.doubles.engine_model import (
     SwitchFailure,
     TimingModel,
 )
-from prorsa_lab.doubles.engine_pod import FAST_TIMEOUTS, EnginePod
-from prorsa_lab.doubles.engine_server import CRASH_EXIT_CODE, EngineDouble
+from prorsa_lab.doubles.engine.pod import FAST_TIMEOUTS, EnginePod
+from prorsa_lab.doubles.engine.server import CRASH_EXIT_CODE, EngineDouble
 
 __all__ = [
     "CRASH_EXIT_CODE",
@@ -59,6 +59,6 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    from prorsa_lab.doubles.engine_cli import main
+    from prorsa_lab.doubles.engine.cli import main
 
     sys.exit(main())

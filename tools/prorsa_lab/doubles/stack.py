@@ -38,15 +38,15 @@ from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s import crd_manifest as crd
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeadershipLost
-from prorsa.k8s.runtime import OperatorOptions
-from prorsa.kopf_handlers import LeaderElection, OperatorConfig
+from prorsa.k8s.runtime import ClusterLoopSettings
+from prorsa.kopf_handlers import LeaderElection, OperatorSettings
 from prorsa.operator_process import OperatorProcess
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
-from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
-from prorsa_lab.doubles.kube_resources import PODS_KEY
+from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
+from prorsa_lab.doubles.kube.lws_controller import FakeLwsController, leader_worker_set_crd
+from prorsa_lab.doubles.kube.resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
-from prorsa_lab.doubles.lws_controller import FakeLwsController, leader_worker_set_crd
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
 
 NAMESPACE = "rl"
@@ -141,9 +141,9 @@ class Stack:
 
     def operator_config(
         self, *, pod_name: str | None = None, metrics_port: int | None = None
-    ) -> OperatorConfig:
+    ) -> OperatorSettings:
         """How this stack runs ``prorsa operator`` (in this process, or as a subprocess)."""
-        config = OperatorConfig(
+        config = OperatorSettings(
             listen_host="127.0.0.1",
             listen_port=self.webhook_port,
             metrics_host="127.0.0.1",
@@ -156,7 +156,7 @@ class Stack:
             operator_namespace=self.operator_namespace,
             leader_election=self.leader_election,
             pod_name=pod_name,
-            options=OperatorOptions(
+            options=ClusterLoopSettings(
                 agent_port=self.kubelet.agent_port,
                 tick_seconds=self.tick_seconds,
                 router_settle_timeout=self.router_settle_timeout,

@@ -9,7 +9,7 @@ interpolated bilinearly, values past the last point are extended along the last 
 
 Why per rank: with attention data parallelism every rank runs its own attention on its
 own requests, then all ranks meet in the MoE layer. A step therefore lasts as long as its
-slowest rank (see :mod:`prorsa_lab.sim.sim_engine`); the per-rank table gives each rank's time as if
+slowest rank (see :mod:`prorsa_lab.sim.engine`); the per-rank table gives each rank's time as if
 every rank did the same work, which is exactly what aiconfigurator measures.
 """
 

@@ -26,12 +26,12 @@ from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
 from prorsa.core.measure import CACHE_FILL
 from prorsa.core.types import Demand, DemandInputs
-from prorsa_lab.sim.sim_engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
+from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
 if TYPE_CHECKING:
-    from prorsa_lab.sim.sim_trainer import Trajectory
     from prorsa_lab.sim.simulator import Policy, SimResult, Simulation
+    from prorsa_lab.sim.trainer import Trajectory
 
 
 def _split(n: int, prefill: int) -> list[str]:

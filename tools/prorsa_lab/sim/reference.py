@@ -32,9 +32,9 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from prorsa_lab.sim.engine import DECODE, PREFILL
 from prorsa_lab.sim.loop import SimulationError
 from prorsa_lab.sim.policies import _least_loaded, _split
-from prorsa_lab.sim.sim_engine import DECODE, PREFILL
 
 if TYPE_CHECKING:
     from prorsa_lab.sim.simulator import SimResult, Simulation

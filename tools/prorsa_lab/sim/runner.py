@@ -56,7 +56,7 @@ class GridConfig:
     weight_update_seconds: float | None = None  # Scenario.weight_update_seconds (measured)
     # Scenario.router_drain/register_seconds: smg's, as measured
     router_seconds: tuple[float, float] = (SMG_DRAIN_SECONDS, SMG_REGISTER_SECONDS)
-    prefill_events: str = "full"  # the prefill events it sends (sim_trainer.PREFILL_EVENTS)
+    prefill_events: str = "full"  # the prefill events it sends (trainer.PREFILL_EVENTS)
     smoothing: float | None = None  # switching.smoothingSeconds; None: the spec default
     static: tuple[int, ...] | None = None  # prefill counts to sweep; None: all 1..n-1
     # Scenario.dp_routing: None is what the operator deploys (smg --dp-aware for DP engines)

@@ -25,9 +25,9 @@ from typing import Any, Literal, Protocol
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s.objects import router_args
 from prorsa_lab.sim.costmodel import ModelProfile, load_profile
+from prorsa_lab.sim.engine import DECODE, SimCluster
 from prorsa_lab.sim.loop import Loop, SimulationError
-from prorsa_lab.sim.sim_engine import DECODE, Cluster
-from prorsa_lab.sim.sim_trainer import OVER_DISPATCH, PrefillEvents, Trainer
+from prorsa_lab.sim.trainer import OVER_DISPATCH, PrefillEvents, Trainer
 from prorsa_lab.sim.workloads import TaskProfile, get_task
 
 # Mean trajectory duration used only to size fixed-rate injection (Little's law), paper §5.4:
@@ -76,7 +76,7 @@ class Scenario:
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
-    # Which prefill events the trainer sends (sim_trainer.PREFILL_EVENTS): ``full``, what a
+    # Which prefill events the trainer sends (trainer.PREFILL_EVENTS): ``full``, what a
     # streaming client behind a PD router sees (``first-token``) or a blocking one (``none``).
     prefill_events: PrefillEvents = "full"
     # How long the engines stop for each weight update (the trainer holds its requests
@@ -84,7 +84,7 @@ class Scenario:
     # checkpoint-engine measured for the model (WEIGHT_UPDATE_SECONDS); 0: instantaneous.
     weight_update_seconds: float | None = None
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
-    # Who picks an engine's attention-DP rank (sim_engine.Cluster._route_prefill): "dp-aware"
+    # Who picks an engine's attention-DP rank (engine.SimCluster._route_prefill): "dp-aware"
     # (smg --dp-aware places each request on a rank, by prefix) or "round-robin" (smg sees
     # whole engines and SGLang's DP controller round-robins the ranks). None: as the
     # operator deploys smg for this scenario's spec (prorsa.k8s.objects.router_args).
@@ -222,7 +222,7 @@ class Simulation:
         self.loop = Loop()
         self.predictions: list[Prediction] = []
         self._kv_samples: list[tuple[float, float]] = []  # (KV used share, queue per inst)
-        self.cluster = Cluster(
+        self.cluster = SimCluster(
             loop=self.loop,
             profile=self.profile,
             roles=policy.initial_roles(self),

@@ -254,7 +254,7 @@ class TooManyEmitters(ValueError):
 
 
 class TrajectoryTable:
-    """Applies lifecycle events (Figure 4 / DESIGN.md) to per-trajectory state."""
+    """Applies lifecycle events (the paper's Figure 4) to per-trajectory state."""
 
     def __init__(
         self,

@@ -12,17 +12,17 @@ from typing import Any
 
 import attrs
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.resources import (
     CRD_KEY,
     NAMESPACES_KEY,
     ResourceSpec,
 )
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     metadata_of,
     timestamp_now,
 )
-from prorsa_lab.doubles.kube_validation import (
+from prorsa_lab.doubles.kube.validation import (
     Validation,
 )
 

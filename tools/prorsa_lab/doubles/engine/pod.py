@@ -21,8 +21,8 @@ from pathlib import Path
 
 from prorsa_agent.config import AgentConfig, Timeouts
 from prorsa_agent.server import Agent
-from prorsa_lab.doubles.engine_model import EngineConfig, Faults
-from prorsa_lab.doubles.engine_server import EngineDouble
+from prorsa_lab.doubles.engine.model import EngineConfig, Faults
+from prorsa_lab.doubles.engine.server import EngineDouble
 
 FAST_TIMEOUTS = Timeouts(
     request=2.0,

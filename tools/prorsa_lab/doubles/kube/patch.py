@@ -1,6 +1,6 @@
 """The three patch formats of the Kubernetes API, applied to plain JSON-like dicts.
 
-The emulator in :mod:`prorsa_lab.doubles.kube_emulator` applies every PATCH request through these
+The emulator in :mod:`prorsa_lab.doubles.kube.emulator` applies every PATCH request through these
 functions. They are pure (the inputs are never modified) so that a failed patch leaves the
 stored object untouched, which is what the API server guarantees too.
 

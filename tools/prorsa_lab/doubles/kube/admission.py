@@ -19,15 +19,15 @@ import aiohttp.web
 import attrs
 import kmock
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_patch import PatchError, json_patch
-from prorsa_lab.doubles.kube_pods import PodLifecycle
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.label_selectors import LabelSelector
+from prorsa_lab.doubles.kube.patch import PatchError, json_patch
+from prorsa_lab.doubles.kube.pods import PodLifecycle
+from prorsa_lab.doubles.kube.resources import (
     NAMESPACES_KEY,
     WEBHOOK_KEYS,
 )
-from prorsa_lab.doubles.kube_select import LabelSelector
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     Pending,
     metadata_of,
 )

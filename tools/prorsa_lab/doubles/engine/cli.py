@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from prorsa_contract.aio import stop_requested
 
 if TYPE_CHECKING:
-    from prorsa_lab.doubles.engine_server import EngineDouble
+    from prorsa_lab.doubles.engine.server import EngineDouble
 
 HELP = "run an HTTP double of an SGLang 0.5.23 engine (role switching, loads, aborts)"
 
@@ -114,8 +114,8 @@ def check_cache_flags(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
     check_cache_flags(args)
     # Imported here so that `prorsa --help` does not load aiohttp and prometheus_client.
-    from prorsa_lab.doubles.engine_model import EngineConfig, Faults, TimingModel
-    from prorsa_lab.doubles.engine_server import EngineDouble
+    from prorsa_lab.doubles.engine.model import EngineConfig, Faults, TimingModel
+    from prorsa_lab.doubles.engine.server import EngineDouble
 
     timing = TimingModel(
         prefill_tokens_per_second=args.double_prefill_tokens_per_second,

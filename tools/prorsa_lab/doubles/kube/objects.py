@@ -14,19 +14,19 @@ from typing import Any
 import attrs
 import yaml
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.label_selectors import FieldSelector, LabelSelector
+from prorsa_lab.doubles.kube.resources import (
     CRD_KEY,
     ResourceSpec,
     crd_manifest,
     specs_from_crd,
 )
-from prorsa_lab.doubles.kube_select import FieldSelector, LabelSelector
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     ResourceRef,
     metadata_of,
 )
-from prorsa_lab.doubles.kube_writes import (
+from prorsa_lab.doubles.kube.writes import (
     MERGE_PATCH,
     Writes,
 )

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import aiohttp
 from aiohttp import web
 
-log = logging.getLogger("prorsa_lab.doubles.kv_handoff")
+log = logging.getLogger("prorsa_lab.doubles.engine.kv_handoff")
 
 Outcome = Literal["done", "aborted"]
 

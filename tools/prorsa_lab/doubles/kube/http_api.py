@@ -20,21 +20,21 @@ import attrs
 import kmock
 import yaml
 
-from prorsa_lab.doubles.kube_audit import ApiCall, api_call
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_proto import PROTOBUF, ProtobufError
-from prorsa_lab.doubles.kube_proto import decode as decode_protobuf
-from prorsa_lab.doubles.kube_requests import ApiPath, parse_api_path, request_header
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.audit import ApiCall, api_call
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.label_selectors import FieldSelector, LabelSelector, SelectorError
+from prorsa_lab.doubles.kube.proto import PROTOBUF, ProtobufError
+from prorsa_lab.doubles.kube.proto import decode as decode_protobuf
+from prorsa_lab.doubles.kube.request_parts import ApiPath, parse_api_path, request_header
+from prorsa_lab.doubles.kube.resources import (
     NAMESPACES_KEY,
     VERBS,
     ResourceSpec,
 )
-from prorsa_lab.doubles.kube_select import FieldSelector, LabelSelector, SelectorError
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     metadata_of,
 )
-from prorsa_lab.doubles.kube_watch import Watches
+from prorsa_lab.doubles.kube.watch import Watches
 
 
 class _EmulatorRenders(Exception):

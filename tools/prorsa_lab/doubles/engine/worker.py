@@ -25,9 +25,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from prorsa_lab.doubles.engine_server import EngineDouble
+from prorsa_lab.doubles.engine.server import EngineDouble
 
-log = logging.getLogger("prorsa.engine_worker")
+log = logging.getLogger("prorsa_lab.doubles.engine.worker")
 
 
 @dataclass

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.resources import (
     ResourceSpec,
 )
-from prorsa_lab.doubles.kube_schema import FieldIssue
+from prorsa_lab.doubles.kube.schema import FieldIssue
 
 
 class ApiError(Exception):

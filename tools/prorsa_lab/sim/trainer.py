@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prorsa_contract import events as ev
+from prorsa_lab.sim.engine import Request, SimCluster
 from prorsa_lab.sim.loop import Loop
-from prorsa_lab.sim.sim_engine import Cluster, Request
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScript
 
 Injection = Literal["replaceOnReward", "fixedRate", "groupReplenish"]
@@ -107,7 +107,7 @@ class Trainer:
         self,
         *,
         loop: Loop,
-        cluster: Cluster,
+        cluster: SimCluster,
         task: TaskProfile,
         seed: int,
         staleness: int,
@@ -350,7 +350,7 @@ class Trainer:
         self.stats.admissions.append((now, req.prompt))
 
     def on_aborted(self, req: Request, now: float) -> None:
-        """Cancel-and-resend: the SDK resubmits prompt + partial output (DESIGN step 3)."""
+        """Cancel-and-resend: the SDK resubmits prompt + partial output."""
         t: Trajectory = req.owner  # type: ignore[assignment]
         if t.finished or t.req is not req:
             return

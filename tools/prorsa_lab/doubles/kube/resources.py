@@ -17,7 +17,7 @@ from typing import Any
 
 import kmock
 
-from prorsa_lab.doubles.kube_event_table import EVENTS_KEY, event_columns, event_row, human_age
+from prorsa_lab.doubles.kube.event_table import EVENTS_KEY, event_columns, event_row, human_age
 
 __all__ = [
     "BUILTIN_RESOURCES",

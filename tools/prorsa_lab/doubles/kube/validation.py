@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.resources import (
     CRD_KEY,
     NAMESPACES_KEY,
     PODS_KEY,
@@ -23,8 +23,8 @@ from prorsa_lab.doubles.kube_resources import (
     ResourceSpec,
     specs_from_crd,
 )
-from prorsa_lab.doubles.kube_schema import FieldIssue, apply_structural_schema, validate
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.schema import FieldIssue, apply_structural_schema, validate
+from prorsa_lab.doubles.kube.store import (
     Storage,
     metadata_of,
     timestamp_now,

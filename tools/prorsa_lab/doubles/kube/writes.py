@@ -15,10 +15,10 @@ from typing import Any
 
 import attrs
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_gc import GarbageCollection
-from prorsa_lab.doubles.kube_patch import PatchError, json_patch, merge_patch, strategic_merge_patch
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.garbage_collection import GarbageCollection
+from prorsa_lab.doubles.kube.patch import PatchError, json_patch, merge_patch, strategic_merge_patch
+from prorsa_lab.doubles.kube.resources import (
     CRD_KEY,
     NAMESPACES_KEY,
     PODS_KEY,
@@ -26,8 +26,8 @@ from prorsa_lab.doubles.kube_resources import (
     ResourceSpec,
     specs_from_crd,
 )
-from prorsa_lab.doubles.kube_schema import FieldIssue
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.schema import FieldIssue
+from prorsa_lab.doubles.kube.store import (
     Pending,
     metadata_of,
     timestamp_now,
@@ -66,7 +66,7 @@ class Writes(GarbageCollection):
     """Create, update and patch prepared into pending writes, then committed to storage."""
 
     def _schedule_pod_start(self, pod: Mapping[str, Any]) -> None:
-        """A pod was created; the pod lifecycle layer (``kube_pods``) starts it."""
+        """A pod was created; the pod lifecycle layer (``pods``) starts it."""
 
     def _prepare_create(self, spec: ResourceSpec, namespace: str | None, body: Any) -> Pending:
         if not isinstance(body, dict):

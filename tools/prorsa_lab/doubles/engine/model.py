@@ -1,6 +1,6 @@
 """The simulated engine behind the SGLang double: scheduler, KV accounting, role switching.
 
-No HTTP here: :mod:`prorsa_lab.doubles.engine_server` puts SGLang 0.5.23's endpoints in front of
+No HTTP here: :mod:`prorsa_lab.doubles.engine.server` puts SGLang 0.5.23's endpoints in front of
 :class:`EngineCore`. The behaviour copies the parts of SGLang that an agent, a router and an
 operator can observe (read from the 0.5.23 wheel: ``srt/disaggregation/role_switch.py``,
 ``srt/managers/scheduler.py``, ``tokenizer_control_mixin.py``, ``load_inquirer.py``):
@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from prorsa_lab.doubles.kv_handoff import Bootstrap, KvRooms
+from prorsa_lab.doubles.engine.kv_handoff import Bootstrap, KvRooms
 
 SGLANG_VERSION = "0.5.23"
 Mode = Literal["prefill", "decode", "null"]
@@ -203,7 +203,7 @@ class EngineConfig:
     """SGLang's ``--stream-interval``: a stream sends the first token, then a chunk every
     this many tokens, and the last one."""
     serve_bootstrap: bool = False
-    """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.kv_handoff`) on
+    """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.engine.kv_handoff`) on
     ``host:bootstrap_port``, as SGLang's prefill side does; a PD router needs it."""
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's HTTP surface in front of :class:`~prorsa_lab.doubles.engine_model.EngineCore`.
+"""SGLang 0.5.23's HTTP surface in front of :class:`~prorsa_lab.doubles.engine.model.EngineCore`.
 
 Routes, bodies and status codes follow ``srt/entrypoints/http_server.py`` and
 ``v1_loads.py`` of the 0.5.23 wheel; ``/_double/...`` routes are the double's own (counters,
@@ -24,7 +24,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from prorsa_lab.doubles.engine_model import (
+from prorsa_lab.doubles.engine.kv_handoff import Bootstrap, KvFetcher, bootstrap_app
+from prorsa_lab.doubles.engine.model import (
     SGLANG_VERSION,
     Counters,
     EngineConfig,
@@ -35,7 +36,6 @@ from prorsa_lab.doubles.engine_model import (
     MetricsSink,
     Request,
 )
-from prorsa_lab.doubles.kv_handoff import Bootstrap, KvFetcher, bootstrap_app
 
 log = logging.getLogger("prorsa_lab.doubles.sglang_double")
 

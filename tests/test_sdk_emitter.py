@@ -22,15 +22,15 @@ import pytest
 from aiohttp import web
 from conftest import make_spec
 
-from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
+from prorsa.clusters import ClusterRegistry, IngestLimits, WebhookCluster
 from prorsa.core.controller import Controller
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.ingest import WebhookServer
-from prorsa_sdk import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
+from prorsa_sdk import AsyncEventEmitter, EmitterStats, EventEmitter, RetryBackoff
 
 TOKEN = "tok-123"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-FAST = Backoff(base=0.01, cap=0.05)
+FAST = RetryBackoff(base=0.01, cap=0.05)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Chaos:
 @dataclass
 class Webhook:
     url: str
-    handle: ClusterHandle
+    handle: WebhookCluster
     chaos: Chaos
     runner: web.AppRunner
 

@@ -24,7 +24,7 @@ the official ``kubernetes`` client and ``kubectl`` behave against it as against 
 
 :class:`KubeEmulatorServer` serves it on 127.0.0.1 (an ephemeral port) and writes a
 kubeconfig; ``with`` runs it on a thread of its own, ``async with`` in the current loop.
-``python -m prorsa_lab.doubles.kube_emulator`` serves it until interrupted.
+``python -m prorsa_lab.doubles.kube.emulator`` serves it until interrupted.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ import attrs
 import yaml
 
 from prorsa_contract.aio import stop_requested
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_http import HttpApi
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.http_api import HttpApi
+from prorsa_lab.doubles.kube.resources import (
     BUILTIN_RESOURCES,
     NAMESPACES_KEY,
     ResourceSpec,
 )
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     DEFAULT_TOKEN,
     ResourceRef,
 )
@@ -77,7 +77,7 @@ class KubeEmulator(HttpApi):
     """kmock's Kubernetes emulator with an API server's semantics (see the module doc).
 
     One class assembled from layers, each a module named for what it does, each using only
-    the layers below it: storage (``kube_store``), validation, garbage collection, writes
+    the layers below it: storage (``store``), validation, garbage collection, writes
     and patches, the Python object API (``create_object``, ``get_object``, ...), pod
     lifecycle, admission webhooks, watches and HTTP. Every change goes through one lock,
     so the Python API is safe to call from any thread, also while a server thread serves
@@ -305,10 +305,10 @@ class KubeEmulatorServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m prorsa_lab.doubles.kube_emulator``: serve until interrupted, print the
+    """``python -m prorsa_lab.doubles.kube.emulator``: serve until interrupted, print the
     kubeconfig."""
     parser = argparse.ArgumentParser(
-        prog="python -m prorsa_lab.doubles.kube_emulator",
+        prog="python -m prorsa_lab.doubles.kube.emulator",
         description=("Serve the in-process Kubernetes API emulator on 127.0.0.1."),
     )
     parser.add_argument("--port", type=int, default=0, help="port (default: any free one)")
@@ -350,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             namespaces=args.namespace, pod_startup_seconds=args.pod_startup_seconds
         )
         if args.leaderworkerset:
-            from prorsa_lab.doubles.lws_controller import leader_worker_set_crd
+            from prorsa_lab.doubles.kube.lws_controller import leader_worker_set_crd
 
             emulator.add_crd(leader_worker_set_crd())
         server = KubeEmulatorServer(

@@ -19,16 +19,16 @@ import aiohttp.web
 import attrs
 import kmock
 
-from prorsa_lab.doubles.kube_admission import Admission
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_requests import ApiPath, request_header
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.admission import Admission
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.label_selectors import FieldSelector, LabelSelector
+from prorsa_lab.doubles.kube.request_parts import ApiPath, request_header
+from prorsa_lab.doubles.kube.resources import (
     ResourceSpec,
     table_columns,
     table_row,
 )
-from prorsa_lab.doubles.kube_select import FieldSelector, LabelSelector
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     WatchEvent,
     metadata_of,
 )

@@ -32,7 +32,7 @@ from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 from prorsa_sdk import AsyncEventEmitter, ResumableGeneration
 from prorsa_sdk.resumable import ResumeExhausted
 
-log = logging.getLogger("prorsa_lab.demo.demo_trainer")
+log = logging.getLogger("prorsa_lab.demo.trainer")
 
 
 @dataclass(slots=True)

@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 import attrs
 
-from prorsa_lab.doubles.kube_errors import ApiError
-from prorsa_lab.doubles.kube_objects import ObjectApi
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.errors import ApiError
+from prorsa_lab.doubles.kube.objects import ObjectApi
+from prorsa_lab.doubles.kube.resources import (
     PODS_KEY,
 )
-from prorsa_lab.doubles.kube_store import (
+from prorsa_lab.doubles.kube.store import (
     metadata_of,
     timestamp_now,
 )

@@ -14,7 +14,7 @@ Roles: ``prefill`` (PD disaggregated; finished prompts move to a decode instance
 RDMA), ``decode`` (admits transferred requests while their KV fits), ``colocated`` (both,
 chunked prefill, the PD-colocation baseline). A role switch drains the instance (queued
 prefills move elsewhere, running decodes get ``drain_timeout`` seconds to finish and are
-then aborted and resent, as the DESIGN's executor does) and then costs ``switch_seconds``.
+then aborted and resent, as the operator's switch does) and then costs ``switch_seconds``.
 
 Decode steps between events are taken in bulk: with no prefill work anywhere in the
 instance, the batch is constant until the next request finishes, so k steps of identical
@@ -197,7 +197,7 @@ class SwitchJob:
 class Instance:
     """One engine instance (an SGLang server with R attention-DP ranks)."""
 
-    def __init__(self, cluster: Cluster, index: int, role: str) -> None:
+    def __init__(self, cluster: SimCluster, index: int, role: str) -> None:
         self.cluster = cluster
         self.index = index
         self.name = f"{cluster.prefix}-engine-{index}"
@@ -645,7 +645,7 @@ def _clear_caches(r: Rank) -> None:
     r.load_seconds = 0.0
 
 
-class Cluster:
+class SimCluster:
     """The instances plus the router, the KV transfer links and the switch executor."""
 
     def __init__(
@@ -1058,7 +1058,7 @@ class Cluster:
         return True
 
     def _drain_deadline(self, inst: Instance, job: SwitchJob) -> None:
-        """Drain timeout: abort what still runs; the trainer SDK resends it (DESIGN step 3)."""
+        """Drain timeout: abort what still runs; the trainer SDK resends it."""
         if inst.switch is not job or job.phase != "draining":
             return
         now = self.loop.now

@@ -25,13 +25,13 @@ from typing import Any, Literal
 import attrs
 import kmock
 
-from prorsa_lab.doubles.kube_audit import ApiCall
-from prorsa_lab.doubles.kube_resources import (
+from prorsa_lab.doubles.kube.audit import ApiCall
+from prorsa_lab.doubles.kube.label_selectors import FieldSelector, LabelSelector
+from prorsa_lab.doubles.kube.resources import (
     CRD_KEY,
     WEBHOOK_KEYS,
     ResourceSpec,
 )
-from prorsa_lab.doubles.kube_select import FieldSelector, LabelSelector
 
 DEFAULT_TOKEN = "prorsa-emulator-token"
 
