@@ -312,22 +312,38 @@ class ClusterRuntime:
         if not self.bootstrapped:
             switches = self._bootstrap(states) or switches
         mode = self.spec.switching.mode
+        # What the Controller expected each of its switches to save and cost (a bootstrap
+        # switch to roles.prefill.initial is not priced).
+        diag = decision.diagnostics
+        priced = {m.instance: m for m in diag.made} if diag is not None else {}
         if mode == "Auto":
             by_name = {p["metadata"]["name"]: p for p in pods}
             for switch in switches:
                 pod = by_name.get(switch.instance)
                 if pod is not None and self.executor and self.executor.start(switch, pod=pod):
+                    move = priced.get(switch.instance)
+                    if move is not None and switch in decision.switches:
+                        self.metrics.record_priced(
+                            self.namespace, self.name, [move], switching_mode=mode
+                        )
                     await self.post_event(
                         "Normal",
                         "SwitchStarted",
                         f"{switch.instance}: {switch.from_} -> {switch.to}",
                     )
         elif mode == "Recommend":
-            # A dry run: say what Auto would do, once per change of recommendation.
+            # A dry run: say what Auto would do, once per change of recommendation, and
+            # count what it expected of those switches once, as Auto counts the ones it makes.
             advice = tuple((s.instance, s.from_, s.to) for s in switches)
             if advice and advice != self._last_advice:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
+                moves = [
+                    priced[s.instance]
+                    for s in switches
+                    if s in decision.switches and s.instance in priced
+                ]
+                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
             self._last_advice = advice
         await self._trajectory_limit()
         await self._write_status(decision, pods, states)
@@ -523,7 +539,9 @@ class ClusterRuntime:
     async def _switch_done(self, outcome: SwitchOutcome) -> None:
         ns, name = self.namespace, self.name
         self.metrics.switches.labels(ns, name, outcome.origin, outcome.to, outcome.result).inc()
-        self.metrics.switch_seconds.labels(ns, name).observe(outcome.seconds)
+        self.metrics.switch_seconds.labels(ns, name, outcome.origin, outcome.to).observe(
+            outcome.seconds
+        )
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
             controller.record_switch(outcome.pod, at=self.handle.trainer_now())
@@ -653,8 +671,7 @@ class ClusterRuntime:
                 self.metrics.wape.labels(ns, name, kind).set(value)
         for state_name, count in diag.trajectories.items():
             self.metrics.trajectories.labels(ns, name, state_name).set(count)
-        for kind, count in diag.anomalies.items():
-            self.metrics.anomalies.labels(ns, name, kind).set(count)
+        self.metrics.record_outcomes(ns, name, diag)
         last = diag.last_event_ts
         silence = math.inf if last is None else max(0.0, decision.at - last)
         if math.isfinite(silence):
