@@ -155,6 +155,9 @@ def test_the_reason_fits_80_and_120_columns_and_keeps_its_point() -> None:
         assert "did not pay" in point and "…" not in point, point
     wide = _demand_lines(_screen(4, log=SWITCH_LOG, width=120, reason=HELD, target=(2, 2)))
     assert "gains 6 s, costs 9 s" in wide[0]
+    rounded = HELD.replace("gains 6s", "gains -0s")  # a loss under half a second
+    point = _demand_lines(_screen(4, log=[], width=120, reason=rounded, target=(2, 2)))[0]
+    assert "gains 0 s, costs 9 s" in point and "-0" not in point, point
     assert wide[1].startswith("prefill demand 3.10 inst")  # the detail, on the next line
 
 

@@ -194,9 +194,14 @@ def _clauses(reason: str) -> list[str]:
     return out
 
 
+def _seconds(m: re.Match[str]) -> str:
+    """Gains and cost in whole seconds: the reason's "-0s" (a loss rounded away) reads "0 s"."""
+    return f"gains {int(m['gain'])} s, costs {int(m['cost'])} s"
+
+
 def _numbers(text: str) -> str:
     m = _MOVE.match(text)
-    return f"gains {m['gain']} s, costs {m['cost']} s" if m else text
+    return _seconds(m) if m else text
 
 
 def _move(text: str, *, short: bool) -> str:
@@ -205,7 +210,7 @@ def _move(text: str, *, short: bool) -> str:
         return text
     pod = m["pod"].rsplit("-", 2)
     name = "-".join(pod[-2:]) if short and len(pod) >= 2 else m["pod"]
-    said = f"{name} {m['src']}→{m['dst']} gains {m['gain']} s, costs {m['cost']} s"
+    said = f"{name} {m['src']}→{m['dst']} {_seconds(m)}"
     return said if short else f"{said} ({m['lost']})"
 
 
