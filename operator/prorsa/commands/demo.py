@@ -80,7 +80,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N:M|best|none",
         help="the static prefill:decode split to run the same workload on afterwards and "
         "compare with: N:M; best (every split, one run each: the fastest is compared); none "
-        "(no second run). Default: the even split, the fastest for the default workload",
+        "(no second run). Default: the even split, what one picks without knowing the "
+        "workload's mix",
     )
     parser.add_argument(
         "--nodes-per-instance",

@@ -8,13 +8,12 @@ finished, the first ``n`` of each run, the time to finish them is the comparison
 switching run saved (or lost) is the static run's time to its ``n``-th reward minus the
 switching run's.
 
-The static split is given (``--baseline 2:2``; by default the even split, which is the
-fastest static split for the demo's default workload), or every split is run and the
+The static split is given (``--baseline 2:2``; by default the even split, what one picks
+without knowing the workload's mix), or every split is run and the
 fastest one is the baseline (``--baseline best``: one more run per split). Eq. 1 on the
 run's average forecast demand is no stand-in for trying: the forecast counts the prompts
 queued behind a short prefill side as demand of the next horizon, so a rollout starved of
-prefill in its tools phases averages out prefill-heavy (it picked 3P:1D where 2P:2D was
-faster, docs/demo.md).
+prefill in its tools phases averages out prefill-heavy.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ class DemoOptions:
     nodes_per_instance: int = 1  # pods per instance: a leader and its worker ranks
     # The static split the switching run is compared with: "N:M"; "best" (every split is
     # run, the fastest is the baseline); "none" (no second run). Default: the even split,
-    # the fastest static split for the default workload (docs/demo.md, "Switching against
+    # what one picks without knowing the workload's mix (docs/demo.md, "Switching against
     # a static split").
     baseline: str | None = None
     model: EngineModel = field(default_factory=EngineModel)
