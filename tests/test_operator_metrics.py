@@ -3,6 +3,7 @@ Controller's own account of what its switches were expected to save and cost."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,6 +77,12 @@ def test_priced_switches_count_their_expected_gain_and_cost_by_direction_and_mod
     assert seen[(cost, labels("decode", "prefill", "Auto"))] == 9.0
     assert seen[(gain, labels("prefill", "decode", "Recommend"))] == 3.0
     assert seen[(gain, labels("prefill", "decode", "Auto"))] == 0.0  # made at 0 from start
+    # Restoring a role minimum out of an empty role has no finite price: not counted.
+    empty = Move(
+        instance="e3", src="decode", dst="prefill", gain=math.inf, cost=math.inf, lost_tokens=0
+    )
+    m.record_priced("rl", "qwen", [empty], switching_mode="Auto")
+    assert _scrape(m)[(gain, labels("decode", "prefill", "Auto"))] == 24.0
     # Gone with the cluster.
     m.forget("rl", "qwen")
     assert not _scrape(m)

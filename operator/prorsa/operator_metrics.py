@@ -12,6 +12,7 @@ advanced by what each tick adds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -294,8 +295,12 @@ class OperatorMetrics:
         self, namespace: str, cluster: str, moves: Iterable[Move], *, switching_mode: str
     ) -> None:
         """The seconds each move was expected to save and to cost, when it was made (Auto)
-        or recommended (Recommend)."""
+        or recommended (Recommend). A move out of a split with an empty role (restoring a
+        role minimum) has no finite price: it is left out, not counted as infinite, which
+        would stay in the counter for good."""
         for move in moves:
+            if not (math.isfinite(move.gain) and math.isfinite(move.cost)):
+                continue
             labels = (namespace, cluster, move.src, move.dst, switching_mode)
             self.expected_gain.labels(*labels).inc(max(move.gain, 0.0))
             self.expected_cost.labels(*labels).inc(max(move.cost, 0.0))

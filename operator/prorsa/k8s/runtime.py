@@ -91,6 +91,7 @@ class ClusterRuntime:
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
+    _last_priced: tuple[tuple[str, str, str], ...] = ()  # the Controller's, in Recommend
     _last_failure: str | None = None  # the failed tick last reported as an Event
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _last_refusal: str | None = None  # the pod refusal last reported as an Event
@@ -332,19 +333,21 @@ class ClusterRuntime:
                         f"{switch.instance}: {switch.from_} -> {switch.to}",
                     )
         elif mode == "Recommend":
-            # A dry run: say what Auto would do, once per change of recommendation, and
-            # count what it expected of those switches once, as Auto counts the ones it makes.
+            # A dry run: say what Auto would do, once per change of recommendation.
             advice = tuple((s.instance, s.from_, s.to) for s in switches)
             if advice and advice != self._last_advice:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
-                moves = [
-                    priced[s.instance]
-                    for s in switches
-                    if s in decision.switches and s.instance in priced
-                ]
-                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
             self._last_advice = advice
+            # Count what the Controller expected of the switches it would make, once per
+            # change of them, as Auto counts the ones it makes. Not from ``advice``: until
+            # the engines reach roles.prefill.initial (which Recommend never does itself)
+            # that is the unpriced bootstrap, and the Controller's own moves come behind it.
+            wanted = tuple((s.instance, s.from_, s.to) for s in decision.switches)
+            if wanted and wanted != self._last_priced:
+                moves = [priced[s.instance] for s in decision.switches if s.instance in priced]
+                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
+            self._last_priced = wanted
         await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
