@@ -202,6 +202,134 @@ def variables() -> list[Any]:
     ]
 
 
+def paying() -> list[Any]:
+    """The row that answers a user's first question: is switching helping this job?"""
+    by_cluster = "{{namespace}}/{{cluster}}"
+    by_mode = f"{by_cluster} {{{{switching_mode}}}}"
+
+    def over_range(metric: str) -> str:
+        return (
+            f"sum by (namespace, cluster, switching_mode) (increase({metric}{{{SEL}}}[$__range]))"
+        )
+
+    gain = "prorsa_switch_expected_gain_seconds_total"
+    cost = "prorsa_switch_expected_cost_seconds_total"
+    net_steps = [dm.Threshold(value=None, color="red"), dm.Threshold(0, "green")]
+    return [
+        single(
+            "Expected gain of switches (range)",
+            "Rollout seconds the Controller expected its switches to save over the payoff "
+            "horizon, summed over the dashboard's time range (Auto: switches made; "
+            "Recommend: the switches it would have made).",
+            over_range(gain),
+            by_mode,
+            unit="s",
+        ),
+        single(
+            "Expected cost of switches (range)",
+            "Rollout seconds the Controller expected the same switches to cost (their "
+            "duration, the prefill work they throw away), summed over the time range.",
+            over_range(cost),
+            by_mode,
+            unit="s",
+        ),
+        single(
+            "Expected net saving (range)",
+            "Expected gain minus expected cost over the time range. The Controller makes a "
+            "switch only when its gain beats its cost, so this is its own account; the "
+            "queues and tokens per second below are what the rollout got.",
+            f"{over_range(gain)} - {over_range(cost)}",
+            by_mode,
+            unit="s",
+            steps=net_steps,
+        ),
+        series(
+            "Expected gain vs cost of switches, cumulative per hour",
+            "Seconds the switches of the last hour were expected to save (solid) and to cost "
+            "(dashed), at each point.",
+            [
+                q(
+                    f"sum by (namespace, cluster, switching_mode) (increase({gain}{{{SEL}}}[1h]))",
+                    f"{by_mode} gain",
+                    "A",
+                ),
+                q(
+                    f"sum by (namespace, cluster, switching_mode) (increase({cost}{{{SEL}}}[1h]))",
+                    f"{by_mode} cost",
+                    "B",
+                ),
+            ],
+            unit="s",
+            dashed=".* cost$",
+        ),
+        series(
+            "Prefill split against Eq. 1's target",
+            "Prefill instances serving (solid), Eq. 1's best split for the planned demand "
+            "(dotted: before the hold rules and switch pricing) and the Controller's target "
+            "(dashed: where it is moving). The target stays off Eq. 1's best while a move "
+            "does not pay for itself.",
+            [
+                q(f'prorsa_instances{{role="prefill", {SEL}}}', f"{by_cluster} instances", "A"),
+                q(
+                    f'prorsa_best_split_instances{{role="prefill", {SEL}}}',
+                    f"{by_cluster} Eq. 1 best",
+                    "B",
+                ),
+                q(f'prorsa_target_instances{{role="prefill", {SEL}}}', f"{by_cluster} target", "C"),
+            ],
+            dashed=".* (target|Eq. 1 best)$",
+        ),
+        series(
+            "Forecast WAPE, prefill and decode",
+            "Weighted absolute percentage error of each forecast over recent windows; the "
+            "ProrsaForecastInaccurate alert fires above 0.5 for 15 minutes.",
+            [q(f"prorsa_forecast_wape_ratio{{{SEL}}}", f"{by_cluster} {{{{forecast}}}}", "A")],
+            unit="percentunit",
+            threshold=0.5,
+        ),
+        series(
+            "Queue waits",
+            "How long the oldest prompt waiting for its prefill has waited since the trainer "
+            "queued it.",
+            [q(f"prorsa_prefill_oldest_wait_seconds{{{SEL}}}", f"{by_cluster} oldest", "A")],
+            unit="s",
+            span=8,
+        ),
+        series(
+            "Queued prompts and requests",
+            "Prompts waiting for (or in) prefill, from the trainer's events, and requests "
+            "waiting on decode engines for KV room, from the agents.",
+            [
+                q(f"prorsa_prefill_waiting_prompts{{{SEL}}}", f"{by_cluster} prefill", "A"),
+                q(f"prorsa_decode_waiting_requests{{{SEL}}}", f"{by_cluster} decode", "B"),
+            ],
+            span=8,
+        ),
+        series(
+            "Tokens per second",
+            "Generated tokens per second (the trainer's decode_finished events) and prefill "
+            "tokens computed again per second (beyond each prompt's cached prefix: a flushed "
+            "or missing prefix cache, a switch, an abort).",
+            [
+                q(
+                    "sum by (namespace, cluster) "
+                    f"(rate(prorsa_generated_tokens_total{{{SEL}}}[{RATE}]))",
+                    f"{by_cluster} generated",
+                    "A",
+                ),
+                q(
+                    "sum by (namespace, cluster) "
+                    f"(rate(prorsa_recomputed_prefill_tokens_total{{{SEL}}}[{RATE}]))",
+                    f"{by_cluster} recomputed prefill",
+                    "B",
+                ),
+            ],
+            unit="short",
+            span=8,
+        ),
+    ]
+
+
 def rows() -> list[tuple[str, list[Any]]]:
     """(row title, panels) in display order."""
     by_cluster = "{{namespace}}/{{cluster}}"
@@ -230,7 +358,7 @@ def rows() -> list[tuple[str, list[Any]]]:
             "Safety margin δ",
             "The shared safety margin of Eq. 1 at the current target; negative means the "
             "forecast demand exceeds the GPU budget.",
-            f"prorsa_safety_margin{{{SEL}}}",
+            f"prorsa_safety_margin_ratio{{{SEL}}}",
             by_cluster,
             unit="percentunit",
             steps=green_red_at_zero,
@@ -243,10 +371,11 @@ def rows() -> list[tuple[str, list[Any]]]:
             steps=[dm.Threshold(value=None, color="green"), dm.Threshold(1, "orange")],
         ),
         single(
-            "Prefill forecast WAPE",
-            "Weighted absolute percentage error of the prefill forecast over recent windows.",
-            f'prorsa_forecast_wape{{forecast="prefill", {SEL}}}',
-            by_cluster,
+            "Forecast WAPE",
+            "Weighted absolute percentage error of the prefill and decode forecasts over "
+            "recent windows.",
+            f"prorsa_forecast_wape_ratio{{{SEL}}}",
+            f"{by_cluster} {{{{forecast}}}}",
             unit="percentunit",
             steps=[dm.Threshold(value=None, color="green"), dm.Threshold(0.25, "orange")],
         ),
@@ -287,7 +416,7 @@ def rows() -> list[tuple[str, list[Any]]]:
             "Safety margin δ",
             "Eq. 1's shared margin at the chosen split: capacity over forecast demand, minus "
             "one. Below zero (red line) the demand does not fit the GPU budget.",
-            [q(f"prorsa_safety_margin{{{SEL}}}", by_cluster, "A")],
+            [q(f"prorsa_safety_margin_ratio{{{SEL}}}", by_cluster, "A")],
             unit="percentunit",
             minimum=None,
             threshold=0,
@@ -395,7 +524,7 @@ def rows() -> list[tuple[str, list[Any]]]:
             "Forecast WAPE",
             "Weighted absolute percentage error of the prefill and decode forecasts against "
             "what was observed, over recent windows.",
-            [q(f"prorsa_forecast_wape{{{SEL}}}", f"{by_cluster} {{{{forecast}}}}", "A")],
+            [q(f"prorsa_forecast_wape_ratio{{{SEL}}}", f"{by_cluster} {{{{forecast}}}}", "A")],
             unit="percentunit",
             span=8,
         ),
@@ -446,9 +575,18 @@ def rows() -> list[tuple[str, list[Any]]]:
             stacked=True,
         ),
         series(
-            "Switch duration",
-            "Wall time of a role switch from intent to relabel (drain, flip, verify).",
-            quantiles("prorsa_switch_duration_seconds", "cluster", selector=SEL),
+            "Switch duration by direction",
+            "Wall time of a role switch from intent to relabel (drain, flip, verify), by "
+            "direction.",
+            [
+                q(
+                    f"histogram_quantile({p}, sum by (cluster, from_role, to_role, le) "
+                    f"(rate(prorsa_switch_duration_seconds_bucket{{{SEL}}}[{RATE}])))",
+                    f"{{{{cluster}}}} {{{{from_role}}}} → {{{{to_role}}}} p{round(p * 100)}",
+                    ref,
+                )
+                for p, ref in ((0.5, "A"), (0.9, "B"))
+            ],
             unit="s",
             span=8,
         ),
@@ -487,7 +625,7 @@ def rows() -> list[tuple[str, list[Any]]]:
         series(
             "Webhook batch latency",
             "From a batch's arrival to its reply (accepted batches).",
-            quantiles("prorsa_webhook_batch_seconds", ""),
+            quantiles("prorsa_webhook_batch_duration_seconds", ""),
             unit="s",
             span=6,
         ),
@@ -517,10 +655,18 @@ def rows() -> list[tuple[str, list[Any]]]:
             stacked=True,
         ),
         series(
-            "Event anomalies by kind",
-            "Events that did not fit the trajectory state machine (cumulative): a trainer "
-            "integration bug or lost events.",
-            [q(f"prorsa_event_anomalies{{{SEL}}}", f"{by_cluster} {{{{kind}}}}", "A")],
+            "Event anomalies per second by kind",
+            "Events that did not fit the trajectory state machine: a trainer integration bug "
+            "or lost events.",
+            [
+                q(
+                    "sum by (namespace, cluster, kind) "
+                    f"(rate(prorsa_event_anomalies_total{{{SEL}}}[{RATE}]))",
+                    f"{by_cluster} {{{{kind}}}}",
+                    "A",
+                )
+            ],
+            unit="ops",
         ),
         series(
             "Control tick duration",
@@ -545,6 +691,7 @@ def rows() -> list[tuple[str, list[Any]]]:
     ]
     return [
         ("Overview", overview),
+        ("Is switching paying?", paying()),
         ("Capacity vs target", capacity),
         ("Demand and capacity", demand),
         ("Forecast accuracy", accuracy),

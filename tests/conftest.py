@@ -23,6 +23,7 @@ SLOW_MODULES = {
     "test_operator_e2e.py": "the operator's scenarios against the emulator and engine doubles",
     "test_multinode_e2e.py": "two-pod instances end to end, with and without LeaderWorkerSet",
     "test_multinode_demo.py": "the multinode demo",
+    "test_demo.py": "`prorsa demo` end to end, its switching and static runs",
     "test_operator_ha.py": "a `prorsa operator` process killed mid-switch, the standby takes over",
     "test_operator_labels.py": "the stack's pods and their labels",
     "test_smg_router.py": "the real smg against the stack",

@@ -197,8 +197,8 @@ async def test_idle_switch_flips_and_verifies(client, pod):
     metrics = (await client.get(f"{pod.agent_url}/metrics")).text
     assert _metric(metrics, "prorsa_agent_switches_total", result="ok", to="prefill") == 1
     assert _metric(metrics, "prorsa_agent_switches_total", result="ok", to="decode") == 1
-    assert _metric(metrics, "prorsa_agent_switch_seconds_count", to="prefill") == 1
-    assert _metric(metrics, "prorsa_agent_drain_seconds_count") == 2
+    assert _metric(metrics, "prorsa_agent_switch_duration_seconds_count", to="prefill") == 1
+    assert _metric(metrics, "prorsa_agent_drain_duration_seconds_count") == 2
 
 
 async def test_switch_while_requests_stream_aborts_them_with_partial_output(client, pod):

@@ -1254,7 +1254,7 @@ def test_promtool_checks_the_alert_rules(promtool):
         [str(promtool), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 8 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_of_the_alerts_pass(promtool):

@@ -662,6 +662,60 @@ def test_each_decision_carries_what_its_tick_saw_and_the_wire_form_does_not(log)
     assert Decision.model_validate(first.wire()).diagnostics is None
 
 
+def test_diagnostics_account_for_the_rollouts_outcome(log) -> None:
+    """What the operator exports as outcome metrics: tokens generated, prompts waiting for
+    prefill and the oldest wait since each was queued, requests waiting for decode room,
+    and the prefill tokens engines computed again beyond each prompt's cached prefix."""
+    c = Controller(spec8())
+    waiting = {"c-engine-6": {"waitingRequests": 3}, "c-engine-0": {"waitingRequests": 9}}
+    c.observe_engines(engines(2, 6, **waiting))
+    queue(log, 2, 1_000, 1.0)  # t0, t1
+    log("prefill_started", "t0", 4.0)  # prefilling: still waiting, since 1.0
+    log("request_queued", "late", 5.0, prompt_tokens=500, turn=0)
+    log("request_queued", "done", 1.0, prompt_tokens=2_000, turn=0)
+    log("prefill_finished", "done", 2.0)
+    log("decode_finished", "done", 3.0, output_tokens=120, finish="tool")
+    c.observe(log.take())
+    diag = seen_after(c, 6.0)
+    assert diag.generated_tokens == 120
+    assert (diag.prefill_waiting, diag.prefill_oldest_wait) == (3, pytest.approx(5.0))
+    assert diag.decode_waiting == 3  # the decode engine's queue, not the prefill one's
+    assert sum(diag.best) == 8  # Eq. 1's best split, whatever the target
+    # The second turn of "done": a 3,000-token prompt whose first 2,000 tokens its first
+    # prefill cached. The agents then count 5,000 computed tokens.
+    log("tool_finished", "done", 7.0, result_tokens=880)
+    log("request_queued", "done", 7.0, prompt_tokens=3_000, turn=1)
+    log("prefill_finished", "done", 8.0)
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
+    c.tick(8.5)
+    c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 5_000}}))
+    diag = seen_after(c, 9.0)
+    # Expected: 2,000 for the first prefill (nothing cached) + 1,000 for the second
+    # (3,000 - 2,000 cached): 3,000. Computed since the agents were first read: 5,000.
+    assert diag.recomputed_tokens == pytest.approx(2_000)
+    # A counter: a later tick with nothing new computed never lowers it.
+    assert seen_after(c, 10.0).recomputed_tokens == pytest.approx(2_000)
+
+
+def seen_after(c: Controller, now: float) -> Diagnostics:
+    c.tick(now)
+    return seen(c)
+
+
+def test_the_moves_made_carry_their_priced_gain_and_cost(log) -> None:
+    c = Controller(spec8())
+    c.observe_engines(engines(2, 6))
+    queue(log, 200, 10_000, 1.0)
+    c.observe(log.take())
+    d = c.tick(2.0)
+    diag = d.diagnostics
+    assert diag is not None and d.switches
+    assert [m.instance for m in diag.made] == [s.instance for s in d.switches]
+    assert all(m.gain > m.cost for m in diag.made)  # each one made because it paid
+    assert diag.best[0] > 2 and diag.best[0] + diag.best[1] == 8
+
+
 # -- the stages of a tick on their own inputs ----------------------------------------------
 
 

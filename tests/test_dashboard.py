@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
 from prorsa.core.decision import Capacity, Components, Decision, Forecast, Target
+from prorsa.core.diagnostics import Diagnostics
+from prorsa.core.switch_cost import Move
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.operator_metrics import OperatorMetrics
 
@@ -86,7 +88,8 @@ def exported_samples() -> dict[str, frozenset[str]]:
 @pytest.fixture(scope="module")
 def exported() -> dict[str, frozenset[str]]:
     samples = exported_samples()
-    assert "prorsa_switches_total" in samples and "prorsa_webhook_batch_seconds_bucket" in samples
+    assert "prorsa_switches_total" in samples
+    assert "prorsa_webhook_batch_duration_seconds_bucket" in samples
     return samples
 
 
@@ -208,14 +211,58 @@ def test_dashboard_shows_what_operators_need(exported):
     wanted = {
         "prorsa_instances", "prorsa_target_instances",  # instances vs target
         "prorsa_forecast_prefill_tokens", "prorsa_forecast_prefill_demand_tokens",  # sources
-        "prorsa_demand_instances", "prorsa_safety_margin", "prorsa_decode_kv_tokens",  # ratios
-        "prorsa_forecast_wape",  # accuracy
+        "prorsa_demand_instances", "prorsa_safety_margin_ratio",  # ratios
+        "prorsa_decode_kv_tokens", "prorsa_forecast_wape_ratio",  # KV, accuracy
         "prorsa_switches_total", "prorsa_switch_duration_seconds_bucket",  # switches
         "prorsa_webhook_events_total", "prorsa_webhook_rejects_total",  # webhook
         "prorsa_live_trajectories",  # trajectories by state
+        "prorsa_event_anomalies_total",  # a counter since the renames
     }  # fmt: skip
     assert wanted - used == set()
     assert {v["name"] for v in board["templating"]["list"]} >= {"namespace", "cluster"}
+    # The overview's WAPE shows both forecasts, not the prefill one alone.
+    overview_wape = next(p for p in panels(board) if p["title"] == "Forecast WAPE")
+    assert "forecast=" not in overview_wape["targets"][0]["expr"]
+
+
+def _row(board: dict[str, Any], title: str) -> list[dict[str, Any]]:
+    """The panels under the row ``title``, in order (up to the next row)."""
+    out: list[dict[str, Any]] = []
+    inside = False
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            inside = panel["title"] == title
+            out.extend(panel.get("panels", []) if inside else [])
+        elif inside:
+            out.append(panel)
+    return out
+
+
+def test_a_row_answers_whether_switching_pays(exported):
+    """Expected gain against cost, both forecasts' WAPE, queue waits, tokens per second and
+    the split against Eq. 1's target, right under the overview."""
+    board = dashboard()
+    titles = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert titles[:2] == ["Overview", "Is switching paying?"]
+    row = _row(board, "Is switching paying?")
+    used = {
+        name
+        for panel in row
+        for target in panel["targets"]
+        for name, _ in selectors(grafana_to_promql(target["expr"]))
+    }
+    assert {
+        "prorsa_switch_expected_gain_seconds_total", "prorsa_switch_expected_cost_seconds_total",
+        "prorsa_forecast_wape_ratio", "prorsa_prefill_oldest_wait_seconds",
+        "prorsa_prefill_waiting_prompts", "prorsa_decode_waiting_requests",
+        "prorsa_generated_tokens_total", "prorsa_recomputed_prefill_tokens_total",
+        "prorsa_instances", "prorsa_best_split_instances", "prorsa_target_instances",
+    } <= used  # fmt: skip
+    # Gain and cost are summed over the dashboard's range: cumulative, and reset-safe.
+    net = next(p for p in row if p["title"].startswith("Expected net saving"))
+    assert "[$__range]" in net["targets"][0]["expr"] and " - " in net["targets"][0]["expr"]
+    wape = next(p for p in row if "WAPE" in p["title"])
+    assert "forecast=" not in wape["targets"][0]["expr"]
     stacked = [
         p["title"]
         for p in panels(board)
@@ -300,7 +347,7 @@ def test_counters_are_read_only_through_reset_safe_functions():
     """An operator restart drops every counter to 0; `x - x offset 15m` then goes negative and
     hides what happened after the restart. rate() and increase() count across resets."""
     counters = monotonic_samples()
-    assert {"prorsa_switches_total", "prorsa_webhook_batch_seconds_count"} <= counters
+    assert {"prorsa_switches_total", "prorsa_webhook_batch_duration_seconds_count"} <= counters
     queries = [*dashboard_queries(dashboard()), *rule_queries()]
     raw = {where: names for where, expr in queries if (names := raw_counter_reads(expr, counters))}
     assert raw == {}
@@ -463,17 +510,37 @@ def fill(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
             operator.wape.labels(ns, name, kind).set(value)
         for state, count in {"starting": 4, "ready": 2, "decode": 30, "tool": 12}.items():
             operator.trajectories.labels(ns, name, state).set(count)
-        operator.anomalies.labels(ns, name, "finish_before_start").set(1)
+        operator.record_outcomes(ns, name, _diagnostics(generated=1000, anomalies=1))
         operator.forecast_age.labels(ns, name).set(2.0)
     webhook.count_events(["sample_dispatched", "request_queued", "prefill_started"])
     webhook.reject("invalid")
 
 
+def _diagnostics(*, generated: int, anomalies: int) -> Diagnostics:
+    """What a tick of the Controller hands the operator's metrics, at these totals."""
+    return Diagnostics(
+        demand=(0.6, 4.2), planned=(0.8, 3.9), cache_floor=0.6, decode_share=0.7,
+        kv_now=900_000, miss_ratio=0.1, calibration=None, moves=(), made=(), best=(2, 6),
+        forecast=None, prefill_wape=0.08, decode_wape=0.05, trajectories={},
+        anomalies={"stale": anomalies}, last_event_ts=999.0, generated_tokens=generated,
+        prefill_waiting=12, prefill_oldest_wait=3.5, decode_waiting=4,
+        recomputed_tokens=generated / 10,
+    )  # fmt: skip
+
+
+_TOTALS = {"ticks": 1}
+
+
 def tick(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
     """Counters and histograms move between scrapes, as they do under load."""
+    _TOTALS["ticks"] += 1
+    n = _TOTALS["ticks"]
+    move = Move(instance="e-1", src="decode", dst="prefill", gain=30.0, cost=12.0, lost_tokens=0)
     for ns, name in CLUSTERS:
         operator.switches.labels(ns, name, "decode", "prefill", "succeeded").inc()
-        operator.switch_seconds.labels(ns, name).observe(12.0)
+        operator.switch_seconds.labels(ns, name, "decode", "prefill").observe(12.0)
+        operator.record_priced(ns, name, [move], switching_mode="Auto")
+        operator.record_outcomes(ns, name, _diagnostics(generated=1000 * n, anomalies=n))
         operator.tick_seconds.labels(ns, name).observe(0.004)
         operator.agent_errors.labels(ns, name).inc()
     webhook.count_events(["request_queued"] * 50)

@@ -13,9 +13,10 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 
-from prorsa_lab.demo.frame import Frame, wrap_lines
+from prorsa_lab.demo.frame import LEGEND, Frame, wrap_lines
 from prorsa_lab.demo.live_panel import distinct_names, render_live
 from prorsa_lab.demo.monitor import PodState
 from prorsa_lab.demo.pod_directory import LabelChange, PodView
@@ -27,14 +28,14 @@ REASON = (
 )
 
 
-def _frame() -> Frame:
+def _frame(reason: str = REASON, target: tuple[int, int] = (1, 3)) -> Frame:
     return Frame(
         elapsed=83.2, duration=150.0, phase="reasoning (decode-heavy)", mode="predictive",
-        labels={"prefill": 1, "decode": 2, "draining": 1}, target=(1, 3), demand=(0.84, 2.71),
+        labels={"prefill": 1, "decode": 2, "draining": 1}, target=target, demand=(0.84, 2.71),
         forecast={"prefillTokens": 123_456, "decodeKvTokens": 312_000,
                   "components": {"ready": 1000, "inflight": 20_000, "tool": 3000}},
         capacity={"prefillTokensPerSecond": 40_000, "decodeKvTokens": 120_000}, margin=0.12,
-        reason=REASON, wape=(0.27, 0.61), sent=12_345, completed=12_300, in_flight=45,
+        reason=reason, wape=(0.27, 0.61), sent=12_345, completed=12_300, in_flight=45,
         resumed=21, resumes=42, lost=0, live=32, events_per_second=143.0,
     )  # fmt: skip
 
@@ -58,11 +59,19 @@ def _pods(n: int) -> list[PodState]:
     ]
 
 
-def _screen(instances: int, *, log: list[str], width: int = 80, height: int = 24) -> list[str]:
+def _screen(
+    instances: int,
+    *,
+    log: list[str],
+    width: int = 80,
+    height: int = 24,
+    reason: str = REASON,
+    target: tuple[int, int] = (1, 3),
+) -> list[str]:
     console = Console(width=width, height=height, record=True, file=io.StringIO())
     console.print(
         render_live(
-            _frame(),
+            _frame(reason, target),
             task="coding",
             instances=instances,
             pods=_pods(instances),
@@ -109,9 +118,88 @@ def test_with_eight_pods_the_trainer_panel_still_shows_at_24_rows() -> None:
     assert trainer_end < 24 and "tokens lost 0" in "\n".join(screen[:24])
 
 
-def test_a_wider_terminal_shows_the_forecast_detail() -> None:
+def test_a_wider_terminal_shows_the_forecast_detail_with_its_legend() -> None:
     assert not any("K_D+K̂_D" in line for line in _screen(4, log=SWITCH_LOG))
-    assert any("K_D+K̂_D" in line for line in _screen(4, log=SWITCH_LOG, width=120, height=40))
+    for width in (80, 120):
+        screen = _screen(4, log=SWITCH_LOG, width=width, height=40)
+        text = "\n".join(screen)
+        assert all(cell_len(line) <= width for line in screen), text
+        assert "K_D+K̂_D" in text
+        # Every symbol of the forecast line is explained, whole, whatever the width.
+        for entry in LEGEND:
+            assert entry in text, (width, entry, text)
+
+
+HELD = (
+    "prefill demand 3.10 inst, decode KV 1.20 inst (planned on 2.90/1.10 over 5s); best "
+    "margin at 3P:1D; over budget: the tighter side needs 1.45x the capacity; holding: "
+    "demo-engine-3 decode->prefill: gains 6s over the payoff horizon, costs 9s (12k tokens "
+    "to recompute); θ_P 10000 tok/s at prefix-cache hit ratio 0%"
+)
+
+
+def _demand_lines(screen: list[str]) -> list[str]:
+    """The reason's lines: the demand panel's rows after its two role rows."""
+    top = next(i for i, line in enumerate(screen) if "demand vs capacity" in line)
+    bottom = next(i for i in range(top + 1, len(screen)) if screen[i].startswith("╰"))
+    return [line.strip("│ ") for line in screen[top + 3 : bottom]]
+
+
+def test_the_reason_fits_80_and_120_columns_and_keeps_its_point() -> None:
+    for width in (80, 120):
+        screen = _screen(4, log=SWITCH_LOG, width=width, reason=HELD, target=(2, 2))
+        assert all(cell_len(line) <= width for line in screen)
+        point = _demand_lines(screen)[0]
+        # Where the split goes, that Eq. 1 wanted another split, and why not: no cut.
+        assert "2P:2D" in point and "Eq. 1's" in point and "3P:1D" in point, point
+        assert "did not pay" in point and "…" not in point, point
+    wide = _demand_lines(_screen(4, log=SWITCH_LOG, width=120, reason=HELD, target=(2, 2)))
+    assert "gains 6 s, costs 9 s" in wide[0]
+    rounded = HELD.replace("gains 6s", "gains -0s")  # a loss under half a second
+    point = _demand_lines(_screen(4, log=[], width=120, reason=rounded, target=(2, 2)))[0]
+    assert "gains 0 s, costs 9 s" in point and "-0" not in point, point
+    assert wide[1].startswith("prefill demand 3.10 inst")  # the detail, on the next line
+
+
+def test_the_view_says_when_the_target_is_eq1s_best_and_how_it_gets_there() -> None:
+    moving = HELD.replace("holding: ", "switching: ")
+    point = _demand_lines(_screen(4, log=[], width=80, reason=moving, target=(3, 1)))[0]
+    assert point.startswith("to Eq. 1's best 3P:1D: engine-3 decode→prefill gains 6 s"), point
+    hysteresis = (
+        "prefill demand 1.00 inst, decode KV 2.00 inst; best margin at 1P:3D; holding "
+        "2P:2D: best split gains 8% headroom (< 10% hysteresis)"
+    )
+    point = _demand_lines(_screen(4, log=[], width=80, reason=hysteresis, target=(2, 2)))[0]
+    assert point == "2P:2D, not Eq. 1's 1P:3D: hysteresis (8% < 10%)"
+    point = _demand_lines(_screen(4, log=[], width=120, reason=hysteresis, target=(2, 2)))[0]
+    assert point == "target 2P:2D, not Eq. 1's best 1P:3D: hysteresis, it gains 8% headroom (< 10%)"
+    settled = "prefill demand 1.00 inst, decode KV 2.00 inst; best margin at 2P:2D"
+    point = _demand_lines(_screen(4, log=[], width=80, reason=settled, target=(2, 2)))[0]
+    assert point == "at Eq. 1's best 2P:2D"
+
+
+def test_the_plain_view_prints_the_legend_and_why_once_per_change() -> None:
+    stream = io.StringIO()
+    view = PlainView(
+        options=SimpleNamespace(task="coding", instances=4, duration=60.0),
+        monitor=SimpleNamespace(switches={}),
+        trainer=SimpleNamespace(t0=time.time()),
+        router=None,
+        directory=SimpleNamespace(changes=[], pods={}),
+        stream=stream,
+    )
+    other_figures = HELD.replace("gains 6s", "gains 7s")
+    frames = iter([_frame(HELD, (2, 2)), _frame(other_figures, (2, 2)), _frame(REASON, (1, 3))])
+    view.frame = lambda: next(frames)  # type: ignore[method-assign]
+    view.start()
+    for _ in range(3):
+        view._last_line = 0.0
+        view.refresh()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("  legend: W_P: prefill tokens forecast")
+    whys = [line.strip() for line in lines if line.strip().startswith("why:")]
+    assert len(whys) == 2  # the same point twice is said once, whatever its figures
+    assert "the move was priced and did not pay" in whys[0]
 
 
 def _view(kind: type[Any], changes: list[LabelChange], pods: dict[str, PodView]) -> Any:

@@ -79,7 +79,7 @@ async def test_json_batch_is_applied_and_the_reply_carries_epoch_and_counts(srv:
     live = srv.handle.controller.live_trajectories()
     assert live["ready"] == 1 and live["prefill"] == 1
     assert srv.metric("prorsa_webhook_events_total", type="request_queued") == 2
-    assert srv.metric("prorsa_webhook_batch_seconds_count") == 1
+    assert srv.metric("prorsa_webhook_batch_duration_seconds_count") == 1
 
 
 async def test_ndjson_batch_is_applied(srv: Served) -> None:
@@ -466,7 +466,7 @@ async def test_health_metrics_and_openapi(srv: Served) -> None:
     text = (await srv.http.get("/metrics")).text
     assert 'prorsa_webhook_events_total{type="request_queued"} 1.0' in text
     assert 'prorsa_webhook_rejects_total{reason="unauthorized"} 1.0' in text
-    assert "prorsa_webhook_batch_seconds_bucket" in text
+    assert "prorsa_webhook_batch_duration_seconds_bucket" in text
     assert "prorsa_webhook_duplicates_total 0.0" in text
     doc = (await srv.http.get("/openapi.json")).json()
     assert set(doc["paths"]) >= {

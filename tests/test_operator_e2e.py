@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import ssl
 
 import httpx
@@ -126,12 +127,39 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     }
     assert failures[("prefill", "decode", "lost")] == 0
     assert failures[("decode", "prefill", "replaced")] == 0
+    # The Controller's own account of the switches it made: each priced, gain over cost.
+    gain = _samples(text, "prorsa_switch_expected_gain_seconds_total", switching_mode="Auto")
+    cost = _samples(text, "prorsa_switch_expected_cost_seconds_total", switching_mode="Auto")
+    assert gain[("decode", "prefill")] > cost[("decode", "prefill")] >= 0
+    assert gain[("prefill", "decode")] > cost[("prefill", "decode")] >= 0
+    assert _samples(text, "prorsa_switch_expected_gain_seconds_total", switching_mode="Recommend")
+    durations = _samples(text, "prorsa_switch_duration_seconds_count")
+    assert durations[("decode", "prefill")] >= 1 and durations[("prefill", "decode")] >= 1
+    best = {
+        s.labels["role"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "prorsa_best_split_instances" and s.labels["cluster"] == "demo"
+    }
+    assert best["prefill"] + best["decode"] == 4
     assert "prorsa_webhook_events_total" in text
     # The trainers' port does not serve them: no token, no cluster names.
     async with env.http() as client:
         unauthenticated = await client.get(f"{env.webhook}/metrics", timeout=5)
     assert unauthenticated.status_code == 404
     assert 'cluster="demo"' not in unauthenticated.text and "prorsa_" not in unauthenticated.text
+
+
+def _samples(text: str, name: str, **match: str) -> dict[tuple[str, str], float]:
+    """``name``'s samples of cluster demo matching ``match``, by (from_role, to_role)."""
+    return {
+        (s.labels["from_role"], s.labels["to_role"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+        and s.labels["cluster"] == "demo"
+        and all(s.labels.get(k) == v for k, v in match.items())
+    }
 
 
 async def _count(pods_coro, n: int) -> bool:
@@ -181,6 +209,16 @@ async def test_recommend_mode_changes_only_status() -> None:
         assert all("draining" not in h for h in env.label_history.values())
         reasons = await env.wait_for_event("SwitchRecommended")
         assert "SwitchStarted" not in reasons
+        # Nothing made, so nothing counted as made. Recommend flips no engine, so every
+        # recommendation here restores the prefill minimum out of an empty role, which has
+        # no finite price: counted as nothing, never as infinite.
+        text = await env.metrics()
+        for name in ("gain", "cost"):
+            metric = f"prorsa_switch_expected_{name}_seconds_total"
+            made = _samples(text, metric, switching_mode="Auto")
+            recommended = _samples(text, metric, switching_mode="Recommend")
+            assert made and not any(made.values()), made
+            assert recommended and all(math.isfinite(v) for v in recommended.values())
 
 
 def before_prefill(roles: dict[str, str]) -> int:

@@ -27,14 +27,14 @@ class AgentMetrics:
             registry=reg,
         )
         self.switch_seconds = Histogram(
-            "prorsa_agent_switch_seconds",
+            "prorsa_agent_switch_duration_seconds",
             "Seconds from a role call to its result (drain, abort, flip and verification).",
             ["to"],
             buckets=SWITCH_BUCKETS,
             registry=reg,
         )
         self.drain_seconds = Histogram(
-            "prorsa_agent_drain_seconds",
+            "prorsa_agent_drain_duration_seconds",
             "Seconds spent waiting for in-flight requests before the flip (abort included).",
             buckets=SWITCH_BUCKETS,
             registry=reg,
@@ -57,13 +57,15 @@ class AgentMetrics:
         self.switching = Gauge(
             "prorsa_agent_switching", "1 while a role switch runs.", registry=reg
         )
+        # Not ``instance``: Prometheus gives every scraped series an ``instance`` label of
+        # its own (the target's address), which this one would clash with.
         info = Gauge(
             "prorsa_agent_info",
-            "Constant 1, labelled with the instance.",
-            ["instance"],
+            "Constant 1, labelled with the engine instance the agent runs.",
+            ["engine_instance"],
             registry=reg,
         )
-        info.labels(instance=instance).set(1)
+        info.labels(engine_instance=instance).set(1)
         for result in SWITCH_RESULTS:
             for to in ("prefill", "decode"):
                 self.switches.labels(result=result, to=to)

@@ -1,20 +1,33 @@
 """Prometheus metrics of the operator (``prorsa_*``), one registry per process.
 
 The names are what the Grafana dashboard and the alert rules read; a test checks that
-every metric they name is defined here (or by the webhook's own metrics).
+every metric they name is defined here (or by the webhook's own metrics). They follow
+Prometheus's naming rules: base units (seconds, tokens), ``_total`` on counters,
+``_duration_seconds`` on histograms of durations, ``_ratio`` on fractions.
+
+The Controller counts some outcomes itself, cumulatively, in each Decision's diagnostics
+(tokens generated, contexts recomputed, event anomalies); they are exported as counters,
+advanced by what each tick adds.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prorsa.core.decision import Decision
+from prorsa.core.diagnostics import Diagnostics
+from prorsa.core.switch_cost import Move
 
 _CLUSTER = ("namespace", "cluster")
 SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TICK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 SWITCH_DIRECTIONS = (("decode", "prefill"), ("prefill", "decode"))
 SWITCH_RESULTS = ("succeeded", "restored", "replaced", "lost")
+# switching.mode of the switches priced: made (Auto) or only recommended (Recommend).
+PRICED_MODES = ("Auto", "Recommend")
 
 
 class OperatorMetrics:
@@ -89,8 +102,15 @@ class OperatorMetrics:
             _CLUSTER,
             registry=r,
         )
+        self.best = Gauge(
+            "prorsa_best_split_instances",
+            "Eq. 1's best split by role for the planned demand, before the hold rules and "
+            "switch pricing (the target differs when a move does not pay).",
+            [*_CLUSTER, "role"],
+            registry=r,
+        )
         self.margin = Gauge(
-            "prorsa_safety_margin",
+            "prorsa_safety_margin_ratio",
             "Shared safety margin δ of Eq. 1 (negative: demand over budget).",
             _CLUSTER,
             registry=r,
@@ -102,7 +122,7 @@ class OperatorMetrics:
             registry=r,
         )
         self.wape = Gauge(
-            "prorsa_forecast_wape",
+            "prorsa_forecast_wape_ratio",
             "Forecast WAPE over recent windows (prefill, decode).",
             [*_CLUSTER, "forecast"],
             registry=r,
@@ -115,9 +135,24 @@ class OperatorMetrics:
         )
         self.switch_seconds = Histogram(
             "prorsa_switch_duration_seconds",
-            "Wall time of a role switch, from intent to relabel.",
-            _CLUSTER,
+            "Wall time of a role switch, from intent to relabel, by direction.",
+            [*_CLUSTER, "from_role", "to_role"],
             buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
+        self.expected_gain = Counter(
+            "prorsa_switch_expected_gain_seconds",
+            "Rollout seconds the Controller expected each switch to save over the payoff "
+            "horizon when it priced it, by direction and switching.mode (Recommend: the "
+            "switches it would have made).",
+            [*_CLUSTER, "from_role", "to_role", "switching_mode"],
+            registry=r,
+        )
+        self.expected_cost = Counter(
+            "prorsa_switch_expected_cost_seconds",
+            "Rollout seconds the Controller expected each switch to cost (its duration, the "
+            "prefill work it throws away), by direction and switching.mode.",
+            [*_CLUSTER, "from_role", "to_role", "switching_mode"],
             registry=r,
         )
         self.tick_seconds = Histogram(
@@ -133,10 +168,45 @@ class OperatorMetrics:
             [*_CLUSTER, "state"],
             registry=r,
         )
-        self.anomalies = Gauge(
+        self.anomalies = Counter(
             "prorsa_event_anomalies",
-            "Events that did not fit the trajectory state machine, by kind (cumulative).",
+            "Events that did not fit the trajectory state machine, by kind.",
             [*_CLUSTER, "kind"],
+            registry=r,
+        )
+        self.generated = Counter(
+            "prorsa_generated_tokens",
+            "Output tokens the trainer's decode_finished events report (aborted partial "
+            "outputs included): rate() is the rollout's generated tokens per second.",
+            _CLUSTER,
+            registry=r,
+        )
+        self.prefill_waiting = Gauge(
+            "prorsa_prefill_waiting_prompts",
+            "Prompts the trainer queued whose prefill has not ended (waiting or prefilling).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.prefill_wait = Gauge(
+            "prorsa_prefill_oldest_wait_seconds",
+            "How long the oldest prompt waiting for its prefill has waited since it was "
+            "queued (0 when none waits).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.decode_waiting = Gauge(
+            "prorsa_decode_waiting_requests",
+            "Requests queued on the decode engines: prefilled prompts waiting for KV room "
+            "(the agents' waitingRequests).",
+            _CLUSTER,
+            registry=r,
+        )
+        self.recomputed = Counter(
+            "prorsa_recomputed_prefill_tokens",
+            "Prefill tokens the engines computed beyond each prompt's cached prefix (its "
+            "previous turn's context): contexts computed again after a cache flush, a switch "
+            "or an abort, or by engines without a prefix cache.",
+            _CLUSTER,
             registry=r,
         )
         self.agent_errors = Counter(
@@ -157,6 +227,9 @@ class OperatorMetrics:
             _CLUSTER,
             registry=r,
         )
+        # The cumulative figures of the last Decision, by (namespace, cluster, name): what
+        # the counters above have been advanced to.
+        self._seen: dict[tuple[str, str, str], float] = {}
 
     def record_decision(
         self,
@@ -196,6 +269,42 @@ class OperatorMetrics:
         for mode in ("predictive", "reactive"):
             self.mode.labels(*key, mode).set(1.0 if decision.mode == mode else 0.0)
 
+    def record_outcomes(self, namespace: str, cluster: str, diag: Diagnostics) -> None:
+        """What one tick saw of the rollout's outcome: Eq. 1's best split, the queues,
+        and the counters the Controller keeps cumulatively, advanced by what is new."""
+        key = (namespace, cluster)
+        self.best.labels(*key, "prefill").set(diag.best[0])
+        self.best.labels(*key, "decode").set(diag.best[1])
+        self.prefill_waiting.labels(*key).set(diag.prefill_waiting)
+        self.prefill_wait.labels(*key).set(diag.prefill_oldest_wait)
+        self.decode_waiting.labels(*key).set(diag.decode_waiting)
+        self._advance(self.generated.labels(*key), key, "generated", diag.generated_tokens)
+        self._advance(self.recomputed.labels(*key), key, "recomputed", diag.recomputed_tokens)
+        for kind, count in diag.anomalies.items():
+            self._advance(self.anomalies.labels(*key, kind), key, f"anomaly:{kind}", count)
+
+    def _advance(self, child: Counter, key: tuple[str, str], name: str, total: float) -> None:
+        """Advance ``child`` to a cumulative ``total`` (a smaller one: a new count began)."""
+        seen = self._seen.get((*key, name), 0.0)
+        step = total - seen if total >= seen else total
+        if step > 0:
+            child.inc(step)
+        self._seen[(*key, name)] = total
+
+    def record_priced(
+        self, namespace: str, cluster: str, moves: Iterable[Move], *, switching_mode: str
+    ) -> None:
+        """The seconds each move was expected to save and to cost, when it was made (Auto)
+        or recommended (Recommend). A move out of a split with an empty role (restoring a
+        role minimum) has no finite price: it is left out, not counted as infinite, which
+        would stay in the counter for good."""
+        for move in moves:
+            if not (math.isfinite(move.gain) and math.isfinite(move.cost)):
+                continue
+            labels = (namespace, cluster, move.src, move.dst, switching_mode)
+            self.expected_gain.labels(*labels).inc(max(move.gain, 0.0))
+            self.expected_cost.labels(*labels).inc(max(move.cost, 0.0))
+
     def start_cluster(self, namespace: str, cluster: str) -> None:
         """Create a cluster's counter children at 0 before anything happens.
 
@@ -207,18 +316,28 @@ class OperatorMetrics:
         for origin, to in SWITCH_DIRECTIONS:
             for result in SWITCH_RESULTS:
                 self.switches.labels(namespace, cluster, origin, to, result)
+            for mode in PRICED_MODES:
+                self.expected_gain.labels(namespace, cluster, origin, to, mode)
+                self.expected_cost.labels(namespace, cluster, origin, to, mode)
         self.agent_errors.labels(namespace, cluster)
         self.label_corrections.labels(namespace, cluster)
+        self.generated.labels(namespace, cluster)
+        self.recomputed.labels(namespace, cluster)
 
     def forget(self, namespace: str, cluster: str) -> None:
         """Drop a deleted cluster's series so dashboards do not show it forever."""
         for metric in (
             self.forecast_tokens, self.forecast_total, self.decode_admission, self.decode_kv,
             self.theta, self.cache_hit, self.instances, self.target, self.demand, self.planned,
-            self.margin, self.mode,
-            self.wape, self.switches, self.switch_seconds, self.tick_seconds, self.trajectories,
-            self.anomalies, self.agent_errors, self.label_corrections, self.forecast_age,
+            self.cache_floor, self.best, self.margin, self.mode,
+            self.wape, self.switches, self.switch_seconds, self.expected_gain,
+            self.expected_cost, self.tick_seconds, self.trajectories,
+            self.anomalies, self.generated, self.prefill_waiting, self.prefill_wait,
+            self.decode_waiting, self.recomputed,
+            self.agent_errors, self.label_corrections, self.forecast_age,
         ):  # fmt: skip
             for labels in list(metric._metrics):
                 if labels[:2] == (namespace, cluster):
                     metric.remove(*labels)
+        for seen in [k for k in self._seen if k[:2] == (namespace, cluster)]:
+            del self._seen[seen]

@@ -4,6 +4,8 @@ Starts the in-process Kubernetes API emulator, the operator (kopf, real webhook,
 metrics), one engine pod per instance (SGLang engine double + the real agent) and a
 simulated agentic trainer that posts lifecycle events through the SDK and sends real
 ``/generate`` requests; shows a live view, then a summary, and writes a timeline PNG.
+Then the same seeded workload runs on a static split, and the summary says whether
+switching saved time against it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=_positive,
-        default=150.0,
+        default=240.0,
         metavar="SECONDS",
-        help="seconds of rollout after the engines are up (default 150)",
+        help="seconds of rollout after the engines are up, in each run (default 240)",
     )
     parser.add_argument(
         "--task",
@@ -63,14 +65,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="SECONDS",
-        help="length of each tools / reasoning phase (default: duration / 6, 5 to 30 s)",
+        help="length of each tools / reasoning phase (default: duration / 4, 5 to 60 s)",
     )
     parser.add_argument(
         "--trajectories",
         type=int,
         default=None,
         metavar="N",
-        help="live trajectories at once (default 48 per instance)",
+        help="live trajectories at once (default 6 per instance)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="N:M|best|none",
+        help="the static prefill:decode split to run the same workload on afterwards and "
+        "compare with: N:M; best (every split, one run each: the fastest is compared); none "
+        "(no second run). Default: the even split, what one picks without knowing the "
+        "workload's mix",
     )
     parser.add_argument(
         "--nodes-per-instance",
@@ -98,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             phase_seconds=args.phase_seconds,
             concurrency=args.trajectories,
             nodes_per_instance=args.nodes_per_instance,
+            baseline=args.baseline,
         )
     except ValueError as exc:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)

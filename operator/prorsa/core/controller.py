@@ -96,6 +96,8 @@ class Controller:
         self.cache_hits = PrefixCacheHits(window=HIT_WINDOW_HORIZONS * self.horizon)
         self._computed: dict[str, int] = {}  # instance -> agent's uncached-token counter
         self._computed_new = 0
+        self._computed_total = 0.0  # every uncached token the agents counted
+        self._recomputed = 0.0  # see Diagnostics.recomputed_tokens
         self._prefilled_seen = 0.0
         self._miss_ratio: float | None = None
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
@@ -243,8 +245,12 @@ class Controller:
         self.cache_hits.add_full(now, full - self._prefilled_seen)
         self._prefilled_seen = full
         self.cache_hits.add_computed(now, self._computed_new)
+        self._computed_total += self._computed_new
         self._computed_new = 0
         expected = self.forecaster.prefilled_computed
+        # Never less than before: agents and trainer events report the same prefill at
+        # slightly different times, and a counter must not go back.
+        self._recomputed = max(self._recomputed, self._computed_total - expected)
         self.cache_hits.add_expected(now, expected - self._expected_seen)
         self._expected_seen = expected
         self._calibration = self.cache_hits.calibration(now)
@@ -485,6 +491,7 @@ class Controller:
         if notes:
             reason += "; " + "; ".join(notes)
         acc = self.forecaster.accuracy
+        waiting, oldest = self.table.prefill_waiting(now)
         diagnostics = Diagnostics(
             demand=(demand.a, demand.b),
             planned=(a, b),
@@ -494,12 +501,19 @@ class Controller:
             miss_ratio=self._miss_ratio,
             calibration=self._calibration,
             moves=plan.moves,
+            made=plan.moves[: len(plan.switches)],
+            best=(best.prefill, best.decode),
             forecast=demand.forecast_result,
             prefill_wape=acc.prefill_wape,
             decode_wape=acc.decode_wape,
             trajectories=MappingProxyType(self.table.state_counts()),
             anomalies=MappingProxyType(dict(self.table.anomalies)),
             last_event_ts=self.table.last_event_ts,
+            generated_tokens=self.table.generated_tokens,
+            prefill_waiting=waiting,
+            prefill_oldest_wait=oldest,
+            decode_waiting=measure.decode_waiting(inputs.engines),
+            recomputed_tokens=self._recomputed,
         )
         return Decision(
             at=now,

@@ -27,12 +27,25 @@ class Diagnostics:
     miss_ratio: float | None  # prefix-cache miss ratio behind θ_P, when measured
     calibration: float | None  # Eq. 13's per-request g over the profiled speed
     moves: tuple[Move, ...]  # every move priced, made or not
+    # The moves of this Decision's switches, in their order: what each was expected to
+    # save and to cost (the operator counts them when it makes, or recommends, them).
+    made: tuple[Move, ...]
+    best: tuple[int, int]  # Eq. 1's best split (prefill, decode), before holds and pricing
     forecast: ForecastResult | None  # None in reactive mode
     prefill_wape: float | None
     decode_wape: float | None
     trajectories: Mapping[str, int]  # live trajectories per lifecycle state
     anomalies: Mapping[str, int]  # trainer-event anomalies per kind, since start
     last_event_ts: float | None  # trainer clock of the newest event applied
+    # Outcomes, for the operator's metrics. Cumulative figures count since the
+    # Controller was made; the operator exports them as counters.
+    generated_tokens: int = 0  # output tokens of every decode_finished applied
+    prefill_waiting: int = 0  # prompts queued whose prefill has not ended
+    prefill_oldest_wait: float = 0.0  # seconds the oldest of them has waited
+    decode_waiting: int = 0  # requests queued on decode engines (waiting for KV room)
+    # Prefill tokens the engines computed beyond what each prompt needed past its cached
+    # prefix (its previous turn's context): contexts computed again.
+    recomputed_tokens: float = 0.0
 
     @property
     def cache_hit_ratio(self) -> float | None:

@@ -112,6 +112,11 @@ def decoding(engines: Sequence[EngineState], table: TrajectoryTable) -> float:
     return float(table.counts[DECODE])
 
 
+def decode_waiting(engines: Sequence[EngineState]) -> int:
+    """Requests queued on the decode engines: prefilled prompts waiting for KV room."""
+    return sum(s.waiting_requests for s in engines if s.role == "decode" and s.healthy)
+
+
 def cache_floor(
     engines: Sequence[EngineState],
     table: TrajectoryTable,

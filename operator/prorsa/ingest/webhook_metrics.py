@@ -49,7 +49,7 @@ class WebhookMetrics:
             registry=r,
         )
         self.batch_seconds = Histogram(
-            "prorsa_webhook_batch_seconds",
+            "prorsa_webhook_batch_duration_seconds",
             "Time from a batch's arrival to its reply (accepted batches).",
             buckets=BATCH_BUCKETS,
             registry=r,

@@ -92,6 +92,7 @@ class ClusterRuntime:
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
+    _last_priced: tuple[tuple[str, str, str], ...] = ()  # the Controller's, in Recommend
     _last_failure: str | None = None  # the failed tick last reported as an Event
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _last_refusal: str | None = None  # the pod refusal last reported as an Event
@@ -312,11 +313,20 @@ class ClusterRuntime:
         if not self.bootstrapped:
             switches = self._bootstrap(states) or switches
         mode = self.spec.switching.mode
+        # What the Controller expected each of its switches to save and cost (a bootstrap
+        # switch to roles.prefill.initial is not priced).
+        diag = decision.diagnostics
+        priced = {m.instance: m for m in diag.made} if diag is not None else {}
         if mode == "Auto":
             by_name = {p["metadata"]["name"]: p for p in pods}
             for switch in switches:
                 pod = by_name.get(switch.instance)
                 if pod is not None and self.executor and self.executor.start(switch, pod=pod):
+                    move = priced.get(switch.instance)
+                    if move is not None and switch in decision.switches:
+                        self.metrics.record_priced(
+                            self.namespace, self.name, [move], switching_mode=mode
+                        )
                     await self.post_event(
                         "Normal",
                         "SwitchStarted",
@@ -329,6 +339,15 @@ class ClusterRuntime:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
             self._last_advice = advice
+            # Count what the Controller expected of the switches it would make, once per
+            # change of them, as Auto counts the ones it makes. Not from ``advice``: until
+            # the engines reach roles.prefill.initial (which Recommend never does itself)
+            # that is the unpriced bootstrap, and the Controller's own moves come behind it.
+            wanted = tuple((s.instance, s.from_, s.to) for s in decision.switches)
+            if wanted and wanted != self._last_priced:
+                moves = [priced[s.instance] for s in decision.switches if s.instance in priced]
+                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
+            self._last_priced = wanted
         await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
@@ -523,7 +542,9 @@ class ClusterRuntime:
     async def _switch_done(self, outcome: SwitchOutcome) -> None:
         ns, name = self.namespace, self.name
         self.metrics.switches.labels(ns, name, outcome.origin, outcome.to, outcome.result).inc()
-        self.metrics.switch_seconds.labels(ns, name).observe(outcome.seconds)
+        self.metrics.switch_seconds.labels(ns, name, outcome.origin, outcome.to).observe(
+            outcome.seconds
+        )
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
             controller.record_switch(outcome.pod, at=self.handle.trainer_now())
@@ -653,8 +674,7 @@ class ClusterRuntime:
                 self.metrics.wape.labels(ns, name, kind).set(value)
         for state_name, count in diag.trajectories.items():
             self.metrics.trajectories.labels(ns, name, state_name).set(count)
-        for kind, count in diag.anomalies.items():
-            self.metrics.anomalies.labels(ns, name, kind).set(count)
+        self.metrics.record_outcomes(ns, name, diag)
         last = diag.last_event_ts
         silence = math.inf if last is None else max(0.0, decision.at - last)
         if math.isfinite(silence):

@@ -16,12 +16,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from prorsa_lab.demo.frame import Frame, bar, clock, tokens, wape
+from prorsa_lab.demo.frame import LEGEND, Frame, bar, clock, explain, fit, tokens, wape
 from prorsa_lab.demo.monitor import PodState
 
-__all__ = ["distinct_names", "render_live"]
+__all__ = ["distinct_names", "legend_lines", "render_live"]
 
 MIN_SWITCH_LINES = 2
+REASON_LINES = 2  # the Decision's reason: its point, then its details
 
 
 def distinct_names(names: Sequence[str]) -> tuple[str, list[str]]:
@@ -52,9 +53,10 @@ def _line(text: str, style: str = "") -> Text:
 
 
 def _head(f: Frame, *, task: str, instances: int) -> Text:
+    label = f" ({f.run_label})" if f.run_label else ""
     head = Text.assemble(
         ("Prorsa demo ", "bold"),
-        f"{task}, {instances}×8 GPUs  ",
+        f"{task}{label}, {instances}×8 GPUs  ",
         (f"{clock(min(f.elapsed, f.duration))}/{clock(f.duration)}", "bold"),
         "  ",
         (f.phase, "bold magenta" if f.phase.startswith("tools") else "bold cyan"),
@@ -63,6 +65,17 @@ def _head(f: Frame, *, task: str, instances: int) -> Text:
     )
     head.no_wrap, head.overflow = True, "ellipsis"
     return head
+
+
+def legend_lines(width: int) -> list[str]:
+    """:data:`LEGEND` packed into lines of ``width`` columns, ``·`` between entries."""
+    lines: list[str] = []
+    for entry in LEGEND:
+        if lines and len(lines[-1]) + 3 + len(entry) <= width:
+            lines[-1] += " · " + entry
+        else:
+            lines.append(entry if len(entry) <= width else entry[: width - 1] + "…")
+    return lines
 
 
 def _demand(f: Frame, *, instances: int, width: int, detail: bool) -> Panel:
@@ -89,14 +102,22 @@ def _demand(f: Frame, *, instances: int, width: int, detail: bool) -> Panel:
                 f"W_P {tokens(f.forecast.get('prefillTokens'))} tok "
                 f"(ready {tokens(comp.get('ready'))}, in-flight {tokens(comp.get('inflight'))}, "
                 f"tool {tokens(comp.get('tool'))}, sampler {tokens(comp.get('sampler'))}, "
-                f"startup {tokens(comp.get('startup'))})  "
-                f"K_D+K̂_D {tokens(f.forecast.get('decodeKvTokens'))}  "
-                f"θ_P {tokens(f.capacity.get('prefillTokensPerSecond'))} tok/s  "
-                f"C_KV {tokens(f.capacity.get('decodeKvTokens'))}  margin {margin}",
+                f"startup {tokens(comp.get('startup'))})",
                 "dim",
             )
         )
-    parts.append(_line(f.reason or "no Decision yet", "dim italic"))
+        parts.append(
+            _line(
+                f"K_D+K̂_D {tokens(f.forecast.get('decodeKvTokens'))} tok  "
+                f"θ_P {tokens(f.capacity.get('prefillTokensPerSecond'))} tok/s  "
+                f"C_KV {tokens(f.capacity.get('decodeKvTokens'))} tok  margin δ {margin}",
+                "dim",
+            )
+        )
+        parts.extend(_line(line, "dim") for line in legend_lines(width - 4))
+    reason = fit(explain(f.reason, target=f.target), width=width - 4, lines=REASON_LINES)
+    parts.append(_line(reason[0], "italic"))
+    parts.extend(_line(line, "dim italic") for line in reason[1:])
     return Panel(Group(*parts), title="demand vs capacity (instances)")
 
 
@@ -160,10 +181,13 @@ def render_live(
     the pods fit: the switch log shrinks to the rows left, and the forecast detail line
     shows only when there is room for it and a few switch lines."""
     pods_rows = len(pods) + 3
-    fixed = 1 + 5 + pods_rows + 5 + 2  # head, demand, pods, trainer, switch panel borders
+    demand_rows = 2 + 2 + REASON_LINES  # borders, the two roles, the reason
+    fixed = 1 + demand_rows + pods_rows + 5 + 2  # head, demand, pods, trainer, switch borders
     room = height - 1 - fixed
-    detail = room - 1 >= MIN_SWITCH_LINES + 2
-    lines = max(MIN_SWITCH_LINES, room - (1 if detail else 0))
+    # The forecast's symbols come with their legend, or not at all.
+    detail_rows = 2 + len(legend_lines(width - 4))
+    detail = room - detail_rows >= MIN_SWITCH_LINES + 2
+    lines = max(MIN_SWITCH_LINES, room - (detail_rows if detail else 0))
     shown = log[-lines:]
     switch_text = Text.from_markup("\n".join(shown)) if shown else Text("none yet", style="dim")
     switch_text.no_wrap, switch_text.overflow = True, "ellipsis"

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable
@@ -79,6 +80,12 @@ class Sample:
     waiting_prefill_requests: int  # Σ requests queued on prefill engines (agents)
     events_total: float  # webhook events accepted so far
     mode: str | None
+    # Eq. 1's best split (prefill, decode) for the planned demand, before the hold rules
+    # and switch pricing (prorsa_best_split_instances); the planned (smoothed) demand in
+    # instances; this machine's 1-minute load average.
+    best: tuple[int, int] | None = None
+    planned: tuple[float, float] | None = None
+    load: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +298,24 @@ class Monitor:
             return None
         return a, b
 
+    def _by_role(self, name: str) -> tuple[float, float] | None:
+        if name not in self.metrics:
+            return None
+        pick = {"cluster": self.cluster}
+        return (
+            metric_sum(self.metrics, name, role="prefill", **pick),
+            metric_sum(self.metrics, name, role="decode", **pick),
+        )
+
+    def best(self) -> tuple[int, int] | None:
+        """Eq. 1's best split, as the operator's last tick exported it."""
+        split = self._by_role("prorsa_best_split_instances")
+        return None if split is None else (round(split[0]), round(split[1]))
+
+    def planned(self) -> tuple[float, float] | None:
+        """The demand the split is sized for (averaged over smoothingSeconds), instances."""
+        return self._by_role("prorsa_planned_demand_instances")
+
     def _sample(self) -> None:
         d = self.decision
         target = (int(d["target"]["prefill"]), int(d["target"]["decode"])) if d else None
@@ -309,6 +334,9 @@ class Monitor:
                 ),
                 events_total=metric_sum(self.metrics, "prorsa_webhook_events_total"),
                 mode=d.get("mode") if d else None,
+                best=self.best(),
+                planned=self.planned(),
+                load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             )
         )
 

@@ -1,15 +1,22 @@
 """How fast the split follows the workload: phase lag and prefill backlog per phase.
 
 The demo's workload swings between a prefill-heavy and a decode-heavy phase at known
-times, so two questions have exact answers after a run:
+times, so these questions have exact answers after a run:
 
-* **Phase lag**: after each phase change, how long until the prefill:decode split
-  *settled*. The split is read from the pods' ``prorsa.io/role`` labels, which is what
-  routes traffic (smg sends no new work to a pod labelled ``draining``). The split
-  settled at the last moment within the phase at which it changed, i.e. when it reached
-  the value it then held until the next phase change (or the end of the rollout); a
-  phase in which the split never changed has lag 0 (it kept the split it came in with).
-  A phase that ends with a pod still ``draining`` did not settle: its lag is ``None``.
+* **Eq. 1's target of a phase**: the split Eq. 1 found best for the planned demand
+  (``prorsa_best_split_instances``, before the hold rules and switch pricing) at most of
+  the phase's ticks, as the demo's monitor read it once a second.
+* **Phase lag**: after each phase change, how long until the prefill:decode split reached
+  that target. The split is read from the pods' ``prorsa.io/role`` labels, which is what
+  routes traffic (smg sends no new work to a pod labelled ``draining``). The lag is the
+  first moment in the phase at which the labels show the target with no pod draining
+  (0 when the phase starts there); ``None`` when the split never reached it in the phase.
+* **Settled**: the split held at the end of the phase, from the last moment within the
+  phase at which it changed (``settled_seconds`` after the change; 0 when it never
+  changed). A phase that ends with a pod still ``draining`` did not settle (``None``).
+* **Following**: the split followed the phases when the split settled in each tools
+  (prefill-heavy) phase has more prefill instances than the split settled in the
+  reasoning (decode-heavy) phases on either side of it.
 * **Prefill backlog at each phase end**: the prompts in the prefill stage at that moment,
   from the trainer's own record (sent through smg, first token not back yet: waiting or
   being prefilled), and the engines' prefill wait queues as their agents last reported
@@ -53,7 +60,13 @@ class PhaseChange:
     phase: PhaseName  # the phase that starts here
     split_before: str
     split_settled: str  # the split held at the end of the phase ("2P:2D+1 draining": none)
-    lag_seconds: float | None  # None: a switch was still under way when the phase ended
+    # Eq. 1's target of the phase ("2P:2D"; None: no Decision was read in the phase), and
+    # the seconds until the labels reached it (None: they never did in the phase).
+    target: str | None = None
+    lag_seconds: float | None = None
+    # Seconds until the split last changed in the phase (None: a switch was still under
+    # way when the phase ended).
+    settled_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,32 +113,86 @@ def _split_at(timeline: Sequence[tuple[float, Split]], t: float) -> Split:
     return current
 
 
+def phase_target(
+    best: Sequence[tuple[float, tuple[int, int]]], start: float, end: float
+) -> tuple[int, int] | None:
+    """Eq. 1's best split at most of the readings in ``[start, end)`` (wall clock); on a
+    tie, the one read last. None without a reading."""
+    counts: dict[tuple[int, int], int] = {}
+    last: dict[tuple[int, int], float] = {}
+    for at, split in best:
+        if start <= at < end:
+            counts[split] = counts.get(split, 0) + 1
+            last[split] = at
+    if not counts:
+        return None
+    return max(counts, key=lambda s: (counts[s], last[s]))
+
+
 def phase_changes(
     timeline: Sequence[tuple[float, Split]],
     spans: Sequence[tuple[float, float, PhaseName]],
     *,
     t0: float,
+    best: Sequence[tuple[float, tuple[int, int]]] = (),
 ) -> list[PhaseChange]:
-    """One :class:`PhaseChange` per span after the first; spans are relative to ``t0``."""
+    """One :class:`PhaseChange` per span after the first; spans are relative to ``t0``,
+    ``best`` holds (wall clock, Eq. 1's best split) readings."""
     out: list[PhaseChange] = []
     for start, end, phase in spans[1:]:
         before = _split_at(timeline, t0 + start)
         inside = [(at, s) for at, s in timeline if t0 + start < at < t0 + end]
         held = inside[-1][1] if inside else before
         if held.draining:
-            lag: float | None = None
+            settled: float | None = None
         else:
-            lag = round(inside[-1][0] - (t0 + start), 2) if inside else 0.0
+            settled = round(inside[-1][0] - (t0 + start), 2) if inside else 0.0
+        target = phase_target(best, t0 + start, t0 + end)
+        lag: float | None = None
+        if target is not None:
+            want = Split(prefill=target[0], decode=target[1])
+            reached = [at for at, s in [(t0 + start, before), *inside] if s == want]
+            lag = round(reached[0] - (t0 + start), 2) if reached else None
         out.append(
             PhaseChange(
                 at=start,
                 phase=phase,
                 split_before=str(before),
                 split_settled=str(held),
+                target=None if target is None else f"{target[0]}P:{target[1]}D",
                 lag_seconds=lag,
+                settled_seconds=settled,
             )
         )
     return out
+
+
+def prefill_of(split: str) -> int | None:
+    """The prefill count of a settled split ("3P:1D" -> 3); None while one drains."""
+    if "draining" in split:
+        return None
+    head, _, _ = split.partition("P:")
+    return int(head) if head.isdigit() else None
+
+
+def follows_phases(changes: Sequence[PhaseChange]) -> bool | None:
+    """Whether every tools phase settled with more prefill instances than the reasoning
+    phases recorded on either side of it; None when no tools phase has one."""
+    verdicts: list[bool] = []
+    for i, change in enumerate(changes):
+        if change.phase != "tools":
+            continue
+        around = [
+            changes[j]
+            for j in (i - 1, i + 1)
+            if 0 <= j < len(changes) and changes[j].phase == "reasoning"
+        ]
+        if not around:
+            continue
+        tools = prefill_of(change.split_settled)
+        others = [prefill_of(c.split_settled) for c in around]
+        verdicts.append(tools is not None and all(p is not None and tools > p for p in others))
+    return all(verdicts) if verdicts else None
 
 
 def prefill_backlogs(
@@ -158,10 +225,22 @@ def prefill_backlogs(
 def summary_line(changes: Sequence[PhaseChange], backlogs: Sequence[PhaseBacklog]) -> str:
     """Both measures on one line of the printed summary."""
     lags = ", ".join(
-        f"{c.lag_seconds:.1f}" if c.lag_seconds is not None else "unsettled" for c in changes
+        f"{c.lag_seconds:.1f}" if c.lag_seconds is not None else "never" for c in changes
     )
     backlog = ", ".join(f"{b.requests} req/{b.prompt_tokens / 1e3:.0f}k" for b in backlogs)
     return (
-        f"  phase lag     {lags or 'no phase change'} s after each phase change; "
-        f"prefill backlog at phase ends {backlog or '-'}"
+        f"  phase lag     {lags or 'no phase change'} s after each phase change, to Eq. 1's "
+        f"target; prefill backlog at phase ends {backlog or '-'}"
     )
+
+
+def phases_line(changes: Sequence[PhaseChange]) -> str:
+    """The splits each phase settled on, against Eq. 1's targets, and the verdict."""
+    parts = [f"{c.phase} {c.split_settled} (Eq. 1: {c.target or '-'})" for c in changes]
+    verdict = follows_phases(changes)
+    said = {
+        True: "the split followed the phases both ways",
+        False: "the split did not follow the phases",
+        None: "too few phases to tell",
+    }[verdict]
+    return f"  phases        {'; '.join(parts) or 'no phase change'}: {said}"

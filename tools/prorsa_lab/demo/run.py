@@ -6,12 +6,19 @@ with one engine pod per instance (engine double + real agent) and the router Dep
 as the real smg binary (PyPI ``smg``, in the ``demo`` extra), and the simulated trainer,
 which sends every request through smg. Files go to ``--out``: ``kubeconfig`` (valid while
 the demo runs), ``demo.log`` (every component's log), ``demo-router.log`` (smg's),
-``summary.json``, ``timeline.png``.
+``summary.json``, ``timeline.png``, ``decisions.jsonl`` (every Decision read, with its
+reason).
+
+Then, unless ``--baseline none``, the same seeded trajectories run again on a fresh
+deployment whose split is pinned (:func:`demo_manifest` with ``static``), for the same
+rollout time (with ``--baseline best``, once per split), and the summary sets the
+switching run against the fastest static one (:mod:`prorsa_lab.demo.compare`); each
+static run's files go to ``--out``/baseline-<N>P<M>D.
 
 The engine doubles are given a timing model and a KV pool, and the RolloutCluster states
-the same figures as its profiled capacity (``prefillTokensPerSecond``, ``decodeKvTokens``),
-as an operator would after profiling real engines; θ_P is then re-measured online from
-the agents' busy-time counters.
+the same figures as its profiled capacity (``prefillTokensPerSecond``, ``decodeKvTokens``,
+``decodeConcurrency``), as an operator would after profiling real engines; θ_P is then
+re-measured online from the agents' busy-time counters.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -34,12 +42,15 @@ import httpx
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_contract.labels import NODE_RANK_LABEL, ROLE_LABEL
+from prorsa_lab.demo.compare import compare, load_average, parse_split, split_text
 from prorsa_lab.demo.frame import wrap_lines
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.phases import (
     PhaseBacklog,
     PhaseChange,
+    follows_phases,
     phase_changes,
+    phases_line,
     prefill_backlogs,
     split_timeline,
     summary_line,
@@ -66,12 +77,17 @@ class EngineModel:
 
     The demo runs about ten times faster than a real rollout, so the horizon, the control
     period, the cooldown and the drain timeout are scaled down alike.
+
+    The doubles are slow, small engines on purpose: everything runs in one Python process
+    on a shared machine, where an asyncio sleep of a few milliseconds takes several times
+    as long as asked. Decode steps of 20 ms (rather than 4) and prompts of a few thousand
+    tokens keep the engines' timing, not the CPU, the bottleneck (docs/demo.md, "Sizing").
     """
 
-    prefill_tokens_per_second: float = 40_000.0
-    kv_tokens: int = 120_000
-    decode_step_seconds: float = 0.004
-    decode_step_seconds_per_request: float = 0.0001
+    prefill_tokens_per_second: float = 10_000.0
+    kv_tokens: int = 40_000
+    decode_step_seconds: float = 0.02
+    decode_step_seconds_per_request: float = 0.0005
     switch_seconds: float = 0.3
     graph_capture_seconds: float = 0.2
     horizon_seconds: float = 1.0
@@ -79,11 +95,14 @@ class EngineModel:
     cooldown_seconds: float = 3.0
     drain_timeout_seconds: float = 1.0
     hysteresis: float = 0.1
-    # Five horizons (the 900 s default would never follow a 25 s phase). Measured on 25 s
-    # phases: the split settled 11.6 and 19.9 s after the phase changes at 5 s, 7.5 and
-    # 9.2 s at 2 s; but at 2 s a 20 s run (5 s phases) held 2P:2D throughout, and
-    # tests/test_demo.py wants a switch each way. See docs/demo.md, "Phase lag".
+    # Five horizons (the default 60 s would lag a 60 s phase by most of it).
     smoothing_seconds: float = 5.0
+
+    @property
+    def decode_concurrency(self) -> int:
+        """The decode step's half-saturation knee: a step over n requests takes
+        t₀·(1 + n/k), so k = t₀ / (seconds per request) (``capacity.decodeConcurrency``)."""
+        return round(self.decode_step_seconds / self.decode_step_seconds_per_request)
 
     def agent_timeouts(self) -> Timeouts:
         """The agent's defaults (5 s health checks, 30 s probes...) at the demo's scale."""
@@ -118,15 +137,16 @@ class EngineModel:
         )
 
 
-# Live trajectories per instance by default: enough that a phase's imbalance outlasts what a
-# switch costs (smg drains a worker for about 6 s before it flips), so the Controller has
-# something worth switching for.
-TRAJECTORIES_PER_INSTANCE = 48
+# Live trajectories per instance by default: on four instances the tools phases then need
+# about two prefill instances and the reasoning phases about three decode instances, so
+# Eq. 1 moves the split both ways, and each side is loaded enough that a switch pays for
+# itself within a phase (smg drains a worker for about 6 s before it flips).
+TRAJECTORIES_PER_INSTANCE = 6
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    duration: float = 150.0
+    duration: float = 240.0
     task: str = "coding"
     instances: int = 4
     out: Path = Path("bench-out/demo")
@@ -135,6 +155,11 @@ class DemoOptions:
     phase_seconds: float | None = None  # default: default_phase_seconds(duration)
     concurrency: int | None = None  # live trajectories; TRAJECTORIES_PER_INSTANCE each
     nodes_per_instance: int = 1  # pods per instance: a leader and its worker ranks
+    # The static split the switching run is compared with: "N:M"; "best" (every split is
+    # run, the fastest is the baseline); "none" (no second run). Default: the even split,
+    # what one picks without knowing the workload's mix (docs/demo.md, "Switching against
+    # a static split").
+    baseline: str | None = None
     model: EngineModel = field(default_factory=EngineModel)
 
     def __post_init__(self) -> None:
@@ -148,6 +173,19 @@ class DemoOptions:
             raise ValueError("concurrency must be >= 1")
         if self.nodes_per_instance not in (1, 2, 4, 8):
             raise ValueError("nodes per instance must divide the 8 GPUs of an instance")
+        if self.baseline not in (None, "best", "none"):
+            parse_split(self.baseline, instances=self.instances)
+
+    def static_splits(self) -> list[tuple[int, int]]:
+        """The static splits to run after the switching run (none for "none")."""
+        n = self.instances
+        if self.baseline == "none":
+            return []
+        if self.baseline == "best":
+            return [(p, n - p) for p in range(1, n)]
+        if self.baseline is None:
+            return [(n // 2, n - n // 2)]
+        return [parse_split(self.baseline, instances=n)]
 
     @property
     def trajectories(self) -> int:
@@ -158,9 +196,16 @@ class DemoOptions:
         return PhaseSchedule(seconds=self.phase_seconds or default_phase_seconds(self.duration))
 
 
-def demo_manifest(options: DemoOptions) -> dict[str, Any]:
-    """The RolloutCluster the demo applies (capacity figures match the engine doubles)."""
+def demo_manifest(options: DemoOptions, *, static: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The RolloutCluster the demo applies (capacity figures match the engine doubles).
+
+    ``static`` pins the split: each role's minimum is its share of it, so the Controller
+    can move no instance (the baseline run).
+    """
     m = options.model
+    roles: dict[str, Any] = {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}}
+    if static is not None:
+        roles = {"prefill": {"min": static[0], "initial": static[0]}, "decode": {"min": static[1]}}
     return cluster_manifest(
         CLUSTER,
         engine={
@@ -170,7 +215,7 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
             "nodesPerInstance": options.nodes_per_instance,
         },
         gpuBudget=options.instances * GPUS_PER_INSTANCE,
-        roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        roles=roles,
         # smg with Kubernetes discovery, run by the fake kubelet. Round robin: the demo's
         # prompts share one prefix ("w w w ..."), on which cache_aware would pick one engine.
         router={"enabled": True, "policy": "round_robin"},
@@ -181,6 +226,7 @@ def demo_manifest(options: DemoOptions) -> dict[str, Any]:
         capacity={
             "prefillTokensPerSecond": m.prefill_tokens_per_second,
             "decodeKvTokens": m.kv_tokens,
+            "decodeConcurrency": m.decode_concurrency,
             "prefillCacheTokens": 0,  # the engine doubles keep no prefix cache
         },
         switching={
@@ -239,15 +285,32 @@ class DemoSummary:
     decode_kv_peak_tokens: int = 0
     # How long the RolloutCluster's Degraded condition was True (engines unavailable).
     degraded_seconds: float = 0.0
+    # Whether each tools phase settled with more prefill than the reasoning phases around
+    # it (None: too few phases to tell); see prorsa_lab.demo.phases.
+    follows_phases: bool | None = None
+    # The static split's run and this one over the trajectories both finished (None with
+    # --baseline none): {"split", "completed", "seconds", "completed_in_run", "requests",
+    # ...}; see prorsa_lab.demo.compare.
+    baseline: dict[str, Any] | None = None
+    prorsa: dict[str, Any] | None = None
+    switching_saved_seconds: float | None = None
+    switching_saved_ratio: float | None = None
+    # This machine while the switching run went: CPUs and the 1-minute load average.
+    machine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """Nothing lost: every request answered in full, every event delivered."""
+        """Nothing lost: every request answered in full, every event delivered (in the
+        baseline run too)."""
+        base = self.baseline or {}
         return (
             self.tokens_lost == 0
             and self.requests_failed == 0
             and self.requests_completed == self.requests_sent
             and self.events_dropped == 0
+            and not base.get("tokens_lost")
+            and not base.get("requests_failed")
+            and not base.get("events_dropped")
         )
 
     def lines(self) -> list[str]:
@@ -277,8 +340,48 @@ class DemoSummary:
             f"  events        {self.events_emitted:,} emitted, {self.events_delivered:,} "
             f"delivered, {self.events_dropped} dropped; {anomalies} anomalies",
             summary_line(self.phase_changes, self.prefill_backlog_at_phase_end),
+            phases_line(self.phase_changes),
+            *self._baseline_lines(),
+            f"  machine       {self._machine_text()}",
             f"  timeline      {self.timeline or 'not written'}",
         ]
+
+    def _baseline_lines(self) -> list[str]:
+        if self.baseline is None or self.prorsa is None:
+            return ["  baseline      none (--baseline none)"]
+        b, p = self.baseline, self.prorsa
+        lines = [
+            f"  baseline      static {b['split']}: {b['completed_in_run']} trajectories "
+            f"finished, {b['requests']} model calls; switching: {p['completed_in_run']} "
+            f"and {p['requests']}, in {self.seconds:.0f} s of rollout each"
+        ]
+        saved, ratio = self.switching_saved_seconds, self.switching_saved_ratio
+        if saved is None or ratio is None:
+            lines.append("  switching     not compared: a run finished no trajectory")
+        else:
+            verb = "saved" if saved >= 0 else "lost"
+            lines.append(
+                f"  switching     {verb} {abs(saved):.1f} s ({abs(ratio):.0%}) against static "
+                f"{b['split']}: the first {p['completed']} trajectories took "
+                f"{p['seconds']:.1f} s switching, {b['seconds']:.1f} s static"
+            )
+        return lines
+
+    def _machine_text(self) -> str:
+        m = self.machine
+        if not m:
+            return "-"
+
+        def load(run: dict[str, Any] | None) -> str:
+            avg = (run or {}).get("load_average") or {}
+            if avg.get("mean") is None:
+                return "-"
+            return f"{avg['mean']:.1f} (max {avg['max']:.1f})"
+
+        text = f"{m.get('cpus', '?')} CPUs, load average {load(m)} switching"
+        if self.baseline is not None:
+            text += f", {load(self.baseline)} static"
+        return text
 
 
 def _fmt(value: float | None) -> str:
@@ -306,19 +409,22 @@ def _log_to(path: Path) -> Iterator[None]:
         chatty.setLevel(chatty_level)
 
 
-async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> None:
-    """Until every engine pod runs and the operator has made its first prefill engine."""
+async def _warm_up(
+    env: Stack, options: DemoOptions, stop: asyncio.Event, *, prefill: int = 1
+) -> None:
+    """Until every engine pod runs and the operator has made its ``prefill`` first prefill
+    engines (roles.prefill.initial)."""
 
     async def ready() -> bool:
         if stop.is_set():
             raise DemoInterrupted("interrupted while the engines were starting")
         counts = await env.count_roles(CLUSTER)  # every pod of a group shows its role
         pods = options.instances * options.nodes_per_instance
-        return counts.get("prefill", 0) >= options.nodes_per_instance and (
+        return counts.get("prefill", 0) >= prefill * options.nodes_per_instance and (
             sum(counts.values()) == pods
         )
 
-    await env.wait_for(ready, timeout=120, what="the engine pods and the first prefill engine")
+    await env.wait_for(ready, timeout=180, what="the engine pods and the first prefill engines")
     router = env.kubelet.router
     if router is None:
         raise RuntimeError("the fake kubelet did not start smg for the router Deployment")
@@ -394,13 +500,126 @@ async def _run(
     stop: asyncio.Event,
     operator_started: Callable[[], None],
 ) -> DemoSummary:
+    """The switching run, then (unless ``--baseline none``) the static one; the summary."""
     out = options.out
+    switching = await _rollout(
+        options, stream=stream, stop=stop, operator_started=operator_started, static=None
+    )
+    summary = switching.summary
+    if options.static_splits() and not stop.is_set():
+        summary = await _with_baseline(
+            options, switching, stream=stream, stop=stop, operator_started=operator_started
+        )
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    width = shutil.get_terminal_size().columns if stream.isatty() else None
+    for line in wrap_lines(summary.lines(), width):
+        print(line, file=stream)
+    stream.flush()
+    return summary
+
+
+async def _with_baseline(
+    options: DemoOptions,
+    switching: Rollout,
+    *,
+    stream: TextIO,
+    stop: asyncio.Event,
+    operator_started: Callable[[], None],
+) -> DemoSummary:
+    """The same trajectories on each pinned split, for as long; the fastest of them set
+    side by side with the switching run."""
+    static: dict[tuple[int, int], Rollout] = {}
+    for split in options.static_splits():
+        if stop.is_set():
+            break
+        print(
+            f"prorsa demo: now the same seeded workload on a static {split_text(split)} split, "
+            f"{options.duration:.0f} s again...",
+            file=stream,
+            flush=True,
+        )
+        static[split] = await _rollout(
+            replace(options, out=options.out / f"baseline-{split[0]}P{split[1]}D"),
+            stream=stream,
+            stop=stop,
+            operator_started=operator_started,
+            static=split,
+        )
+    if not static:
+        return switching.summary
+    # Over the trajectories every run finished, the static split that took least time.
+    common = min(len(r.trainer.finish_times) for r in (switching, *static.values()))
+
+    def time_to_common(run: Rollout) -> float:
+        times = sorted(run.trainer.finish_times)
+        return times[common - 1] if common else 0.0
+
+    split = min(static, key=lambda s: time_to_common(static[s]))
+    fastest = static[split]
+    result = compare(
+        switching_times=switching.trainer.finish_times,
+        static_times=fastest.trainer.finish_times,
+        static_split=split_text(split),
+        switching_requests=switching.trainer.completed,
+        static_requests=fastest.trainer.completed,
+    )
+    runs = {
+        split_text(s): {
+            "completed_in_run": len(r.trainer.finish_times),
+            "seconds_to_common": round(time_to_common(r), 2) if common else None,
+            "tokens_lost": r.summary.tokens_lost,
+            "load_average": r.summary.machine.get("load_average"),
+        }
+        for s, r in static.items()
+    }
+    base = fastest.summary
+    return replace(
+        switching.summary,
+        baseline=asdict(result.static)
+        | {
+            "how": options.baseline or "default",
+            "tokens_lost": sum(r.summary.tokens_lost for r in static.values()),
+            "requests_failed": sum(r.summary.requests_failed for r in static.values()),
+            "events_dropped": sum(r.summary.events_dropped for r in static.values()),
+            "load_average": base.machine.get("load_average"),
+            "seconds_of_rollout": round(fastest.seconds, 1),
+            "runs": runs,
+        },
+        prorsa=asdict(result.switching) | {"seconds_of_rollout": round(switching.seconds, 1)},
+        switching_saved_seconds=result.saved_seconds,
+        switching_saved_ratio=result.saved_ratio,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One run of the trainer on a fresh deployment, and what was watched."""
+
+    summary: DemoSummary
+    trainer: TrainerStats
+    monitor: Monitor
+    t0: float  # wall clock of the first dispatch
+    seconds: float  # of dispatching
+
+
+async def _rollout(
+    options: DemoOptions,
+    *,
+    stream: TextIO,
+    stop: asyncio.Event,
+    operator_started: Callable[[], None],
+    static: tuple[int, int] | None,
+) -> Rollout:
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
     model = options.model
     task = DEMO_TASKS[options.task]
     kubeconfig = (out / "kubeconfig").resolve()
+    run_label = "" if static is None else f"static {split_text(static)}"
     print(
         f"prorsa demo: starting the API emulator, the operator and {options.instances} engine "
-        f"pods (task {task.name}, {options.duration:.0f} s of rollout)...",
+        f"pods (task {task.name}, {options.duration:.0f} s of rollout"
+        f"{', ' + run_label if run_label else ''})...",
         file=stream,
         flush=True,
     )
@@ -410,6 +629,7 @@ async def _run(
         raise DemoInterrupted(
             "the smg router is not installed: pip install 'smg==1.13.0' (the demo extra has it)"
         )
+    manifest = demo_manifest(options, static=static)
     async with stack(
         engine_config=lambda _name: config,
         tick_seconds=model.tick_seconds,
@@ -419,7 +639,7 @@ async def _run(
         log_dir=out,
     ) as env:
         operator_started()
-        await env.create_cluster(demo_manifest(options))
+        await env.create_cluster(manifest)
         print(
             f"  API server {env.server.url}, webhook {env.webhook}, "
             f"metrics {env.metrics_url}, "
@@ -438,9 +658,9 @@ async def _run(
             file=stream,
             flush=True,
         )
-        await _warm_up(env, options, stop)
+        await _warm_up(env, options, stop, prefill=1 if static is None else static[0])
         assert env.router_url is not None
-        served = demo_manifest(options)["spec"]["model"]
+        served = manifest["spec"]["model"]
         served_model = served.get("servedName") or served["path"]
 
         async with contextlib.AsyncExitStack() as stack_:
@@ -496,6 +716,7 @@ async def _run(
                 router=router,
                 directory=directory,
                 stream=stream,
+                run_label=run_label,
             )
 
             async def interrupt() -> None:
@@ -540,15 +761,15 @@ async def _run(
         except ImportError as exc:  # matplotlib is in the bench/demo extras
             print(f"  no timeline: {exc}", file=stream)
     kubeconfig.unlink(missing_ok=True)  # it pointed at the emulator, gone now
-    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     with (out / "requests.jsonl").open("w", encoding="utf-8") as f:
         for record in trainer.stats.requests:
             f.write(json.dumps(record.wire()) + "\n")
-    width = shutil.get_terminal_size().columns if stream.isatty() else None
-    for line in wrap_lines(summary.lines(), width):
-        print(line, file=stream)
-    stream.flush()
-    return summary
+    with (out / "decisions.jsonl").open("w", encoding="utf-8") as f:
+        for decision in monitor.decisions:
+            f.write(json.dumps(decision) + "\n")
+    return Rollout(
+        summary=summary, trainer=trainer.stats, monitor=monitor, t0=trainer.t0, seconds=seconds
+    )
 
 
 def _with_timeline(summary: DemoSummary, path: str) -> DemoSummary:
@@ -572,12 +793,16 @@ def _summarise(
     results = {k: int(v) for k, v in monitor.switch_counts().items()}
     anomalies = {
         labels["kind"]: int(value)
-        for labels, value in monitor.metrics.get("prorsa_event_anomalies", [])
+        for labels, value in monitor.metrics.get("prorsa_event_anomalies_total", [])
         if labels.get("cluster") == CLUSTER and value
     }
     # The phases of the rollout as asked; a stop a few ms late makes no extra phase.
     spans = options.phases.spans(min(seconds, options.duration))
-    changes = phase_changes(split_timeline(monitor.directory.changes), spans, t0=trainer_t0)
+    best = [(x.t, x.best) for x in monitor.samples if x.best is not None]
+    changes = phase_changes(
+        split_timeline(monitor.directory.changes), spans, t0=trainer_t0, best=best
+    )
+    during = [x for x in monitor.samples if trainer_t0 <= x.t <= trainer_t0 + seconds]
     backlogs = prefill_backlogs(router.jobs, monitor.samples, spans, t0=trainer_t0)
     return DemoSummary(
         task=options.task,
@@ -615,6 +840,8 @@ def _summarise(
         prefill_backlog_at_phase_end=backlogs,
         decode_kv_peak_tokens=max((x.kv_used_decode for x in monitor.samples), default=0),
         degraded_seconds=round(monitor.degraded_seconds, 1),
+        follows_phases=follows_phases(changes),
+        machine={"cpus": os.cpu_count(), "load_average": load_average(during)},
     )
 
 

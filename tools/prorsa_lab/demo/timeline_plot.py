@@ -8,7 +8,8 @@ Three panels over the run, the workload's tools phases shaded:
 2. Decode KV: the forecast K_D + K̂_D against the KV in use on decode engines (agents)
    and the decode capacity of the pods labelled decode.
 3. Engine pods by role label (prefill, draining, decode) with the Controller's target
-   prefill count, and a marker at the end of every switch.
+   prefill count, Eq. 1's best prefill count (before the hold rules and switch pricing),
+   and a marker at the end of every switch.
 """
 
 from __future__ import annotations
@@ -174,6 +175,17 @@ def plot_timeline(
         ls="--",
         label="target prefill (Controller)",
     )
+    best = [(x.t - t0, x.best[0]) for x in monitor.samples if x.best is not None]
+    if best:
+        ax_roles.step(
+            [t for t, _ in best],
+            [b for _, b in best],
+            where="post",
+            color="white",
+            lw=1.2,
+            ls=":",
+            label="Eq. 1's best prefill",
+        )
     for change in directory.changes:
         if change.old == "draining" and change.new in ("prefill", "decode"):
             x = change.at - t0
@@ -198,7 +210,7 @@ def plot_timeline(
     ax_roles.set_title(
         "pods by role label; ▲ switch to prefill, ▼ switch to decode", loc="left", fontsize=10
     )
-    ax_roles.legend(**{**_LEGEND, "ncol": 4})
+    ax_roles.legend(**{**_LEGEND, "ncol": 5})
 
     counts = monitor.switch_counts()
     resumed = sum(1 for r in trainer.requests if r.resumes)

@@ -2,7 +2,9 @@
 
 ``concurrency`` trajectories are live at once; each finished one is replaced by a new
 sample. A trajectory: sandbox start, turns of "model call -> tool call" until its last
-turn, reward. Every transition is reported through the SDK
+turn, reward. Trajectory ``n`` of a seed draws everything from its own random stream
+(:func:`prorsa_lab.demo.workload.draw_trajectory`), so two runs of one seed run the same
+trajectories, whatever order they finish in. Every transition is reported through the SDK
 (:class:`prorsa_sdk.AsyncEventEmitter`); every model call is a real ``/generate``
 through :class:`prorsa_sdk.ResumableGeneration` and the demo's PD router, so a request
 aborted by a role switch is resent with its partial output and the turn still gets
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, Literal
 
 import httpx
 
-from prorsa_lab.demo.workload import DemoTask, PhaseName, PhaseSchedule
+from prorsa_lab.demo.workload import DemoTask, PhaseName, PhaseSchedule, draw_trajectory
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 from prorsa_sdk import AsyncEventEmitter, ResumableGeneration
 from prorsa_sdk.resumable import ResumeExhausted
@@ -120,6 +121,8 @@ class TrainerStats:
     accepted: int = 0
     dropped: int = 0
     requests: list[RequestRecord] = field(default_factory=list)
+    # Seconds since the rollout started at which each trajectory got its reward, in order.
+    finish_times: list[float] = field(default_factory=list)
 
     @property
     def in_flight(self) -> int:
@@ -172,7 +175,7 @@ class DemoTrainer:
         self.tap = _ResumeTap(emitter)
         self.gen = ResumableGeneration(router, max_resumes=16, emitter=self.tap)
         self.concurrency = concurrency
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.clock = clock
         self.stats = TrainerStats()
         self.t0 = clock()
@@ -221,22 +224,22 @@ class DemoTrainer:
     async def _worker(self) -> None:
         while not self.stopping:  # replace-on-reward
             n = next(self._ids)
-            await self._trajectory(f"traj-{n}", group=f"g{n // self.task.profile.group_size}")
+            await self._trajectory(n, group=f"g{n // self.task.profile.group_size}")
 
-    async def _trajectory(self, tid: str, *, group: str) -> None:
-        task, rng, em = self.task, self.rng, self.emitter
+    async def _trajectory(self, index: int, *, group: str) -> None:
+        task, em = self.task, self.emitter
+        tid = f"traj-{index}"
+        draw = draw_trajectory(task, seed=self.seed, index=index)
         self.stats.started += 1
-        context = int(task.prompt.draw(rng))
+        context = draw.prompt
         em.sample_dispatched(tid, group=group, task=task.name, prompt_tokens=context)
         em.sandbox_started(tid, mode="prewarm", image=f"demo-{task.name}:latest")
-        if not await self._sleep(task.startup_seconds.draw(rng)):
+        if not await self._sleep(draw.startup_seconds):
             return self._drop(tid)
-        turns = rng.randint(task.turns_min, task.turns_max)
-        for turn in range(turns):
+        for turn, turn_draw in enumerate(draw.turn_draws):
             phase = self.phase_now()
-            shape = task.phase(phase)
-            want = max(1, int(shape.output.draw(rng)))
-            last = turn == turns - 1 or context + want >= task.max_context
+            want = turn_draw.output[phase]
+            last = turn == draw.turns - 1 or context + want >= task.max_context
             want = min(want, task.max_context - context)
             if want < 1:
                 break
@@ -248,11 +251,10 @@ class DemoTrainer:
             context += record.got
             if last:
                 break
-            tool = task.pick_tool(rng)
-            em.tool_started(tid, tool=tool)
-            if not await self._sleep(shape.tool_seconds.draw(rng)):
+            em.tool_started(tid, tool=turn_draw.tool)
+            if not await self._sleep(turn_draw.tool_seconds[phase]):
                 return self._drop(tid)
-            result = int(shape.result_tokens.draw(rng))
+            result = turn_draw.result_tokens[phase]
             em.tool_finished(tid, result_tokens=result)
             context += result + TEMPLATE_TOKENS
             if self.stopping:
@@ -260,12 +262,12 @@ class DemoTrainer:
             if context >= task.max_context:
                 break
         em.reward_started(tid)
-        if not await self._sleep(task.reward_seconds.draw(rng)):
+        if not await self._sleep(draw.reward_seconds):
             return self._drop(tid)
-        accepted = rng.random() < task.accept
-        em.reward_finished(tid, accepted=accepted)
+        em.reward_finished(tid, accepted=draw.accepted)
         self.stats.finished += 1
-        self.stats.accepted += accepted
+        self.stats.accepted += draw.accepted
+        self.stats.finish_times.append(self.clock() - self.t0)
 
     def _drop(self, tid: str, reason: str = "demo ended") -> None:
         self.emitter.trajectory_dropped(tid, reason=reason)

@@ -10,12 +10,13 @@ them, the webhook's event rate, the forecast mode and WAPE, and the trainer's co
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from abc import ABC, abstractmethod
 from typing import Any, TextIO
 
 from prorsa_contract.aio import cancel_and_wait
-from prorsa_lab.demo.frame import Frame, clock, tokens, wape
+from prorsa_lab.demo.frame import LEGEND, Frame, clock, explain, tokens, wape
 from prorsa_lab.demo.frame import frame as build_frame
 from prorsa_lab.demo.monitor import Monitor, SwitchRecord
 from prorsa_lab.demo.pod_directory import PodDirectory
@@ -36,8 +37,10 @@ class _View(ABC):
         directory: PodDirectory,
         stream: TextIO,
         interval: float = 1.0,
+        run_label: str = "",
     ) -> None:
         self.options = options
+        self.run_label = run_label
         self.monitor = monitor
         self.trainer = trainer
         self.router = router
@@ -50,7 +53,11 @@ class _View(ABC):
 
     def frame(self) -> Frame:
         return build_frame(
-            options=self.options, monitor=self.monitor, trainer=self.trainer, router=self.router
+            options=self.options,
+            monitor=self.monitor,
+            trainer=self.trainer,
+            router=self.router,
+            run_label=self.run_label,
         )
 
     def fresh_switches(self) -> list[SwitchRecord]:
@@ -119,9 +126,13 @@ class PlainView(_View):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._last_line = 0.0
+        self._last_why = ""
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
+
+    def start(self) -> None:
+        self._print("  legend: " + "; ".join(LEGEND))
 
     def note(self, message: str) -> None:
         self._print(f"[{clock(time.time() - self.trainer.t0)}] {message}")
@@ -139,15 +150,24 @@ class PlainView(_View):
         if now - self._last_line < self.every:
             return
         self._last_line = now
-        self._print(self.line(self.frame()))
+        f = self.frame()
+        self._print(self.line(f))
+        # Why the split goes where it goes, once per change of the point (not of its
+        # figures, which move every tick).
+        why = explain(f.reason, target=f.target).forms[0]
+        point = re.sub(r"-?\d+(\.\d+)?(?= s\b|%|k tokens)", "#", why)
+        if point != self._last_why:
+            self._last_why = point
+            self._print(f"        why: {why}")
 
     @staticmethod
     def line(f: Frame) -> str:
         target = f"{f.target[0]}P:{f.target[1]}D" if f.target else "-"
         demand = f"P {f.demand[0]:.2f} D {f.demand[1]:.2f}" if f.demand else "-"
         labels = f.labels
+        label = f"{f.run_label} | " if f.run_label else ""
         return (
-            f"[{clock(f.elapsed)}] {f.phase:<24} | {f.mode} | pods "
+            f"[{clock(f.elapsed)}] {label}{f.phase:<24} | {f.mode} | pods "
             f"{labels.get('prefill', 0)}P:{labels.get('decode', 0)}D"
             f"{'+' + str(labels['draining']) + ' draining' if labels.get('draining') else ''}"
             f" target {target} | demand {demand} inst"

@@ -21,6 +21,7 @@ from typing import Literal
 from prorsa_lab.sim.workloads import CODING, GENERAL, MATH, LogNormal, TaskProfile
 
 PhaseName = Literal["tools", "reasoning"]
+PHASES: tuple[PhaseName, ...] = ("tools", "reasoning")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,70 +55,75 @@ class DemoTask:
         return rng.choices([t.name for t in tools], [t.weight for t in tools])[0]
 
 
+# Sized for the demo's engine doubles (``EngineModel`` in run.py: 10,000 prefill tokens/s,
+# 40,000 KV tokens and 20 ms decode steps per instance) at 6 live trajectories per
+# instance, so that on four instances Eq. 1 wants more prefill in the tools phases than in
+# the reasoning ones and a move pays for itself within a phase (docs/demo.md, "Sizing").
+# Contexts stay under 8,000 tokens: a longer one would hold a decode instance's KV alone.
 CODING_DEMO = DemoTask(
     name="coding",
     profile=CODING,
-    prompt=LogNormal(3000, 0.3, 1500, 6000),
+    prompt=LogNormal(2000, 0.25, 1200, 3000),
     turns_min=4,
-    turns_max=14,
+    turns_max=10,
     tools=PhaseShape(
-        output=LogNormal(40, 0.5, 10, 150),  # one short command per turn
-        tool_seconds=LogNormal(1.8, 0.5, 0.3, 6.0),  # bash: builds, test runs
-        result_tokens=LogNormal(1200, 0.6, 100, 4000),  # file contents, test logs
+        output=LogNormal(20, 0.5, 5, 60),  # one short command per turn
+        tool_seconds=LogNormal(3.0, 0.3, 1.5, 6.0),  # bash: builds, test runs
+        result_tokens=LogNormal(400, 0.4, 100, 1000),  # file contents, test logs
     ),
     reasoning=PhaseShape(
-        output=LogNormal(1200, 0.3, 600, 2000),  # think, then write a patch
-        tool_seconds=LogNormal(0.3, 0.5, 0.05, 2.0),
-        result_tokens=LogNormal(150, 0.6, 20, 800),
+        output=LogNormal(600, 0.2, 350, 900),  # think, then write a patch
+        tool_seconds=LogNormal(0.3, 0.5, 0.05, 1.5),
+        result_tokens=LogNormal(80, 0.5, 10, 300),
     ),
     startup_seconds=LogNormal(0.4, 0.3, 0.1, 2.0),
     reward_seconds=LogNormal(1.5, 0.5, 0.3, 6.0),  # the test suite runs
     accept=0.95,
-    max_context=24_000,
+    max_context=8_000,
 )
 
 GENERAL_DEMO = DemoTask(
     name="general",
     profile=GENERAL,
-    prompt=LogNormal(4000, 0.35, 1500, 9000),  # MCP tool schemas make first prompts long
+    prompt=LogNormal(2500, 0.3, 1200, 4000),  # MCP tool schemas make first prompts long
     turns_min=3,
-    turns_max=12,
+    turns_max=9,
     tools=PhaseShape(
-        output=LogNormal(50, 0.5, 10, 200),
-        tool_seconds=LogNormal(2.0, 0.5, 0.5, 6.0),  # search, browse, MCP calls
-        result_tokens=LogNormal(1500, 0.7, 100, 5000),  # search results, web pages
+        output=LogNormal(25, 0.5, 5, 80),
+        tool_seconds=LogNormal(3.2, 0.3, 1.5, 6.0),  # search, browse, MCP calls
+        result_tokens=LogNormal(500, 0.5, 100, 1200),  # search results, web pages
     ),
     reasoning=PhaseShape(
-        output=LogNormal(1100, 0.35, 500, 2000),
+        output=LogNormal(550, 0.25, 300, 900),
         tool_seconds=LogNormal(0.4, 0.5, 0.1, 2.0),
-        result_tokens=LogNormal(200, 0.6, 20, 1000),
+        result_tokens=LogNormal(100, 0.6, 20, 400),
     ),
     startup_seconds=LogNormal(0.3, 0.3, 0.1, 2.0),
     reward_seconds=LogNormal(0.6, 0.5, 0.1, 3.0),  # rubric or LLM judge
     accept=0.95,
-    max_context=24_000,
+    max_context=8_000,
 )
 
 MATH_DEMO = DemoTask(
     name="math",
     profile=MATH,
     prompt=LogNormal(600, 0.35, 200, 2000),
-    turns_min=2,
+    turns_min=3,
     turns_max=8,
     tools=PhaseShape(
-        output=LogNormal(60, 0.5, 10, 200),  # a short code cell
-        tool_seconds=LogNormal(0.4, 0.5, 0.1, 2.0),
-        result_tokens=LogNormal(1800, 0.6, 200, 5000),  # interpreter output
+        output=LogNormal(30, 0.5, 10, 100),  # a short code cell
+        tool_seconds=LogNormal(1.5, 0.4, 0.5, 4.0),
+        result_tokens=LogNormal(700, 0.5, 100, 1500),  # interpreter output
     ),
     reasoning=PhaseShape(
-        output=LogNormal(1300, 0.3, 600, 2000),  # long chains of thought
+        output=LogNormal(700, 0.2, 400, 900),  # long chains of thought
         tool_seconds=LogNormal(0.2, 0.5, 0.05, 1.0),
-        result_tokens=LogNormal(80, 0.6, 10, 500),
+        result_tokens=LogNormal(50, 0.6, 10, 300),
     ),
     startup_seconds=LogNormal(0.1, 0.3, 0.05, 1.0),
     reward_seconds=LogNormal(0.2, 0.5, 0.05, 1.0),  # rule-based answer check
     accept=0.97,
-    max_context=20_000,
+    max_context=6_000,
 )
 
 DEMO_TASKS: dict[str, DemoTask] = {t.name: t for t in (CODING_DEMO, GENERAL_DEMO, MATH_DEMO)}
@@ -154,5 +160,63 @@ class PhaseSchedule:
 
 
 def default_phase_seconds(duration: float) -> float:
-    """About three tools/reasoning cycles per run, each phase between 5 and 30 seconds."""
-    return min(30.0, max(5.0, duration / 6.0))
+    """Four phases per run (tools, reasoning, tools, reasoning), each 5 to 60 seconds.
+
+    Sixty seconds is what a phase needs for the split to settle in it behind smg: the
+    workload itself turns over a reasoning turn (about 15 s), the planned demand over
+    ``smoothingSeconds``, then each switch waits for smg's drain (about 6 s) and flips."""
+    return min(60.0, max(5.0, duration / 4.0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnDraw:
+    """One turn's figures in both phases: the phase it starts in picks which it uses."""
+
+    output: dict[PhaseName, int]
+    tool_seconds: dict[PhaseName, float]
+    result_tokens: dict[PhaseName, int]
+    tool: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrajectoryDraw:
+    """Everything random about one trajectory, drawn from its own seed.
+
+    Trajectory ``index`` of a seed is the same in every run: the demo's switching run and
+    its static baseline run the same trajectories, turn for turn. Only the phase a turn
+    starts in depends on when it starts, and picks that phase's figures.
+    """
+
+    prompt: int
+    turns: int
+    startup_seconds: float
+    reward_seconds: float
+    accepted: bool
+    turn_draws: tuple[TurnDraw, ...]
+
+
+def draw_trajectory(task: DemoTask, *, seed: int, index: int) -> TrajectoryDraw:
+    """Trajectory ``index`` of ``seed``: its own random stream, drawn in a fixed order."""
+    rng = random.Random(f"prorsa-demo:{seed}:{index}")
+    prompt = int(task.prompt.draw(rng))
+    startup = task.startup_seconds.draw(rng)
+    turns = rng.randint(task.turns_min, task.turns_max)
+    draws = []
+    for _ in range(turns):
+        shapes = {name: task.phase(name) for name in PHASES}
+        draws.append(
+            TurnDraw(
+                output={n: max(1, int(sh.output.draw(rng))) for n, sh in shapes.items()},
+                tool_seconds={n: sh.tool_seconds.draw(rng) for n, sh in shapes.items()},
+                result_tokens={n: int(sh.result_tokens.draw(rng)) for n, sh in shapes.items()},
+                tool=task.pick_tool(rng),
+            )
+        )
+    return TrajectoryDraw(
+        prompt=prompt,
+        turns=turns,
+        startup_seconds=startup,
+        reward_seconds=task.reward_seconds.draw(rng),
+        accepted=rng.random() < task.accept,
+        turn_draws=tuple(draws),
+    )

@@ -199,6 +199,7 @@ class Columns:
 
     state: array[int] = _column("b", np.int8, FREE)
     since: array[float] = _column("d", np.float64, 0.0)  # entry into the current state
+    queued: array[float] = _column("d", np.float64, 0.0)  # the prompt now waiting was queued
     x: array[float] = _column("d", np.float64, 0.0)  # prompt now; context in tool/reward
     result: array[float] = _column("d", np.float64, -1.0)  # tool result tokens, if said
     cached: array[float] = _column("d", np.float64, 0.0)  # last prefilled prompt: cached
@@ -279,6 +280,9 @@ class TrajectoryTable:
         self.anomalies: dict[str, int] = dict.fromkeys(ANOMALY_KINDS, 0)
         self.events_applied = 0
         self.last_event_ts: float | None = None
+        # Output tokens of every decode_finished applied (aborted partial outputs too):
+        # what the engines generated for this trainer, since the table was made.
+        self.generated_tokens = 0
         self.tasks = Interner()
         self.tools = Interner()
         self.images = Interner()
@@ -352,6 +356,7 @@ class TrajectoryTable:
         self._c.reset(slot)
         self._c.state[slot] = state
         self._c.since[slot] = ts
+        self._c.queued[slot] = ts
         self.counts[state] += 1
         self._slots[trajectory] = slot
         return slot
@@ -714,6 +719,7 @@ class TrajectoryTable:
             obs.on_first_prompt(task=self._c.task[slot], tokens=float(e.prompt_tokens))
             self._c.queued_once[slot] = 1
         self._c.x[slot] = e.prompt_tokens
+        self._c.queued[slot] = e.ts
         self._c.turn[slot] = e.turn
         self._c.instance[slot] = -1
         self._c.inferred[slot] = 0
@@ -804,6 +810,7 @@ class TrajectoryTable:
                 e.finish == "tool",
             )
         self._c.x[slot] += e.output_tokens
+        self.generated_tokens += e.output_tokens
         if e.finish == "tool":
             self._enter_tool(slot, e.ts, _AFTER_DECODE)
         elif e.finish == "abort":
@@ -811,6 +818,7 @@ class TrajectoryTable:
             # resend computes its whole prompt: an abort comes from a weight update, which
             # flushes the prefix caches, or from a switch, after which it lands elsewhere.
             self._c.cached[slot] = 0.0
+            self._c.queued[slot] = e.ts
             self._note_abort(e.ts)
             self._move(slot, READY, e.ts, _AFTER_DECODE)
         else:
@@ -1095,6 +1103,20 @@ class TrajectoryTable:
             self._release(by_slot[slot], slot)
         self.anomalies["evicted"] += len(old)
         return len(old)
+
+    def prefill_waiting(self, now: float) -> tuple[int, float]:
+        """Prompts queued whose prefill has not ended (``ready`` or ``prefill``), and the
+        longest any of them has waited since it was queued (0 when none waits)."""
+        waiting = self.counts[READY] + self.counts[PREFILL]
+        if waiting == 0:
+            return 0, 0.0
+        n = self._hwm
+        cols = self.cols
+        state = cols["state"][:n]
+        queued = cols["queued"][:n][(state == READY) | (state == PREFILL)]
+        oldest = float(queued.min()) if len(queued) else now
+        del cols, state
+        return waiting, max(0.0, now - oldest)
 
     def state_counts(self) -> dict[str, int]:
         return {STATE_NAMES[i]: self.counts[i] for i in range(1, len(STATE_NAMES))}
