@@ -96,13 +96,23 @@ async def test_the_leader_killed_mid_switch_the_standby_finishes_it_nothing_lost
         try:
 
             async def a_serves() -> bool:
+                # Leading as trainers see it: A holds the Lease, its webhook answers, and its
+                # pod carries the leader label the webhook Service selects (set once the
+                # webhook serves, so it comes last).
                 holder = (await lease(env)).get("holderIdentity") or ""
-                return holder.startswith("prorsa-a_") and await env._webhook_up()
+                return (
+                    holder.startswith("prorsa-a_")
+                    and await env._webhook_up()
+                    and await leader_pods(env) == ["prorsa-a"]
+                )
 
-            await env.wait_for(a_serves, what=f"replica A leading ({tmp_path}/replica-a.log)")
+            # A new process on a busy machine: its imports alone can take a while.
+            await env.wait_for(
+                a_serves, timeout=2 * PATIENCE, what=f"replica A leading ({tmp_path}/replica-a.log)"
+            )
             b = await env.start_operator(pod_name="prorsa-b", metrics_port=free_port())
             assert b.role == "standby" and not b.serving.is_set()
-            assert await leader_pods(env) == ["prorsa-a"]
+            assert await leader_pods(env) == ["prorsa-a"]  # a standby takes no label
 
             emitter = AsyncEventEmitter(
                 url=env.webhook, namespace=env.namespace, name="demo", token=env.token,

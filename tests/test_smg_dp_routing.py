@@ -57,15 +57,36 @@ def smg(env: Stack) -> SmgRouter:
     return router
 
 
-async def rank_workers(env: Stack) -> list[dict[str, object]] | None:
-    """smg's workers once it lists both ranks of every engine pod, the prefill one's too."""
+async def listed(env: Stack) -> list[dict[str, object]] | None:
     if env.kubelet.router is None:
         return None
-    workers = await smg(env).workers(httpx.AsyncClient(trust_env=False))
+    async with httpx.AsyncClient(trust_env=False) as client:
+        return await smg(env).workers(client)
+
+
+async def rank_workers(env: Stack) -> list[dict[str, object]] | None:
+    """smg's workers once it lists both ranks of every engine pod, the prefill one's too."""
+    workers = await listed(env)
     if workers is None or len(workers) != 8:
         return None
     prefill = [w for w in workers if w.get("worker_type") == "prefill"]
     return workers if len(prefill) == 2 else None
+
+
+async def healthy_rank_workers(env: Stack) -> list[dict[str, object]] | None:
+    """As :func:`rank_workers`, every worker healthy: smg routes only to healthy workers,
+    and a rank whose health probe timed out (an engine slow to answer on a busy machine)
+    waits for smg's next probes (every 60 s by default) to take requests again."""
+    workers = await rank_workers(env)
+    return workers if workers and all(w.get("is_healthy") for w in workers) else None
+
+
+def health(workers: list[dict[str, object]] | None) -> list[tuple[object, ...]]:
+    """What smg knew of each worker (for a failure's message)."""
+    return sorted(
+        (w.get("worker_type"), w.get("url"), w.get("is_healthy"), w.get("load"))
+        for w in workers or []
+    )
 
 
 async def test_the_router_is_rendered_dp_aware_and_lists_every_rank(env: Stack) -> None:
@@ -86,7 +107,10 @@ async def test_the_router_is_rendered_dp_aware_and_lists_every_rank(env: Stack) 
 async def test_every_turn_of_a_trajectory_is_prefilled_on_the_rank_holding_its_prefix(
     env: Stack,
 ) -> None:
-    await env.wait_for(lambda: rank_workers(env), timeout=90, what="smg workers")
+    # Two health probes of smg (default --health-check-interval-secs 60) bound the wait.
+    await env.wait_for(
+        lambda: healthy_rank_workers(env), timeout=240, what="smg with every rank healthy"
+    )
     roles = await env.roles()
     [name] = [n for n, r in roles.items() if r == "prefill"]
     prefill = env.kubelet.pods[name].engine.core
@@ -112,6 +136,8 @@ async def test_every_turn_of_a_trajectory_is_prefilled_on_the_rank_holding_its_p
                 assert len(grew) == 1, grew
                 placed.setdefault(traj, []).append(grew[0])
     print("\nprefill rank of each turn:", placed)
+    seen = health(await listed(env))
     for traj, ranks in placed.items():
-        assert len(set(ranks)) == 1, (traj, ranks)  # SGLang's round robin would alternate
-    assert {ranks[0] for ranks in placed.values()} == {0, 1}  # and both ranks are used
+        # SGLang's round robin would alternate.
+        assert len(set(ranks)) == 1, (traj, ranks, seen)
+    assert {ranks[0] for ranks in placed.values()} == {0, 1}, seen  # and both ranks are used
