@@ -219,7 +219,7 @@ async def test_a_body_declared_past_the_limit_is_413_even_while_the_budget_is_he
     limits = IngestLimits(max_batch_bytes=4_000, max_inflight_bytes=6_000)
     async with serve(limits) as srv:
         big = batch("b", 28)
-        reader, writer = await srv.connect()
+        _reader, writer = await srv.connect()
         writer.write(request_head(length=len(big)) + big[:3_000])
         await writer.drain()
         try:
