@@ -95,8 +95,10 @@ class ChaosOptions:
         unknown = sorted(set(self.faults) - set(FAULTS))
         if unknown or not self.faults:
             raise ValueError(f"unknown faults {unknown} (known: {', '.join(FAULTS)})")
-        if not 2 <= self.instances <= 8:
-            raise ValueError("--instances must be between 2 and 8")
+        if not 3 <= self.instances <= 8:
+            # Each round forces a switch by moving roles.*.min: prefill >= 2 and
+            # decode >= 1 need three engines.
+            raise ValueError("--instances must be between 3 and 8")
         if self.trajectories < 1:
             raise ValueError("--trajectories must be >= 1")
         if not (self.converge_timeout > 0 and self.switch_wait >= 0):

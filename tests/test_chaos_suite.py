@@ -1,0 +1,62 @@
+"""``prorsa bench chaos`` (docs/security.md#attack-and-chaos), small: two operator
+replicas, three engine pods, the real smg and the demo trainer on the API emulator; two
+rounds, each forcing a switch and injecting a fault in it. The faults are those that
+found bugs: smg killed (a restarted router refused every request until its discovery had
+the engines, and the Service routed to it on /health) and an engine crashing mid-switch
+(smg broke the stream off, and the trainer took the short answer). A regression in either
+leaves a round unconverged or tokens lost, and fails ``make test``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prorsa.cli import main
+from prorsa_lab.doubles.smg_router import smg_binary
+from prorsa_lab.robustness.chaos_suite import ChaosOptions
+
+needs_smg = pytest.mark.skipif(smg_binary() is None, reason="smg is not installed")
+
+
+@needs_smg
+def test_two_chaos_rounds_converge_and_the_trainer_loses_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["bench", "chaos", "--rounds", "2", "--seed", "5", "--instances", "3",
+         "--trajectories", "8", "--faults", "restart-router,kill-engine",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    wire = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 0, text
+    assert wire["ok"] is True and wire["roundsConverged"] == wire["roundsRun"] == 2, text
+    assert {r["fault"] for r in wire["rounds"]} == {"restart-router", "kill-engine"}
+    trainer = wire["trainer"]
+    assert trainer["requestsCompleted"] == trainer["requestsSent"] > 0, trainer
+    assert trainer["tokensLost"] == 0 and trainer["requestsFailed"] == 0, trainer
+    assert trainer["eventsDelivered"] == trainer["eventsEmitted"] > 0, trainer
+    assert wire["command"] == (
+        "prorsa bench chaos --rounds 2 --seed 5 --faults restart-router,kill-engine"
+    )
+    # Progress per round, then the summary.
+    assert "round 1/2" in text and "round 2/2" in text
+    assert "prorsa bench chaos: 2/2 rounds converged" in text and ": OK" in text
+    assert (tmp_path / "chaos.log").stat().st_size > 0
+
+
+def test_bench_chaos_refuses_an_unknown_fault_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "chaos", "--faults", "kill-leader,unplug-datacenter"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown faults ['unplug-datacenter']" in err and "kill-leader" in err
+
+
+def test_chaos_options_bound_what_a_round_needs() -> None:
+    with pytest.raises(ValueError, match="--instances"):
+        # Each round moves roles.*.min so the split must change: prefill >= 2 and
+        # decode >= 1 need three engines.
+        ChaosOptions(instances=2)
