@@ -1,10 +1,11 @@
 """``prorsa bench chaos`` (docs/security.md#attack-and-chaos), small: two operator
 replicas, three engine pods, the real smg and the demo trainer on the API emulator; two
-rounds, each forcing a switch and injecting a fault in it. The faults are those that
-found bugs: smg killed (a restarted router refused every request until its discovery had
-the engines, and the Service routed to it on /health) and an engine crashing mid-switch
-(smg broke the stream off, and the trainer took the short answer). A regression in either
-leaves a round unconverged or tokens lost, and fails ``make test``."""
+rounds, each forcing a switch and injecting a fault in it: the leading replica killed
+mid-switch (the other must take over and finish or roll back the switch) and an engine
+crashing mid-switch (smg breaks the stream off; the trainer must get its tokens, not a
+short answer). A regression leaves a round unconverged or tokens lost, and fails ``make
+test``. (The restarted router of the full suite has its own tests: tests/test_smg_router.py
+and tests/test_smg_client.py.)"""
 
 from __future__ import annotations
 
@@ -26,20 +27,20 @@ def test_two_chaos_rounds_converge_and_the_trainer_loses_nothing(
 ) -> None:
     code = main(
         ["bench", "chaos", "--rounds", "2", "--seed", "5", "--instances", "3",
-         "--trajectories", "8", "--faults", "restart-router,kill-engine",
+         "--trajectories", "8", "--faults", "kill-leader,kill-engine",
          "--out", str(tmp_path)]
     )  # fmt: skip
     text = capsys.readouterr().out
     wire = json.loads((tmp_path / "summary.json").read_text())
     assert code == 0, text
     assert wire["ok"] is True and wire["roundsConverged"] == wire["roundsRun"] == 2, text
-    assert {r["fault"] for r in wire["rounds"]} == {"restart-router", "kill-engine"}
+    assert {r["fault"] for r in wire["rounds"]} == {"kill-leader", "kill-engine"}
     trainer = wire["trainer"]
     assert trainer["requestsCompleted"] == trainer["requestsSent"] > 0, trainer
     assert trainer["tokensLost"] == 0 and trainer["requestsFailed"] == 0, trainer
     assert trainer["eventsDelivered"] == trainer["eventsEmitted"] > 0, trainer
     assert wire["command"] == (
-        "prorsa bench chaos --rounds 2 --seed 5 --faults restart-router,kill-engine"
+        "prorsa bench chaos --rounds 2 --seed 5 --faults kill-leader,kill-engine"
     )
     # Progress per round, then the summary.
     assert "round 1/2" in text and "round 2/2" in text

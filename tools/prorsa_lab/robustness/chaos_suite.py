@@ -188,6 +188,11 @@ class ChaosSummary:
             f"  operator    {self.operator['leaseTransitions']} leader changes, replicas started "
             f"{self.operator['starts']}; router {self.router}",
         ]
+        unfinished = t["requestsSent"] - t["requestsCompleted"] - t["requestsFailed"]
+        if unfinished:
+            out.append(
+                f"  UNFINISHED  {unfinished} trainer requests had no answer when the run ended"
+            )
         for r in self.rounds:
             if not r.converged:
                 out.append(f"  NOT CONVERGED round {r.index} {r.fault}: {'; '.join(r.problems)}")
