@@ -9,13 +9,17 @@ and tests/test_smg_client.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from prorsa.cli import main
 from prorsa_lab.doubles.smg_router import smg_binary
+from prorsa_lab.robustness.chaos_faults import Replica, supervise
 from prorsa_lab.robustness.chaos_suite import ChaosOptions
 
 needs_smg = pytest.mark.skipif(smg_binary() is None, reason="smg is not installed")
@@ -61,3 +65,35 @@ def test_chaos_options_bound_what_a_round_needs() -> None:
         # Each round moves roles.*.min so the split must change: prefill >= 2 and
         # decode >= 1 need three engines.
         ChaosOptions(instances=2)
+
+
+async def test_a_replica_that_exits_is_started_again_as_the_kubelet_would(tmp_path: Path) -> None:
+    """A replica that loses the Lease exits on purpose (`prorsa operator --leader-elect`);
+    in a cluster the kubelet starts its container again. Without that the suite ran on
+    with no replica left (found by its own 15-round run on a loaded machine)."""
+
+    class Exiting(Replica):
+        async def start(self) -> None:  # a process that ends at once, as on a lost Lease
+            if self.alive:
+                return
+            self.starts += 1
+            self.process = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+
+    replica = Exiting(pod="prorsa-a", env=cast(Any, None), log_dir=tmp_path)
+    await replica.start()
+    supervisor = asyncio.create_task(supervise([replica], delay=0.1))
+    try:
+        for _ in range(200):
+            if replica.starts >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert replica.starts >= 3
+        replica.stopped = True  # the suite's own stop: never started again
+        await asyncio.sleep(0.3)
+        if replica.process is not None:
+            await replica.process.wait()
+        starts = replica.starts
+        await asyncio.sleep(0.6)
+        assert replica.starts == starts
+    finally:
+        supervisor.cancel()

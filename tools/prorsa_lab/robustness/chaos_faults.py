@@ -40,8 +40,12 @@ class Replica:
     log_dir: Path
     process: asyncio.subprocess.Process | None = None
     starts: int = 0
+    stopped: bool = False  # stopped for good (the suite ends): not restarted
+    restart_at: float | None = None  # loop time at which the supervisor starts it again
 
     async def start(self) -> None:
+        if self.alive:
+            return
         argv = self.env.operator_argv(
             pod_name=self.pod, metrics_port=free_port(), liveness_port=free_port()
         )
@@ -68,12 +72,32 @@ class Replica:
 
     async def stop(self) -> None:
         """SIGTERM, as a pod deletion: the replica hands the Lease over."""
+        self.stopped = True
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.process.wait(), 60)
             except TimeoutError:
                 await self.kill()
+
+
+async def supervise(replicas: list[Replica], *, delay: float = 1.0) -> None:
+    """Start again a replica whose process ended, as the kubelet restarts a pod's
+    container: a replica that loses the Lease exits on purpose (``prorsa operator
+    --leader-elect``), and a killed one comes back. ``delay`` after the exit, unless a
+    fault set its own ``restart_at``. Runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        now = loop.time()
+        for replica in replicas:
+            if replica.stopped or replica.alive or replica.process is None:
+                continue
+            if replica.restart_at is None:
+                replica.restart_at = now + delay
+            elif now >= replica.restart_at:
+                replica.restart_at = None
+                await replica.start()
+        await asyncio.sleep(0.25)
 
 
 @dataclass
@@ -155,10 +179,10 @@ async def kill_leader(ctx: ChaosContext) -> dict[str, Any]:
     leader = await ctx.lease_holder()
     if leader is None:
         return {"skipped": "no replica leads"}
-    await leader.kill()
     back = ctx.rng.uniform(1.0, 5.0)
-    ctx.later(back, leader.start)
-    await ctx.settle_background()
+    leader.restart_at = asyncio.get_running_loop().time() + back  # the supervisor's
+    await leader.kill()
+    await asyncio.sleep(back + 0.5)
     return (
         {"replica": leader.pod, "restartedAfter": round(back, 1)}
         | _intent(None if found is None else found[1])
@@ -271,4 +295,5 @@ __all__ = [
     "Fault",
     "Replica",
     "describe",
+    "supervise",
 ]

@@ -63,6 +63,7 @@ from prorsa_lab.robustness.chaos_faults import (
     ChaosContext,
     Replica,
     describe,
+    supervise,
 )
 from prorsa_sdk import AsyncEventEmitter
 
@@ -383,10 +384,12 @@ async def _run(options: ChaosOptions, *, say: Any, router: str) -> ChaosSummary:
             rng=rng,
             switch_wait=options.switch_wait,
         )
+        supervisor: asyncio.Task[None] | None = None
         try:
             for replica in replicas:
                 await env.create_operator_pod(replica.pod)
                 await replica.start()
+            supervisor = asyncio.create_task(supervise(replicas))
             await env.create_cluster(chaos_manifest(options))
             say("  starting: two operator replicas, the engine pods, smg...")
             ok, _seconds, problems = await _converge(
@@ -397,6 +400,10 @@ async def _run(options: ChaosOptions, *, say: Any, router: str) -> ChaosSummary:
             say(f"  up in {time.monotonic() - started:.0f} s: {_split(await env.roles(CLUSTER))}")
             return await _rounds(options, ctx, rng=rng, say=say, router=router, started=started)
         finally:
+            if supervisor is not None:
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervisor
             for replica in replicas:
                 await replica.stop()
 
