@@ -31,6 +31,8 @@ SLOW_MODULES = {
 }
 # Single tests that run the whole operator in an otherwise quick module.
 SLOW_TESTS = {
+    # Two chaos rounds against two operator replicas, the real smg and the stack.
+    "test_chaos_suite.py": {"test_two_chaos_rounds_converge_and_the_trainer_loses_nothing"},
     "test_chart.py": {
         # The chart's RBAC held against every call of a whole operator scenario.
         "test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not",

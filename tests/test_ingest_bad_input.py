@@ -101,6 +101,29 @@ async def test_corrupt_gzip_body_is_400_naming_the_encoding(srv: Served) -> None
     assert r.json()["applied"] == 1
 
 
+# (br and zstd without their libraries are refused by aiohttp's parser itself, 400 too.)
+@pytest.mark.parametrize("encoding", ["xz", "gzip, gzip", "compress"])
+async def test_a_content_encoding_the_webhook_does_not_decode_is_400_naming_it(
+    srv: Served, encoding: str
+) -> None:
+    """Found by `prorsa bench attack`: aiohttp reads a coding it does not know as no coding
+    at all, so a JSON body labelled ``xz`` was applied, and a real xz body was refused as
+    "not JSON" without a word about its encoding."""
+    body = json.dumps({"events": [queued("a", "t")]}).encode()
+    headers = {**AUTH, "Content-Encoding": encoding, "Content-Type": "application/json"}
+    for what in ("events", "snapshot"):
+        r = await srv.http.post(f"{BASE}/{what}", content=body, headers=headers)
+        assert r.status_code == 400, r.text
+        assert encoding in r.json()["error"] and r.json()["reason"] == "unreadable"
+    assert srv.handle.applied == 0
+    r = await srv.http.post(
+        f"{BASE}/events",
+        content=gzip.compress(body),
+        headers={**headers, "Content-Encoding": "GZIP"},
+    )
+    assert r.status_code == 200 and r.json()["applied"] == 1
+
+
 # -- authentication before anything that reveals a cluster ------------------------------
 
 

@@ -362,6 +362,26 @@ async def test_a_workers_snapshot_does_not_supersede_its_weight_update_events(
     assert srv.handle.controller.table.weight_update.pending is False
 
 
+async def test_events_a_workers_snapshot_superseded_are_duplicates_under_any_other_id(
+    srv: Served,
+) -> None:
+    """Found by `prorsa bench attack`: a batch superseded by its emitter's snapshot, sent
+    again under no emitter id (or another one), was applied on top of the snapshot that
+    already held it. Its ids are remembered like any other: the resend is a duplicate."""
+    t0 = time.time()
+    worker = emitting("worker-0")
+    snap = {"ts": t0, "trajectories": []}
+    assert (await srv.http.post(f"{BASE}/snapshot", json=snap, headers=worker)).is_success
+    late = {"events": [queued("late-a", "a", t0 - 1), queued("late-b", "b", t0 - 1)]}
+    r = await srv.http.post(f"{BASE}/events", json=late, headers=worker)
+    assert (r.json()["applied"], r.json()["superseded"]) == (0, 2)
+    for headers in (AUTH, emitting("worker-1"), worker):
+        r = await srv.http.post(f"{BASE}/events", json=late, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["applied"] == 0, (headers, r.json())
+    assert sum(srv.handle.controller.live_trajectories().values()) == 0
+
+
 async def test_a_snapshot_without_an_emitter_still_replaces_every_trajectory(
     srv: Served,
 ) -> None:

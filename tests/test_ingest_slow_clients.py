@@ -212,6 +212,32 @@ async def test_bytes_that_arrived_count_against_the_budget() -> None:
         assert (await srv.post(batch("n", 28))).status_code == 200
 
 
+async def test_a_body_declared_past_the_limit_is_413_even_while_the_budget_is_held() -> None:
+    """Found by `prorsa bench attack`: while other bodies held the in-flight budget, a
+    body declared past the size limit got 429 "retry shortly", which no retry could ever
+    satisfy. The declared size is checked first: 413, as when the server is idle."""
+    limits = IngestLimits(max_batch_bytes=4_000, max_inflight_bytes=6_000)
+    async with serve(limits) as srv:
+        big = batch("b", 28)
+        _reader, writer = await srv.connect()
+        writer.write(request_head(length=len(big)) + big[:3_000])
+        await writer.drain()
+        try:
+            await until(lambda: srv.server.inflight_bytes == 3_000, "partial body counted")
+            for what, size in (("events", 5_000), ("snapshot", 64 << 20)):
+                oversized = request_head(length=size).replace(b"/events", f"/{what}".encode())
+                r_reader, r_writer = await srv.connect()
+                r_writer.write(oversized)
+                await r_writer.drain()
+                reply = await closed_within_patience_or_reply(r_reader)
+                r_writer.close()
+                assert reply.startswith(b"HTTP/1.1 413"), (what, reply[:200])
+            # A batch that fits the limit but not the budget now is still told to retry.
+            assert (await srv.post(batch("n", 28))).status_code == 429
+        finally:
+            writer.close()
+
+
 async def closed_within_patience_or_reply(reader: asyncio.StreamReader) -> bytes:
     """The status line and headers of one reply on a kept-alive connection."""
     return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=PATIENCE)

@@ -500,6 +500,33 @@ async def test_async_server_streams_a_watch_to_aiohttp() -> None:
         assert event["type"] == "ADDED" and event["object"]["metadata"]["name"] == "c"
 
 
+async def test_dropped_watches_are_reset_and_a_new_watch_replays_what_they_missed() -> None:
+    """The chaos suite's drop-watches fault: every open watch connection is reset, as an
+    API server restart does; a client that watches again from its last resourceVersion
+    loses nothing written meanwhile."""
+    async with KubeEmulatorServer() as kube, aiohttp.ClientSession(kube.url) as http:
+        headers = {"Authorization": "Bearer anything"}
+        async with http.get("/api/v1/namespaces/default/configmaps", headers=headers) as reply:
+            rv = (await reply.json())["metadata"]["resourceVersion"]
+        url = "/api/v1/namespaces/default/configmaps?watch=true&timeoutSeconds=30"
+        async with http.get(f"{url}&resourceVersion={rv}", headers=headers) as stream:
+            kube.emulator.create_object(
+                "configmaps", {"metadata": {"name": "a", "namespace": "default"}}
+            )
+            seen = json.loads(await asyncio.wait_for(stream.content.readline(), timeout=5))
+            assert kube.emulator.drop_watches() == 1
+            with pytest.raises(aiohttp.ClientError):
+                await asyncio.wait_for(stream.content.read(), timeout=5)
+        assert not kube.emulator._watching
+        kube.emulator.create_object(
+            "configmaps", {"metadata": {"name": "b", "namespace": "default"}}
+        )
+        last = seen["object"]["metadata"]["resourceVersion"]
+        async with http.get(f"{url}&resourceVersion={last}", headers=headers) as stream:
+            line = await asyncio.wait_for(stream.content.readline(), timeout=5)
+        assert json.loads(line)["object"]["metadata"]["name"] == "b"
+
+
 # -- deletion: finalizers and garbage collection ---------------------------------------------
 
 

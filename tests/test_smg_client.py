@@ -3,8 +3,11 @@ and the trainer reports what it observes (sent, first token) without an instance
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
+from aiohttp import web
 
 from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
@@ -79,3 +82,86 @@ async def test_an_answer_aborted_before_its_first_token_is_a_prefill_abort() -> 
     assert reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert client.counters.prefill_aborts == 1 and client.jobs[0].aborted
     assert [c[0] for c in events.calls] == ["prefill_started"]
+
+
+async def test_a_router_that_has_not_discovered_the_engines_yet_is_asked_again() -> None:
+    """A started or restarted smg answers 404 model_not_found until its discovery has
+    registered the engines; in a cluster its Service keeps it out meanwhile (readiness on
+    /readiness), here the client sends the request again. Any other 404 is the answer."""
+    not_found = 2
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        nonlocal not_found
+        if (await request.json())["rid"] == "other@0":
+            return web.json_response({"error": "no such route"}, status=404)
+        if not_found:
+            not_found -= 1
+            error = {"type": "invalid_request_error", "code": "model_not_found",
+                     "message": "No worker available for model 'm'"}  # fmt: skip
+            return web.json_response({"error": error}, status=404)
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        chunk = {"text": " t1", "output_ids": [1],
+                 "meta_info": {"finish_reason": {"type": "length", "length": 1}}}  # fmt: skip
+        await stream.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        return stream
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    client = SmgClient(url=url, model="m")
+    try:
+        async with httpx.AsyncClient(transport=client, base_url=url) as http:
+            body = {"rid": "t@0", "text": "w", "sampling_params": {"max_new_tokens": 1}}
+            reply = await http.post("/generate", json=body)
+            assert reply.status_code == 200 and reply.json()["output_ids"] == [1]
+            assert client.counters.busy == 2
+            reply = await http.post("/generate", json=body | {"rid": "other@0"})
+            assert reply.status_code == 404 and client.counters.busy == 2
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'data: {"error": {"message": "Stream error: unexpected EOF", "type": "stream_error"}}'
+        b"\n\ndata: [DONE]\n\n",
+        b"data: [DONE]\n\n",
+        b"",
+    ],
+    ids=["smg-stream-error", "done-without-finish", "cut-off"],
+)
+async def test_a_stream_that_breaks_off_is_a_failure_not_a_short_answer(tail: bytes) -> None:
+    """Found by `prorsa bench chaos`: when the decode engine dies mid-answer, smg sends an
+    error chunk and then [DONE]; the client returned the tokens so far as the whole answer
+    (asked 1346, got 513, nothing resumed). A stream that never finishes its answer is a
+    502, which ResumableGeneration sends again."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        chunk = {"text": " t1 t2", "output_ids": [1, 2], "meta_info": {"finish_reason": None}}
+        await stream.write(f"data: {json.dumps(chunk)}\n\n".encode() + tail)
+        return stream
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    client = SmgClient(url=url, model="m", incremental=True)
+    try:
+        async with httpx.AsyncClient(transport=client, base_url=url) as http:
+            body = {"rid": "t@0", "text": "w", "sampling_params": {"max_new_tokens": 9}}
+            reply = await http.post("/generate", json=body)
+        assert reply.status_code == 502, reply.text
+        assert client.counters.errors == 1
+    finally:
+        await client.aclose()
+        await runner.cleanup()

@@ -235,3 +235,44 @@ async def test_draining_leaves_smg_before_the_flip_and_returns_with_the_new_type
     # fixed 5 s: the pod is gone from /workers well before the operator's 30 s timeout.
     assert 4.0 <= left - draining < 20.0
     assert stopped_after is None or stopped_after < 3.0
+
+
+async def test_a_restarted_router_is_not_ready_until_it_can_route(env: Stack) -> None:
+    """Found by `prorsa bench chaos`: smg answers ``/generate`` 404 model_not_found from
+    its start until its discovery has registered the engines, and the router Deployment's
+    readiness probe (``/health``) passed all along, so the Service sent trainers' requests
+    to a router that refused them for good (a 404 is no error to retry). The probe the
+    operator renders must fail while smg cannot route (so the Service keeps it out), and
+    pass once it can. (Kept last: it restarts the module's smg.)"""
+    await env.wait_for(lambda: registered_as_labelled(env), timeout=90, what="smg workers")
+    deployment = await env.kube.call(
+        env.kube.apps.read_namespaced_deployment, "demo-router", env.namespace
+    )
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    path = container["readinessProbe"]["httpGet"]["path"]
+    old = smg(env)
+    assert old.process is not None
+    old.process.kill()
+    body = {"model": MODEL, "text": "w " * 5, "sampling_params": {"max_new_tokens": 2}}
+    refused_while_ready = []
+    unready = served = 0
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        deadline = time.monotonic() + 90
+        while served < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            router = env.kubelet.router
+            if router is None or router is old:
+                continue  # the kubelet has not started the new one yet
+            try:  # the probe first: smg only moves on, from not routing to routing
+                ready = (await client.get(f"{router.url}{path}")).status_code == 200
+                reply = await client.post(f"{router.url}/generate", json=body)
+            except httpx.TransportError:
+                unready += 1
+                continue
+            unready += not ready
+            served += reply.status_code == 200
+            if ready and reply.status_code == 404:
+                refused_while_ready.append(reply.text[:200])
+    assert served == 3, "the restarted smg never served"
+    assert not refused_while_ready, f"ready per {path}, yet: {refused_while_ready[:2]}"
+    assert unready, f"{path} never failed after the restart"

@@ -225,10 +225,8 @@ async def _start_context(config: OperatorSettings, prom: CollectorRegistry) -> O
             cert_file=Path(config.webhook_tls_dir, "tls.crt"),
             key_file=Path(config.webhook_tls_dir, "tls.key"),
         )
-    app = web.Application()
     # Unauthenticated /metrics names every served cluster: not on the trainers' port.
-    ctx.server.add_routes(app, metrics=False)
-    ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
+    ctx.runner = ctx.server.runner(ctx.server.trainer_app())  # with the header deadline
     await ctx.runner.setup()
     site = web.TCPSite(
         ctx.runner,

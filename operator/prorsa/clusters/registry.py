@@ -241,16 +241,19 @@ class WebhookCluster:
 
     def _superseded(
         self, events: Sequence[Event], emitter: str | None
-    ) -> tuple[Sequence[Event], int]:
+    ) -> tuple[Sequence[Event], list[Event]]:
         """``events`` less the trajectory events a named emitter's last snapshot holds
-        already (stamped before it), and how many those were. Its cluster events stay: a
-        snapshot of one emitter's trajectories says nothing of a weight update's end."""
+        already (stamped before it), and those. Its cluster events stay: a snapshot of one
+        emitter's trajectories says nothing of a weight update's end."""
         mine = None if emitter is None else self._emitter_snapshot_ts.get(emitter)
         every = self._snapshot_ts
         if mine is None or (every is not None and every >= mine):
-            return events, 0
-        kept = [e for e in events if not e.ts < mine or e.type in CLUSTER_EVENT_TYPES]
-        return kept, len(events) - len(kept)
+            return events, []
+        kept: list[Event] = []
+        stale: list[Event] = []
+        for e in events:
+            (kept if not e.ts < mine or e.type in CLUSTER_EVENT_TYPES else stale).append(e)
+        return kept, stale
 
     def trainer_now(self) -> float:
         return self.clock.trainer_now()
@@ -291,9 +294,13 @@ class WebhookCluster:
             newest = sent_at if sent_at is not None else max(e.ts for e in events)
             self.clock.observe(received=received, trainer_sent=newest)
         window = self._window
-        current, superseded = self._superseded(events, emitter)
+        current, stale = self._superseded(events, emitter)
+        if stale:
+            # Seen all the same: sent again under another emitter id (or none), they would
+            # apply what this emitter's snapshot already holds.
+            window.admit(stale)
         fresh, duplicates, older = window.admit(current, before=self._snapshot_ts)
-        superseded += older
+        superseded = len(stale) + older
         applied = anomalies = 0
         left: list[Event] = []
         if fresh:

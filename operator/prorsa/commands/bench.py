@@ -1,11 +1,14 @@
-"""``prorsa bench``: the project's performance figures, each printed as ratios from one run."""
+"""``prorsa bench``: the project's performance figures, each printed as ratios from one run,
+and the robustness suites (``attack``, ``chaos``) whose counts docs/security.md publishes."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-HELP = "run benchmarks (controller, ingest, rollout, events, or all)"
+HELP = (
+    "run benchmarks (controller, ingest, rollout, events, or all) and the attack and chaos suites"
+)
 
 # Benchmark name -> module exposing configure(parser) and run(args) -> int.
 BENCHES: dict[str, str] = {
@@ -14,16 +17,24 @@ BENCHES: dict[str, str] = {
     "rollout": "prorsa_lab.bench.rollout_bench",
     "events": "prorsa_lab.bench.events_bench",
 }
+# Robustness suites (docs/security.md): counts of what broke, not performance figures, and
+# minutes long, so `prorsa bench all` (make bench) leaves them out.
+SUITES: dict[str, str] = {
+    "attack": "prorsa_lab.robustness.attack_suite",
+    "chaos": "prorsa_lab.robustness.chaos_suite",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, module_name in BENCHES.items():
+    for name, module_name in (BENCHES | SUITES).items():
         module = importlib.import_module(module_name)
         child = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.configure(child)
         child.set_defaults(_bench_run=module.run)
-    everything = sub.add_parser("all", help="every benchmark above, with --quick settings")
+    everything = sub.add_parser(
+        "all", help="every benchmark, with --quick settings (not the attack and chaos suites)"
+    )
     everything.set_defaults(_bench_run=_run_all)
 
 

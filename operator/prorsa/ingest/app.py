@@ -8,11 +8,11 @@ Order of checks on a request, cheapest and least revealing first: token (401: a 
 of no served cluster, whether or not the cluster exists, so names cannot be probed), then
 cluster known (404), header sanity (400), ``X-Prorsa-Sent-At`` within the window of
 plausible times and ``X-Prorsa-Emitter`` well formed (422), declared size (413), the
-cluster's queue (429), body read within its deadline (408), the size limit (413) and the
-server-wide bytes in flight (429; events and snapshots each have a budget), parse and
-validate (400/422), event times within the window (422), then dedupe and apply, where
-events that would start trajectories past the cluster's ``maxLiveTrajectories`` are
-refused (429, the rest of the batch applied).
+cluster's queue (429), a Content-Encoding it decodes (400), body read within its
+deadline (408), the size limit (413) and the server-wide bytes in flight (429; events
+and snapshots each have a budget), parse and validate (400/422), event times within the
+window (422), then dedupe and apply, where events that would start trajectories past the
+cluster's ``maxLiveTrajectories`` are refused (429, the rest of the batch applied).
 
 Nothing is read into memory before the token is checked, and the bytes held at once
 across all requests are bounded, so memory stays bounded under any input. Bytes count
@@ -82,6 +82,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # intends: at 100 bytes it went to a thread, paying the hop on every batch.
 _BYTES_PER_EVENT = 200
 _READ_CHUNK = 1 << 16
+_ENCODINGS = frozenset({"gzip", "deflate", "identity"})  # the codings the webhook decodes
 _EVENT_TYPE = attrgetter("type")  # a C-level loop over the batch for the metrics
 
 
@@ -213,6 +214,15 @@ class WebhookServer:
         """A complete application: the webhook, /healthz, /metrics, JSON errors everywhere."""
         app = web.Application(middlewares=[_json_errors])
         self.add_routes(app)
+        return app
+
+    def trainer_app(self) -> web.Application:
+        """What the operator serves on the trainers' port: the webhook and ``/healthz``,
+        no ``/metrics`` (it names every served cluster; the operator serves it on a port
+        of its own, docs/security.md). The attack suite (``prorsa bench attack``) serves
+        this same application."""
+        app = web.Application()
+        self.add_routes(app, metrics=False)
         return app
 
     def runner(self, app: web.Application | None = None) -> web.AppRunner:
@@ -355,15 +365,31 @@ class WebhookServer:
         finally:
             budget.held -= held.bytes
 
-    async def _read(
-        self, request: web.Request, handle: WebhookCluster, *, limit: int, held: _Held
-    ) -> bytes:
-        """The body, within ``body_timeout_seconds`` (408), ``limit`` bytes (413) and the
-        server-wide budget (429), refusing as soon as one is exceeded."""
+    @staticmethod
+    def _declared(request: web.Request, handle: WebhookCluster, *, limit: int) -> None:
+        """413 for a body declared past ``limit``, before anything that says "retry": no
+        retry of it could ever be accepted."""
         declared = request.content_length
         if declared is not None and declared > limit:
             raise Refusal(
                 413, "too_large", f"body of {declared} bytes exceeds {limit}", handle=handle
+            )
+
+    async def _read(
+        self, request: web.Request, handle: WebhookCluster, *, limit: int, held: _Held
+    ) -> bytes:
+        """The body, within ``body_timeout_seconds`` (408), ``limit`` bytes (413: the
+        declared size is checked before, by :meth:`_declared`) and the server-wide
+        budget (429), refusing as soon as one is exceeded."""
+        encoding = request.headers.get("Content-Encoding")
+        if encoding is not None and encoding.strip().lower() not in _ENCODINGS:
+            # aiohttp reads a coding it does not know as if there were none: say so instead.
+            raise Refusal(
+                400,
+                "unreadable",
+                f"Content-Encoding {encoding[:40]!r} is not supported: send gzip, deflate "
+                "or an unencoded body",
+                handle=handle,
             )
         budget = held.budget
         deadline = self.limits.body_timeout_seconds
@@ -426,6 +452,8 @@ class WebhookServer:
         window = self._window(handle)
         sent_at = self._sent_at(request, handle, window)
         emitter = self._emitter(request, handle)
+        limit = self.limits.max_batch_bytes
+        self._declared(request, handle, limit=limit)
         try:
             handle.check_capacity()
         except QueueFull as full:
@@ -439,7 +467,6 @@ class WebhookServer:
                 raise BatchError(outside)
             return events
 
-        limit = self.limits.max_batch_bytes
         async with self._holding(request, handle, self._events_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             events: list[Event] = await self._parse(body, parse_in_window, handle)
@@ -487,6 +514,7 @@ class WebhookServer:
             return snapshot
 
         limit = self.limits.max_snapshot_bytes
+        self._declared(request, handle, limit=limit)
         # Held until loaded: the parsed snapshot is the largest object a request makes.
         async with self._holding(request, handle, self._snapshots_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)

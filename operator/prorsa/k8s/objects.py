@@ -394,8 +394,11 @@ def router_objects(
                                 "command": ["smg"],
                                 "args": args,
                                 "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+                                # /readiness, not /health: a started smg answers
+                                # /generate 404 model_not_found until its discovery has
+                                # registered the engines; the Service keeps it out till then.
                                 "readinessProbe": {
-                                    "httpGet": {"path": "/health", "port": ROUTER_PORT},
+                                    "httpGet": {"path": "/readiness", "port": ROUTER_PORT},
                                     "periodSeconds": 5,
                                 },
                                 "securityContext": {

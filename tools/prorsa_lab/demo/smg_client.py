@@ -63,7 +63,7 @@ class SmgCounters:
     prefill_aborts: int = 0  # aborted before any token (in prefill or in the KV transfer)
     decode_aborts: int = 0  # aborted while decoding (partial output returned)
     errors: int = 0  # smg answered an HTTP error or could not be reached
-    busy: int = 0  # 503 answers retried: no worker of a role at that moment (a switch)
+    busy: int = 0  # 503 (no worker of a role: a switch) or not-yet-routable 404s, retried
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -73,6 +73,15 @@ def prompt_tokens(body: dict[str, Any]) -> int:
         return len(ids)
     text = body.get("text")
     return len(text.split()) if isinstance(text, str) else 0
+
+
+def _model_not_found(body: bytes) -> bool:
+    """smg's 404 for a model no registered worker serves (yet)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "model_not_found"
 
 
 def _finish(reply: dict[str, Any]) -> dict[str, Any]:
@@ -123,14 +132,24 @@ class SmgClient(httpx.AsyncBaseTransport):
     @contextlib.asynccontextmanager
     async def _stream_when_served(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
         """The streamed reply, retrying smg's 503: while the only worker of a role drains
-        for a switch, smg has none to pick, and a trainer sends the request again."""
+        for a switch, smg has none to pick, and a trainer sends the request again.
+
+        Also its 404 ``model_not_found``, which only a router that has not yet discovered
+        the engines answers (just started or restarted). In a cluster the router's Service
+        keeps such a router out (its readiness probe is smg's ``/readiness``): the request
+        is refused at connect and sent again. Here the trainer reaches smg itself, with no
+        Service in between, so it sends the request again on that answer instead.
+        """
         deadline = self.clock() + BUSY_RETRY_SECONDS
         delay = 0.25
         while True:
             async with self._http.stream(
                 "POST", f"{self.url}/generate", json={**body, "model": self.model, "stream": True}
             ) as reply:
-                if reply.status_code != 503 or self.clock() + delay > deadline:
+                retry = reply.status_code == 503 or (
+                    reply.status_code == 404 and _model_not_found(await reply.aread())
+                )
+                if not retry or self.clock() + delay > deadline:
                     yield reply
                     return
                 self.counters.busy += 1
@@ -162,6 +181,10 @@ class SmgClient(httpx.AsyncBaseTransport):
                     chunk = json.loads(line.removeprefix("data:"))
                     if not isinstance(chunk, dict):
                         continue
+                    if "error" in chunk:
+                        # smg's word that the stream broke (the engine died mid-answer):
+                        # what came is not the answer, and [DONE] still follows.
+                        raise ValueError(f"the stream broke: {str(chunk['error'])[:200]}")
                     if last is None:
                         self._first_chunk(job, chunk, trajectory, rid)
                     last = chunk
@@ -171,9 +194,12 @@ class SmgClient(httpx.AsyncBaseTransport):
             self.counters.errors += 1
             job.done, job.aborted = job.done or self.clock(), job.done is None
             return httpx.Response(502, json={"error": f"smg: {exc}"})
-        if last is None:
+        if last is None or not _finish(last):
+            # No chunk, or none that finished the answer: a stream cut short.
             self.counters.errors += 1
-            return httpx.Response(502, json={"error": "smg sent no data"})
+            job.done, job.aborted = job.done or self.clock(), job.done is None
+            what = "no data" if last is None else "a stream that ended before its answer"
+            return httpx.Response(502, json={"error": f"smg sent {what}"})
         if self.incremental:
             last = {**last, "output_ids": ids, "text": "".join(text)}
         if _finish(last).get("type") == "abort":

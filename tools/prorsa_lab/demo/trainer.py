@@ -166,6 +166,7 @@ class DemoTrainer:
         concurrency: int,
         seed: int = 0,
         clock: Callable[[], float] = time.time,
+        max_retries: int = 3,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -173,7 +174,11 @@ class DemoTrainer:
         self.schedule = schedule
         self.emitter = emitter
         self.tap = _ResumeTap(emitter)
-        self.gen = ResumableGeneration(router, max_resumes=16, emitter=self.tap)
+        # max_retries: how often a request that failed outright (router or engine gone, a
+        # 5xx) is sent again, with backoff; the chaos suite restarts the router.
+        self.gen = ResumableGeneration(
+            router, max_resumes=16, max_retries=max_retries, emitter=self.tap
+        )
         self.concurrency = concurrency
         self.seed = seed
         self.clock = clock

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,6 +136,7 @@ class FakeKubelet:
     _task: asyncio.Task[None] | None = None
     _warned: bool = False
     _unrunnable: set[str] = field(default_factory=set)  # pods warned about, by uid
+    _comebacks: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by pod name
 
     async def __aenter__(self) -> FakeKubelet:
         self._task = asyncio.create_task(self._loop(), name="fake-kubelet")
@@ -167,6 +168,47 @@ class FakeKubelet:
         """The pod's container dies for good: phase Failed (the operator must replace it)."""
         await self._stop(name)
         await self._failed(name)
+
+    async def crash_engine(self, name: str, *, restart_after: float) -> bool:
+        """The pod's engine process dies; the agent's supervisor (``prorsa-agent --launch``
+        in an engine pod) starts it again ``restart_after`` seconds later, in its launch
+        role. False when no engine of that name runs here."""
+        runtime = self.pods.get(name)
+        if runtime is None or name in self._comebacks:
+            return False
+        await runtime.engine.crash()
+        self._come_back(name, runtime, restart_after, runtime.engine.restart)
+        return True
+
+    async def restart_agent(self, name: str, *, down_for: float) -> bool:
+        """The pod's agent goes away (killed, or cut off) and is back ``down_for`` seconds
+        later, on the same address; the engine keeps running in its role meanwhile. False
+        when no engine pod of that name runs here."""
+        runtime = self.pods.get(name)
+        if runtime is None or name in self._comebacks:
+            return False
+        await runtime.pod.stop_agent()
+        self._come_back(name, runtime, down_for, runtime.pod.start_agent)
+        return True
+
+    def _come_back(
+        self, name: str, runtime: PodRuntime, after: float, start: Callable[[], Awaitable[object]]
+    ) -> None:
+        async def later() -> None:
+            try:
+                await asyncio.sleep(after)
+                if self.pods.get(name) is runtime:  # not stopped or replaced meanwhile
+                    await start()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("pod %s: restart after a fault", name)
+            finally:
+                if self._comebacks.get(name) is task:
+                    del self._comebacks[name]
+
+        task = asyncio.create_task(later(), name=f"comeback-{name}")
+        self._comebacks[name] = task
 
     async def _failed(self, name: str) -> None:
         pod = await self.kube.get_pod(self.namespace, name)
@@ -396,6 +438,7 @@ class FakeKubelet:
             entry[1].stop()
 
     async def _stop(self, name: str) -> None:
+        await cancel_and_wait(self._comebacks.pop(name, None))
         worker = self.workers.pop(name, None)
         if worker is not None:
             await worker.rank.stop()

@@ -240,6 +240,8 @@ class Stack:
             argv.append(f"--operator-namespace={config.operator_namespace}")
         if config.options.tick_seconds:
             argv.append(f"--tick-seconds={config.options.tick_seconds}")
+        if self.router_url:  # the smg the kubelet runs, as in operator_config
+            argv.append(f"--router-url-template={self.router_url}")
         if config.webhook_tls_dir:
             argv.append(f"--webhook-tls-dir={config.webhook_tls_dir}")
         election = config.leader_election

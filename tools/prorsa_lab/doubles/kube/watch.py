@@ -38,6 +38,23 @@ from prorsa_lab.doubles.kube.store import (
 class Watches(Admission):
     """Watch streams over the change log, and kubectl tables."""
 
+    # The connections of the watches being served (for drop_watches).
+    _watching: set[asyncio.Transport] = attrs.field(factory=set, init=False)
+
+    def drop_watches(self) -> int:
+        """Reset every open watch connection, as an API server that restarts or a load
+        balancer that times out idle streams does: clients must notice, list and watch
+        again, losing no change (the chaos suite's ``drop-watches`` fault). Safe from any
+        thread; returns how many were open."""
+        transports = list(self._watching)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return 0
+        for transport in transports:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(transport.abort)
+        return len(transports)
+
     async def _watch(
         self, spec: ResourceSpec, request: kmock.Request, parsed: ApiPath
     ) -> aiohttp.web.StreamResponse:
@@ -87,6 +104,9 @@ class Watches(Admission):
         await response.prepare(raw)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        transport = raw.transport
+        if transport is not None:
+            self._watching.add(transport)
         try:
             for obj in initial:
                 await response.write(line("ADDED", obj))
@@ -141,6 +161,9 @@ class Watches(Admission):
             await response.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             pass
+        finally:
+            if transport is not None:
+                self._watching.discard(transport)
         return response
 
     def _events_after(self, rv: int) -> list[WatchEvent]:
