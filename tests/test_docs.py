@@ -87,7 +87,8 @@ def test_readme_shows_the_commands_and_links_every_page() -> None:
     linked = {t.partition("#")[0] for t in _links(ROOT / "README.md")}
     for page in sorted((ROOT / "docs").glob("*.md")):
         assert f"docs/{page.name}" in linked, f"README does not link docs/{page.name}"
-    assert len(readme.splitlines()) <= 300
+    # A newcomer reads it in five minutes; figures live in docs/demo.md and docs/benchmarks.md.
+    assert len(readme.splitlines()) <= 150
 
 
 def _tracked() -> list[str]:
