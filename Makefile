@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test lint bench demo venv clean
+.PHONY: test lint bench demo venv clean engine-env test-engine demo-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,21 @@ bench: $(DEMO_STAMP)
 DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
 	$(BIN)/prorsa demo $(DEMO_ARGS)
+
+# The real SGLang 0.5.23 on this CPU: .venv-engine (sglang, mooncake's non-CUDA transfer
+# engine, smg; about 10 minutes and 11 GB the first time, a no-op once built) and the tiny
+# model; apt-installs libibverbs1 when missing (docs/testing.md).
+engine-env:
+	scripts/engine-env.sh
+
+# tests/real_engine/ (pytest marker real_engine, left out of `make test`): the agent, the
+# operator and SGLang's own flag validation against real engines behind the real smg.
+test-engine: engine-env $(TEST_STAMP)
+	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q -m real_engine tests/real_engine
+
+# `make demo` with real SGLang engines on this CPU instead of engine doubles.
+demo-sglang: engine-env $(DEMO_STAMP)
+	$(BIN)/prorsa demo --engine sglang $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench-out

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import make_spec
 
-from prorsa.core.advice import deployment_advice, refused_flags
+from prorsa.core.advice import deployment_advice
+from prorsa.core.engine_flags import role_switch_refusals
+from prorsa.core.spec import SpecError
 
 
 def test_role_switch_refusals_are_named() -> None:
     args = ["--ep-size", "8", "--moe-a2a-backend=deepep", "--pp-size", "1", "--dp-size", "4"]
-    assert refused_flags(args) == ["--ep-size 8", "--moe-a2a-backend deepep"]
-    assert refused_flags(["--speculative-algorithm", "EAGLE"]) == ["--speculative-algorithm EAGLE"]
-    assert refused_flags(["--moe-a2a-backend", "none", "--ep", "1"]) == []
+    assert role_switch_refusals(args) == [
+        "--ep-size 8 (expert parallelism)",
+        "--moe-a2a-backend deepep (MoE all-to-all)",
+    ]
+    assert role_switch_refusals(["--speculative-algorithm", "EAGLE"]) == [
+        "--speculative-algorithm EAGLE (speculative decoding)"
+    ]
+    assert role_switch_refusals(["--moe-a2a-backend", "none", "--ep", "1"]) == []
 
 
-def test_advice_for_ep_and_for_pure_tensor_parallel_attention() -> None:
-    ep = make_spec(engine={"extraArgs": ["--enable-dp-attention", "--dp-size", "4", "--ep", "8"]})
-    (note,) = deployment_advice(ep)
-    assert "--ep 8" in note and "refuses" in note
+def test_a_spec_with_flags_sglang_refuses_does_not_load() -> None:
+    """Admission refuses them, naming the field (tests/real_engine/test_engine_flags.py
+    holds every rule against SGLang's own validation)."""
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*--ep 8 \(expert"):
+        make_spec(engine={"extraArgs": ["--enable-dp-attention", "--dp-size", "4", "--ep", "8"]})
+
+
+def test_advice_for_pure_tensor_parallel_attention() -> None:
     tp = make_spec(engine={"extraArgs": []})
     (note,) = deployment_advice(tp)
     assert "not data-parallel" in note and "colocated" in note

@@ -6,12 +6,20 @@ admission checks and of the Controller's configuration. Wire names are camelCase
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from prorsa.core.engine_flags import engine_env_errors, extra_args_errors, flag_values
 
 GROUP = "prorsa.io"
 VERSION = "v1alpha1"
@@ -22,16 +30,6 @@ PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-
-def flag_values(args: Sequence[str], *names: str) -> list[str]:
-    """Every value given to any of ``names`` in an argv (``--flag v`` or ``--flag=v``)."""
-    out = []
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in names:
-            out.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
-    return out
 
 
 class _Spec(BaseModel):
@@ -105,6 +103,22 @@ class EngineSpec(_Spec):
         "escalation, every capability dropped but IPC_LOCK (RDMA memory registration). "
         "Given: used as it is (docs/security.md).",
     )
+
+    # Engine flags SGLang (or the agent) would refuse: prorsa.core.engine_flags.
+    @field_validator("extra_args")
+    @classmethod
+    def _runnable_flags(cls, args: list[str]) -> list[str]:
+        errors = extra_args_errors(args)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return args
+
+    @model_validator(mode="after")
+    def _runnable_with_env(self) -> EngineSpec:
+        errors = engine_env_errors(self.extra_args, self.env)
+        if errors:
+            raise ValueError("extraArgs: " + "; ".join(errors))
+        return self
 
     @property
     def m_prefill(self) -> int:

@@ -1,0 +1,1 @@
+"""The real-engine suite (marked ``real_engine``; ``make test-engine``)."""
