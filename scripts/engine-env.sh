@@ -21,6 +21,7 @@ REQUIREMENTS=(
   "smg==1.13.0"
 )
 STAMP="$VENV/.complete"
+MODEL_DIR="${ENGINE_MODEL_DIR:-.cache/real-engine/tiny-llama}"
 WANT="${REQUIREMENTS[*]}"
 
 log() { printf '[engine-env] %s\n' "$*" >&2; }
@@ -44,10 +45,16 @@ ensure_libibverbs() {
   DEBIAN_FRONTEND=noninteractive "${runner[@]}" apt-get install -y -qq libibverbs1 >/dev/null
 }
 
+# The tiny model the tests serve: built locally from a fixed seed, no hub download (15 s).
+build_model() {
+  "$VENV/bin/python" tests/real_engine/tiny_model.py "$MODEL_DIR"
+}
+
 ensure_libibverbs
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
   log "$VENV is complete ($WANT)"
+  build_model
   exit 0
 fi
 
@@ -58,8 +65,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 log "pip install ${REQUIREMENTS[*]} (about 10 minutes and 11 GB the first time)"
-"$VENV/bin/python" -m pip install --quiet --progress-bar off "${REQUIREMENTS[@]}"
+# (Locations this machine's pip configuration names but that do not exist are dropped from
+# the log: one warning per package otherwise.)
+"$VENV/bin/python" -m pip install --quiet --progress-bar off "${REQUIREMENTS[@]}" \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 # Import check: a broken wheel fails here, not in the middle of a test session.
 "$VENV/bin/python" -c 'import sglang, mooncake, transformers, tokenizers, torch; print("sglang", sglang.__version__, "torch", torch.__version__)' >&2
 printf '%s' "$WANT" >"$STAMP"
 log "$VENV ready in $(( $(date +%s) - start )) s"
+build_model

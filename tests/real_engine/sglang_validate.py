@@ -16,17 +16,62 @@ Tests only; never in an image.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import logging
 import sys
 import traceback
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 GPU_BYTES = 141 * 1024**3
 
 
+class _Stub:
+    """Anything a kernel module holds: attributes, calls and subscripts give more stubs."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str) -> _Stub:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub(f"{self._name}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        return _Stub(f"{self._name}()")
+
+    def __getitem__(self, key: Any) -> _Stub:
+        return _Stub(f"{self._name}[]")
+
+
+class _KernelStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``sgl_kernel`` and its submodules as packages of stubs."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname == "sgl_kernel" or fullname.startswith("sgl_kernel."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> ModuleType:
+        module = ModuleType(spec.name)
+        module.__path__ = []
+
+        def attribute(name: str) -> _Stub:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stub(f"{spec.name}.{name}")
+
+        module.__getattr__ = attribute  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        return None
+
+
 def _pretend_h200() -> None:
+    sys.meta_path.insert(0, _KernelStubs())
     import torch
 
     props = SimpleNamespace(

@@ -8,6 +8,12 @@ own additions), with the CPU flags and environment of
 :mod:`prorsa_lab.sglang_cpu.environment`. Stopping the pod stops the engine's whole process
 group.
 
+HiCache is off by default here (the agent's ``PRORSA_DISABLE_HICACHE=1``): SGLang 0.5.23's
+host tier registers its buffer with CUDA (``srt/mem_cache/pool_host/common.py``
+``alloc_with_host_register``), so an engine with it does not start without a GPU. The
+HiCache flags are checked by SGLang's own validation instead
+(``tests/real_engine/test_engine_flags.py``).
+
 A CPU engine takes 1.5 to 2 minutes to start on a loaded 2-core machine and about 3.5 GB:
 start the pods of a test together and share them between tests.
 """
@@ -76,6 +82,7 @@ class SglangPod:
         timeouts: Timeouts = CPU_TIMEOUTS,
         log_dir: Path | None = None,
         extra_flags: tuple[str, ...] = (),
+        hicache: bool = False,
     ) -> None:
         if not token:
             raise ValueError("the agent token must not be empty")
@@ -95,6 +102,7 @@ class SglangPod:
         self._agent_port = agent_port
         self._timeouts = timeouts
         self._extra = extra_flags
+        self._hicache = hicache
         self._dir: Path | None = None
         self._log_dir = log_dir
         self.log_path: Path | None = None
@@ -132,6 +140,7 @@ class SglangPod:
                 extra=self._extra,
             ),
             admin_api_key=self.engine_api_key,
+            hicache=self._hicache,
         )
 
     async def start(self) -> SglangPod:
@@ -185,6 +194,12 @@ class SglangPod:
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient(timeout=10.0, verify=False, trust_env=False) as client:
             while time.monotonic() < deadline:
+                sup = self.agent.supervisor if self.agent is not None else None
+                if sup is not None and sup.restarts:
+                    raise EngineStartFailed(
+                        f"engine {self.instance} exited with {sup.last_exit} while starting; "
+                        f"its log ends:\n{self.log_tail()}"
+                    )
                 try:
                     state = (await client.get(f"{self.agent_url}/v1/state")).json()
                     if state.get("healthy") and state.get("role") in ("prefill", "decode"):
