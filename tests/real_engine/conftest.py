@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 from collections.abc import AsyncIterator, Sequence
@@ -145,3 +146,39 @@ class PdRouter:
             lambda ws: all(w.get("url") != pod.engine_url for w in ws),
             what=f"{pod.instance} gone from smg",
         )
+
+
+class Timings:
+    """Measured seconds by name, written with ``PRORSA_ENGINE_TIMINGS=<file>`` (a JSON file
+    shared by the modules, one section each) for docs/sglang-role-switch.md."""
+
+    def __init__(self, section: str) -> None:
+        self.section = section
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.values.setdefault(name, []).append(round(seconds, 3))
+        print(f"timing {self.section}.{name}: {seconds:.3f} s")
+
+    def write(self) -> None:
+        out = os.environ.get("PRORSA_ENGINE_TIMINGS")
+        if not out or not self.values:
+            return
+        path = Path(out)
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps(old | {self.section: self.values}, indent=2) + "\n")
+
+
+def reference_output(env: CpuEngineEnv, ids: list[int], n: int) -> list[int]:
+    """The tiny model's greedy continuation of ``ids`` by a plain forward pass (no SGLang,
+    no KV cache; ``tiny_model.py --reference``): what a PD answer must equal when the decode
+    engine continued from the KV the prefill engine sent."""
+    query = json.dumps({"input_ids": ids, "max_new_tokens": n})
+    out = subprocess.run(
+        [str(env.python), str(ROOT / MODEL_SCRIPT), str(env.model), "--reference", query],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    return list(json.loads(out.stdout))

@@ -571,6 +571,10 @@ class EngineDouble:
             "enable_metrics": c.enable_metrics,
             "weight_version": "default",
             "incremental_streaming_output": c.incremental_streaming_output,
+            # As SGLang 0.5.23 serves them: in clear, on an endpoint open to anyone who
+            # reaches the port (it redacts only watermark secrets; docs/security.md).
+            "api_key": c.api_key,
+            "admin_api_key": c.admin_api_key,
         }
 
     def _internal_state(self, core: EngineCore) -> dict[str, Any]:

@@ -23,6 +23,13 @@ A pod runs only if the engine image could run its command: the image's entry poi
 ``prorsa-agent`` (with ``--worker`` on a worker rank). The image installs the light
 ``prorsa-agent`` distribution, not the ``prorsa`` CLI, so any other command stays Pending
 here, as it would fail to start in a cluster.
+
+With ``real_engines`` (the engine environment, :mod:`prorsa_lab.sglang_cpu`) each one-node
+engine pod runs the real SGLang 0.5.23 on this CPU instead of a double: the agent launches
+it from the pod's ``PRORSA_*`` environment as in the engine image, with the CPU flags
+added. The pod stays Pending while the engine loads (1.5-2 minutes) and becomes Running and
+Ready once the agent reports it healthy, as a readiness probe on ``/readyz`` would have it;
+an engine that cannot start fails its pod. HiCache is left out (its host tier needs CUDA).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from kubernetes.client.exceptions import ApiException
 
 from prorsa.k8s.groups import node_rank
 from prorsa.k8s.kube import Kube
-from prorsa_agent.config import Timeouts
+from prorsa_agent.config import Timeouts, args_from_env
 from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
     AGENT_COMMAND,
@@ -59,6 +66,8 @@ from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
+from prorsa_lab.sglang_cpu.engine_pod import EngineStartFailed, SglangPod
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 
 log = logging.getLogger("prorsa.kubelet")
 
@@ -89,12 +98,16 @@ class PodRuntime:
     name: str
     uid: str
     ip: str
-    pod: EnginePod
+    pod: EnginePod | SglangPod
     group: NodeGroup | None = None
     """The leader of a multi-node instance: its ranks."""
+    starting: asyncio.Task[None] | None = None
+    """A real engine's start, until its pod is Running (``real_engines``)."""
 
     @property
     def engine(self) -> EngineDouble:
+        if not isinstance(self.pod, EnginePod):
+            raise TypeError(f"pod {self.name} runs the real SGLang, not an engine double")
         return self.pod.double
 
 
@@ -122,6 +135,8 @@ class FakeKubelet:
     kubeconfig: str | None = None  # what smg's discovery reads
     router_port: int = field(default_factory=free_port)  # the first router's port
     log_dir: Path | None = None  # smg's log goes to <log_dir>/<deployment>.log
+    real_engines: CpuEngineEnv | None = None
+    """Run the real SGLang on this CPU in each engine pod (module docstring)."""
     pods: dict[str, PodRuntime] = field(default_factory=dict)
     routers: dict[str, tuple[str, SmgRouter]] = field(default_factory=dict)  # name: (uid, smg)
     ip_prefix: str = field(
@@ -271,9 +286,22 @@ class FakeKubelet:
         if token is None or key is None or cert is None or cert_key is None:
             return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+        if self.real_engines is not None:
+            if group is not None:
+                log.warning("pod %s: multi-node instances run engine doubles only", name)
+                self._free_ips.append(ip)
+                return
+            real = self._real_pod(name, ip=ip, env=env, meta=meta, token=token, key=key)
+            real_tls = (cert or None, cert_key or None)
+            runtime = PodRuntime(name=name, uid=uid, ip=ip, pod=real)
+            runtime.starting = asyncio.create_task(
+                self._start_real(pod, runtime, real_tls), name=f"start-{name}"
+            )
+            self.pods[name] = runtime
+            return
         # One engine port for every pod, as in a cluster: the router reaches podIP:port.
         config = self.engine_config(name)
-        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
         served = env.get("PRORSA_SERVED_MODEL_NAME") or env.get("PRORSA_MODEL_PATH")
         bootstrap = (meta.get("annotations") or {}).get(BOOTSTRAP_ANNOTATION)
         config = dataclasses.replace(
@@ -301,6 +329,54 @@ class FakeKubelet:
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod, group=group)
         await self._running(pod, name, ip)
         log.info("pod %s running at %s", name, ip)
+
+    def _real_pod(
+        self,
+        name: str,
+        *,
+        ip: str,
+        env: dict[str, str | None],
+        meta: dict[str, Any],
+        token: str,
+        key: str,
+    ) -> SglangPod:
+        assert self.real_engines is not None
+        flags = {k: v for k, v in env.items() if v is not None and k != "PRORSA_ENGINE_HOST"}
+        bootstrap = (meta.get("annotations") or {}).get(BOOTSTRAP_ANNOTATION)
+        return SglangPod(
+            env=self.real_engines,
+            instance=name,
+            token=token,
+            host=ip,
+            engine_port=self.engine_port,
+            agent_port=self.agent_port,
+            bootstrap_port=int(bootstrap) if bootstrap else BOOTSTRAP_PORT,
+            engine_api_key=key or None,
+            served_model_name=flags.get("PRORSA_SERVED_MODEL_NAME")
+            or flags.get("PRORSA_MODEL_PATH"),
+            timeouts=self.timeouts,
+            log_dir=self.log_dir,
+            env_args=tuple(args_from_env(flags)),
+        )
+
+    async def _start_real(
+        self, pod: dict[str, Any], runtime: PodRuntime, tls: tuple[str | None, str | None]
+    ) -> None:
+        """Launch the engine through its agent; Running once it serves, Failed if it
+        cannot start."""
+        real = runtime.pod
+        assert isinstance(real, SglangPod)
+        real.set_tls(*tls)
+        try:
+            await real.start()
+            await real.wait_ready()
+        except EngineStartFailed as exc:
+            log.error("pod %s: %s", runtime.name, exc)
+            await real.stop()
+            await self._failed(runtime.name)
+            return
+        await self._running(pod, runtime.name, runtime.ip)
+        log.info("pod %s running the real SGLang at %s", runtime.name, runtime.ip)
 
     async def _running(self, pod: dict[str, Any], name: str, ip: str) -> None:
         await self._write_status(name, kubelet_pod_status(pod, phase="Running", now=_now(), ip=ip))
@@ -407,6 +483,7 @@ class FakeKubelet:
             return
         if pod.group is not None:
             pod.group.leave_leader()  # its workers exit
+        await cancel_and_wait(pod.starting)
         with contextlib.suppress(Exception):
             await pod.pod.stop()
         self._free_ips.append(pod.ip)

@@ -46,6 +46,7 @@ from prorsa_lab.doubles.kube_resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
 from prorsa_lab.doubles.lws_controller import FakeLwsController, leader_worker_set_crd
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 
 NAMESPACE = "rl"
 TOKEN = "trainer-secret-token"
@@ -352,6 +353,7 @@ async def stack(
     log_dir: Path | None = None,
     webhook_tls: bool = False,
     leader_worker_set: bool = False,
+    real_engines: CpuEngineEnv | None = None,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
@@ -366,6 +368,8 @@ async def stack(
     ``webhook_tls`` serves the webhook over HTTPS with a throwaway CA (``env.webhook_ca``).
     ``leader_worker_set`` installs the LeaderWorkerSet CRD before the operator starts (so its
     discovery finds the API) and runs a fake LWS controller (:mod:`.lws_controller`).
+    ``real_engines`` runs the real SGLang on this CPU in every engine pod instead of a double
+    (:mod:`prorsa_lab.sglang_cpu`; give ``agent_timeouts`` for it, e.g. ``CPU_TIMEOUTS``).
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
     the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
@@ -408,6 +412,7 @@ async def stack(
             run_routers=run_router,
             kubeconfig=kubeconfig,
             log_dir=log_dir,
+            real_engines=real_engines,
         )
         lws = FakeLwsController(kube=kube, namespace=namespace) if leader_worker_set else None
         try:

