@@ -19,6 +19,8 @@ request answered.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -151,6 +153,10 @@ class Load:
         return list(outs)
 
 
+QUEUED: list[list[dict[str, Any]]] = []
+"""The prefill-heavy phases posted and not yet dropped (the next test drops them)."""
+
+
 def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict[str, Any]]:
     return [
         env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
@@ -203,3 +209,77 @@ async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env
         reply = await client.post(f"{env.router_url}/generate", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["output_ids"] == reference_output(engine_env, PROMPT, 12)
+
+
+async def _draining_pod(env: Stack) -> str | None:
+    roles = await env.roles()
+    return next((name for name, role in roles.items() if role == DRAINING), None)
+
+
+async def _converged(env: Stack) -> bool:
+    """Three engine pods serving in PD roles, smg agreeing, no switch in progress."""
+    if not await smg_agrees(env):
+        return False
+    status = (await env.get_cluster()).get("status") or {}
+    conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+    return conditions.get("Switching") != "True"
+
+
+async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
+    """The engine dies while its agent flips it: the agent reports an unsafe failure, the
+    operator replaces the pod, a fresh engine comes up as decode, the cluster converges, and
+    the load that was on it is resumed elsewhere."""
+    load = Load(env, count=3, tokens=400)
+    before = {n: r.uid for n, r in env.kubelet.pods.items()}
+    phase = prefill_heavy(env)
+    QUEUED.append(phase)
+    assert (await env.post(phase)).status_code == 200
+    victim = await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
+    runtime = env.kubelet.pods[victim]
+    assert isinstance(runtime.pod, SglangPod) and runtime.pod.agent is not None
+    agent_url = runtime.pod.agent_url
+
+    async def flipping() -> bool:
+        async with httpx.AsyncClient(verify=False, timeout=5, trust_env=False) as client:
+            progress = (await client.get(f"{agent_url}/v1/role")).json()
+        return bool(progress["switching"])
+
+    await env.wait_for(flipping, timeout=120, what=f"{victim}'s agent flipping it")
+    pid = runtime.pod.engine_pid
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    await env.wait_for(
+        lambda: _replaced(env, victim, before[victim]), timeout=120, what="the pod replaced"
+    )
+    await env.wait_for(lambda: _converged(env), timeout=START, what="convergence")
+    TIMINGS.add("killed_mid_flip_to_converged", time.monotonic() - killed)
+    await load.finished()
+    history = (await env.get_cluster())["status"]["switchHistory"]
+    assert any(h["pod"] == victim and h["result"] == "replaced" for h in history), history
+
+
+async def _replaced(env: Stack, name: str, uid: str) -> bool:
+    runtime = env.kubelet.pods.get(name)
+    return runtime is not None and runtime.uid != uid
+
+
+async def test_smg_dropping_its_workers_mid_switch(env: Stack):
+    """smg dies while the operator waits for it to drop a draining pod: the kubelet starts
+    it again, it rediscovers the pods from the API server, and the switch completes."""
+    load = Load(env, count=3, tokens=400)
+    roles = await env.roles()
+    prefill_pod = next(n for n, r in roles.items() if r == "prefill")
+    # Demand back to decode: the queued prompts go, decodes are coming.
+    gone = [env.event("trajectory_dropped", e["trajectory"]) for e in QUEUED.pop()]
+    assert (await env.post(gone)).status_code == 200
+    assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+    await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
+    router = env.kubelet.router
+    assert router is not None and router.process is not None
+    router.process.kill()
+    dropped = time.monotonic()
+    await env.wait_for(lambda: split(env, 1, 2), timeout=300, what="1P:2D after smg's restart")
+    await env.wait_for(lambda: _converged(env), timeout=300, what="convergence")
+    TIMINGS.add("router_killed_to_converged", time.monotonic() - dropped)
+    await load.finished()

@@ -608,7 +608,7 @@ class EngineDouble:
             "max_total_num_tokens": c.kv_capacity_tokens,
             "max_req_input_len": min(c.context_length, c.kv_capacity_tokens) - 1,
             "kv_events": None,
-            "startup_time": core.startup_time,
+            "startup_time": core.startup_time | {"tokenizer_e2e": 0.0},
             "internal_states": [self._internal_state(core) for _ in core.ranks],
             "version": SGLANG_VERSION,
             "frontend": "python",
