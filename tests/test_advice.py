@@ -23,7 +23,7 @@ def test_role_switch_refusals_are_named() -> None:
 
 
 def test_a_spec_with_flags_sglang_refuses_does_not_load() -> None:
-    """Admission refuses them, naming the field (tests/real_engine/test_engine_flags.py
+    """Admission refuses them, naming the field (tests/real_engine/test_sglang_validation.py
     holds every rule against SGLang's own validation)."""
     with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: .*--ep 8 \(expert"):
         make_spec(engine={"extraArgs": ["--enable-dp-attention", "--dp-size", "4", "--ep", "8"]})

@@ -1,1 +1,1 @@
-"""The real-engine suite (marked ``real_engine``; ``make test-engine``)."""
+"""The real-engine suite (pytest marker ``real_engine``; ``make test-engine``)."""

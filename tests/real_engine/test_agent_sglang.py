@@ -25,11 +25,11 @@ import pytest
 import pytest_asyncio
 
 from prorsa_contract.agent_api import EngineState, RoleResult
-from prorsa_lab.sglang_cpu.engine_pod import SglangPod
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_lab.sglang_cpu.sglang_pod import SglangPod
 from prorsa_sdk.resumable import ResumableGeneration
 
-from .conftest import PdRouter, Timings, reference_output, running
+from .engine_helpers import PdRouter, Timings, reference_output, running
 
 # The parity tests at the end also run against the engine double, in `make test`: the
 # real-engine mark is on each test (and on the real engine's parameter), not the module.

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from prorsa_lab.sglang_cpu.engine_pod import SglangPod
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_lab.sglang_cpu.sglang_pod import SglangPod
 
-from .conftest import PdRouter, running
+from .engine_helpers import PdRouter, running
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -72,12 +72,15 @@ async def test_a_prefill_launched_engine_flipped_to_decode_fails_its_idle_check(
                 assert reply.status_code == 200, reply.text
             await router.add(launched_decode, "prefill")
             await router.add(launched_prefill, "decode")
+            # The same prompt again and again, idle in between (the idle check runs then):
+            # from the second request on, the decode side's radix cache holds the prompt and
+            # the prefill side sends only the rest (``decode_prefix_len``).
             answers = 0
-            for i in range(4):
-                body = {
-                    "input_ids": [1, 30 + i, 40, 50, 60],
-                    "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
-                }
+            body = {
+                "input_ids": [1, 30, 40, 50, 60, 70, 80, 90],
+                "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+            }
+            for _ in range(4):
                 try:
                     reply = await client.post(f"{router.url}/generate", json=body, timeout=60)
                 except httpx.HTTPError:
@@ -85,7 +88,7 @@ async def test_a_prefill_launched_engine_flipped_to_decode_fails_its_idle_check(
                 if reply.status_code != 200:
                     break
                 answers += 1
-                await asyncio.sleep(1.0)  # idle between requests: the check runs then
+                await asyncio.sleep(2.0)
             # The idle check runs on the next idle scheduler step.
             deadline = time.monotonic() + 60
             found = None

@@ -31,11 +31,11 @@ import pytest_asyncio
 
 from prorsa_contract.labels import DRAINING
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
-from prorsa_lab.sglang_cpu.engine_pod import CPU_TIMEOUTS, SglangPod
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS, SglangPod
 from prorsa_sdk.resumable import ResumableGeneration
 
-from .conftest import Timings, reference_output
+from .engine_helpers import Timings, reference_output
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
 

@@ -6,7 +6,7 @@ An engine pod's SGLang command line is the operator's ``PRORSA_*`` flags, then
 decode radix cache, HiCache, ``--admin-api-key``). A combination SGLang 0.5.23 refuses at
 start-up would leave every engine pod crash-looping; one the agent refuses, the same. They
 are refused here instead, when the RolloutCluster is applied. Each rule names its source;
-``tests/real_engine/test_engine_flags.py`` runs SGLang's own validation (``ServerArgs``
+``tests/real_engine/test_sglang_validation.py`` runs SGLang's own validation (``ServerArgs``
 and its resolution hooks) on every combination the product renders and checks that this
 module refuses exactly what SGLang refuses, and why it refuses the rest.
 
@@ -42,6 +42,37 @@ OPERATOR_FLAGS = {
 """Flags the operator or the agent sets; in ``extraArgs`` they would contradict it."""
 
 ALLOW_HICACHE_STORAGE_ENV = "PRORSA_ALLOW_HICACHE_STORAGE"
+
+OPERATOR_ENV = frozenset(
+    {
+        "POD_NAME",
+        "PRORSA_INSTANCE",
+        "PRORSA_LAUNCH",
+        "PRORSA_MODEL_PATH",
+        "PRORSA_SERVED_MODEL_NAME",
+        "PRORSA_TP_SIZE",
+        "PRORSA_TRANSFER_BACKEND",
+        "PRORSA_BOOTSTRAP_PORT",
+        "PRORSA_ENGINE_PORT",
+        "PRORSA_ENGINE_HOST",
+        "PRORSA_AGENT_LISTEN",
+        "PRORSA_AGENT_TOKEN_FILE",
+        "PRORSA_ENGINE_API_KEY_FILE",
+        "PRORSA_AGENT_TLS_CERT_FILE",
+        "PRORSA_AGENT_TLS_KEY_FILE",
+        "PRORSA_EXTRA_ARGS",
+        "PRORSA_NNODES",
+        "PRORSA_NODE_RANK",
+        "PRORSA_DIST_INIT_ADDR",
+        # What the agent launches and where it finds it: the pod runs the engine image's.
+        "PRORSA_ENGINE_COMMAND",
+        "PRORSA_ENGINE_URL",
+    }
+)
+"""Variables the operator sets on engine pods (``prorsa.k8s.objects``, ``groups``) or that
+would replace what it launches. ``engine.env`` comes after them in the container, and the
+last of two same-named variables wins: one of these there would carry flags past this
+module's checks (``PRORSA_EXTRA_ARGS``) or contradict the spec."""
 
 
 def flag_values(args: Sequence[str], *names: str) -> list[str]:
@@ -108,16 +139,22 @@ def extra_args_errors(args: Sequence[str]) -> list[str]:
 
 
 def engine_env_errors(args: Sequence[str], env: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Problems of ``extraArgs`` that depend on ``engine.env``."""
+    """Problems of ``engine.env``, and of ``extraArgs`` that depend on it."""
+    errors = [
+        f"env {e.get('name')} is set by the operator (engine.extraArgs and the other engine "
+        "fields set it)"
+        for e in env
+        if e.get("name") in OPERATOR_ENV
+    ]
     allowed = any(
         e.get("name") == ALLOW_HICACHE_STORAGE_ENV and e.get("value") in ("1", "true") for e in env
     )
     backends = flag_values(args, "--hicache-storage-backend")
     if backends and not allowed:
-        return [
-            f"--hicache-storage-backend {backends[-1]} is refused by the engine's agent: every "
-            "role flip clears the whole HiCache storage backend (SGLang "
+        errors += [
+            f"extraArgs --hicache-storage-backend {backends[-1]} is refused by the engine's "
+            "agent: every role flip clears the whole HiCache storage backend (SGLang "
             "srt/disaggregation/role_switch.py), wiping what other engines stored there; "
             f"set {ALLOW_HICACHE_STORAGE_ENV}=1 in engine.env if this store is the engine's own"
         ]
-    return []
+    return errors

@@ -117,7 +117,7 @@ class EngineSpec(_Spec):
     def _runnable_with_env(self) -> EngineSpec:
         errors = engine_env_errors(self.extra_args, self.env)
         if errors:
-            raise ValueError("extraArgs: " + "; ".join(errors))
+            raise ValueError("; ".join(errors))
         return self
 
     @property

@@ -52,8 +52,8 @@ from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_se
 from prorsa_lab.doubles.sglang_double import SGLANG_VERSION, EngineConfig, TimingModel
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, smg_version
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
-from prorsa_lab.sglang_cpu.engine_pod import CPU_TIMEOUTS
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv, EngineEnvMissing
+from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS
 from prorsa_sdk import AsyncEventEmitter
 
 log = logging.getLogger("prorsa_lab.demo")

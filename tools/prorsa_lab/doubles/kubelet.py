@@ -66,8 +66,8 @@ from prorsa_lab.doubles.engine_worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
-from prorsa_lab.sglang_cpu.engine_pod import EngineStartFailed, SglangPod
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_lab.sglang_cpu.sglang_pod import EngineStartFailed, SglangPod
 
 log = logging.getLogger("prorsa.kubelet")
 

@@ -12,7 +12,7 @@ HiCache is off by default here (the agent's ``PRORSA_DISABLE_HICACHE=1``): SGLan
 host tier registers its buffer with CUDA (``srt/mem_cache/pool_host/common.py``
 ``alloc_with_host_register``), so an engine with it does not start without a GPU. The
 HiCache flags are checked by SGLang's own validation instead
-(``tests/real_engine/test_engine_flags.py``).
+(``tests/real_engine/test_sglang_validation.py``).
 
 A CPU engine takes 1.5 to 2 minutes to start on a loaded 2-core machine and about 3.5 GB:
 start the pods of a test together and share them between tests.

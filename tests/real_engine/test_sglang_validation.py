@@ -34,7 +34,7 @@ from prorsa_agent.config import (
 )
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 
-from .conftest import ROOT
+from .engine_helpers import ROOT
 
 pytestmark = pytest.mark.real_engine
 
