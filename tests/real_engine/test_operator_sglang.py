@@ -10,10 +10,11 @@ lifecycle events move demand to prefill and back: the operator switches both way
 call is answered with its whole token budget, and an answer's tokens are the model's own
 (the KV moved from a prefill engine to a decode engine).
 
-Then the failure cases on the same engines: an engine killed in the middle of its flip, and
-smg dropping its workers (the router process dies) while the operator waits for it. Each
-must leave the cluster converged: the target split, no pod left ``draining``, every
-request answered.
+Then the failure cases on the same engines: an engine killed in the middle of its flip; smg
+dropping its workers (the router process dies) while the operator waits for it; and the
+prefill engine lost with its bootstrap port while requests keep coming. Each must leave the
+cluster converged: smg listing every pod with its role, no pod left ``draining``, no switch
+in progress, every request answered with its whole budget.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
 SERVED = "tiny"
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 START = 900.0  # three engines loading at once on a loaded 2-core machine
+READINESS_SECONDS = 12.0  # the pods' readinessProbe: 2 failures 5 s apart
 TIMINGS = Timings("operator")
 
 
@@ -283,3 +285,34 @@ async def test_smg_dropping_its_workers_mid_switch(env: Stack):
     await env.wait_for(lambda: _converged(env), timeout=300, what="convergence")
     TIMINGS.add("router_killed_to_converged", time.monotonic() - dropped)
     await load.finished()
+
+
+async def test_the_prefill_engine_lost_with_its_bootstrap_port(env: Stack):
+    """The prefill engine dies with requests coming: its bootstrap port goes with it, while
+    smg still lists it for a few seconds. Requests sent its way fail or are aborted by the
+    decode engines that cannot reach the port, and every client resumes through smg. The
+    pod goes NotReady and leaves smg, its agent restarts the engine (in its launch role,
+    decode), the operator relabels the pod to the role the engine reports and flips an
+    engine to prefill again (``roles.prefill.min`` is 1): the cluster converges, every
+    request answered."""
+    running = Load(env, count=2, tokens=300)
+    await asyncio.sleep(2.0)
+    roles = await env.roles()
+    prefill = next(n for n, r in roles.items() if r == "prefill")
+    runtime = env.kubelet.pods[prefill]
+    assert isinstance(runtime.pod, SglangPod)
+    pid = runtime.pod.engine_pid
+    assert pid is not None
+    os.killpg(pid, signal.SIGKILL)
+    lost = time.monotonic()
+    arriving = Load(env, count=3, tokens=40)  # sent while the port is gone
+
+    async def serving_again() -> bool:
+        counts = await env.count_roles()
+        return counts.get("prefill", 0) >= 1 and await _converged(env)
+
+    await asyncio.sleep(READINESS_SECONDS)  # the pod leaves smg first
+    await env.wait_for(serving_again, timeout=START, what="a prefill engine again")
+    TIMINGS.add("prefill_lost_to_converged", time.monotonic() - lost)
+    await running.finished()
+    await arriving.finished()

@@ -46,6 +46,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from kubernetes.client.exceptions import ApiException
 
 from prorsa.k8s.groups import node_rank
@@ -70,6 +71,10 @@ from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 from prorsa_lab.sglang_cpu.sglang_pod import EngineStartFailed, SglangPod
 
 log = logging.getLogger("prorsa.kubelet")
+
+READINESS_PERIOD = 5.0
+READINESS_FAILURES = 2
+"""The engine pods' readinessProbe (``prorsa.k8s.objects``: ``/readyz``, 5 s, 2 failures)."""
 
 
 def _now() -> str:
@@ -102,7 +107,7 @@ class PodRuntime:
     group: NodeGroup | None = None
     """The leader of a multi-node instance: its ranks."""
     starting: asyncio.Task[None] | None = None
-    """A real engine's start, until its pod is Running (``real_engines``)."""
+    """A real engine's start, then its readiness probe (``real_engines``)."""
 
     @property
     def engine(self) -> EngineDouble:
@@ -377,6 +382,42 @@ class FakeKubelet:
             return
         await self._running(pod, runtime.name, runtime.ip)
         log.info("pod %s running the real SGLang at %s", runtime.name, runtime.ip)
+        await self._probe_readiness(runtime)
+
+    async def _probe_readiness(self, runtime: PodRuntime) -> None:
+        """The pod's readinessProbe as the operator renders it (``/readyz`` on the agent
+        every 5 s, NotReady after 2 failures, Ready after 1 success), with the engine's
+        restarts counted: an engine restarting for minutes leaves smg through it, as in a
+        cluster. (The doubles start at once and keep their pods Ready.)"""
+        real = runtime.pod
+        assert isinstance(real, SglangPod)
+        ready, failures = True, 0
+        async with httpx.AsyncClient(verify=False, timeout=5, trust_env=False) as client:
+            while True:
+                await asyncio.sleep(READINESS_PERIOD)
+                try:
+                    ok = (await client.get(f"{real.agent_url}/readyz")).status_code == 200
+                except (httpx.HTTPError, RuntimeError):
+                    ok = False
+                failures = 0 if ok else failures + 1
+                now = ok or (ready and failures < READINESS_FAILURES)
+                if now == ready:
+                    continue
+                ready = now
+                pod = await self.kube.get_pod(self.namespace, runtime.name)
+                if pod is None:
+                    return
+                sup = real.agent.supervisor if real.agent is not None else None
+                status = kubelet_pod_status(
+                    pod,
+                    phase="Running",
+                    now=_now(),
+                    ip=runtime.ip,
+                    ready=ready,
+                    restarts=sup.restarts if sup is not None else 0,
+                )
+                await self._write_status(runtime.name, status)
+                log.info("pod %s %s", runtime.name, "ready" if ready else "not ready")
 
     async def _running(self, pod: dict[str, Any], name: str, ip: str) -> None:
         await self._write_status(name, kubelet_pod_status(pod, phase="Running", now=_now(), ip=ip))
