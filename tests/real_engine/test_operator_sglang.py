@@ -155,31 +155,42 @@ class Load:
         return list(outs)
 
 
-QUEUED: list[list[dict[str, Any]]] = []
-"""The prefill-heavy phases posted and not yet dropped (the next test drops them)."""
+LIVE: set[str] = set()
+"""Trajectories a test's demand phases left live: the next phase drops them first."""
 
 
-def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict[str, Any]]:
+async def demand(env: Stack, events: list[dict[str, Any]]) -> None:
+    """Post a demand phase in place of the one before (its trajectories dropped)."""
+    gone = [env.event("trajectory_dropped", t) for t in sorted(LIVE)]
+    LIVE.clear()
+    if gone:
+        assert (await env.post(gone)).status_code == 200
+    LIVE.update(e["trajectory"] for e in events)
+    assert (await env.post(events)).status_code == 200
+
+
+# Demand large enough that a switch pays for what it costs (the Controller prices a switch by
+# its measured duration, here that of the real engines' first flip through smg).
+def prefill_heavy(env: Stack, n: int = 60, tokens: int = 20_000) -> list[dict[str, Any]]:
     return [
         env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
         for i in range(n)
     ]
 
 
-def decode_heavy(env: Stack, prefill_pod: str, n: int = 6) -> list[dict[str, Any]]:
+def decode_heavy(env: Stack, prefill_pod: str, n: int = 12) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         t = f"d{env._ids}-{i}"
-        out.append(env.event("request_queued", t, prompt_tokens=10_000, turn=0))
+        out.append(env.event("request_queued", t, prompt_tokens=20_000, turn=0))
         out.append(env.event("prefill_started", t, instance=prefill_pod))
     return out
 
 
 async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env: CpuEngineEnv):
-    load = Load(env, count=4, tokens=1200)
+    load = Load(env, count=4, tokens=2000)
     started = time.monotonic()
-    phase_a = prefill_heavy(env)
-    assert (await env.post(phase_a)).status_code == 200
+    await demand(env, prefill_heavy(env))
     await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="a flip to 2P:1D")
     TIMINGS.add("operator_switch_to_prefill", time.monotonic() - started)
     await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg after the flip")
@@ -187,9 +198,7 @@ async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env
     started = time.monotonic()
     roles = await env.roles()
     prefill_pod = next(n for n, r in roles.items() if r == "prefill")
-    gone = [env.event("trajectory_dropped", e["trajectory"]) for e in phase_a]
-    assert (await env.post(gone)).status_code == 200
-    assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+    await demand(env, decode_heavy(env, prefill_pod))
     await env.wait_for(lambda: split(env, 1, 2), timeout=300, what="a flip back to 1P:2D")
     TIMINGS.add("operator_switch_to_decode", time.monotonic() - started)
     await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg after the flip back")
@@ -233,9 +242,7 @@ async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
     the load that was on it is resumed elsewhere."""
     load = Load(env, count=3, tokens=400)
     before = {n: r.uid for n, r in env.kubelet.pods.items()}
-    phase = prefill_heavy(env)
-    QUEUED.append(phase)
-    assert (await env.post(phase)).status_code == 200
+    await demand(env, prefill_heavy(env))
     victim = await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
     runtime = env.kubelet.pods[victim]
     assert isinstance(runtime.pod, SglangPod) and runtime.pod.agent is not None
@@ -273,9 +280,7 @@ async def test_smg_dropping_its_workers_mid_switch(env: Stack):
     roles = await env.roles()
     prefill_pod = next(n for n, r in roles.items() if r == "prefill")
     # Demand back to decode: the queued prompts go, decodes are coming.
-    gone = [env.event("trajectory_dropped", e["trajectory"]) for e in QUEUED.pop()]
-    assert (await env.post(gone)).status_code == 200
-    assert (await env.post(decode_heavy(env, prefill_pod))).status_code == 200
+    await demand(env, decode_heavy(env, prefill_pod))
     await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
     router = env.kubelet.router
     assert router is not None and router.process is not None

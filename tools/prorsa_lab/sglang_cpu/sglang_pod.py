@@ -84,6 +84,7 @@ class SglangPod:
         extra_flags: tuple[str, ...] = (),
         env_args: tuple[str, ...] = (),
         hicache: bool = False,
+        without: tuple[str, ...] = (),
     ) -> None:
         if not token:
             raise ValueError("the agent token must not be empty")
@@ -104,6 +105,7 @@ class SglangPod:
         self._timeouts = timeouts
         self._extra = extra_flags
         self._env_args = env_args
+        self._without = without
         self._hicache = hicache
         self._dir: Path | None = None
         self._log_dir = log_dir
@@ -134,12 +136,13 @@ class SglangPod:
     def argv(self) -> list[str]:
         """The engine command line as the agent assembles it (the admin key included):
         ``env_args`` (an engine pod's ``PRORSA_*`` flags, ``prorsa_agent.config.
-        args_from_env``), then the CPU flags, then the agent's own."""
+        args_from_env``), then the CPU flags, then the agent's own, less the value-less
+        flags in ``without``."""
         command = self.env.command(host_ip=self.host)
         assert self.log_path is not None
         # The engine's log goes to a file of its own (a test prints its tail on failure).
         wrapped = ["sh", "-c", f'exec "$@" >>{shlex.quote(str(self.log_path))} 2>&1', "sh"]
-        return engine_argv(
+        argv = engine_argv(
             command=[*wrapped, *command],
             engine_url=self.engine_url,
             env_args=self._env_args,
@@ -153,6 +156,8 @@ class SglangPod:
             admin_api_key=self.engine_api_key,
             hicache=self._hicache,
         )
+        # A state the agent never makes, for the tests that show why (value-less flags).
+        return [a for a in argv if a not in self._without]
 
     async def start(self) -> SglangPod:
         """Start the agent, which launches the engine; returns before the engine is ready."""
