@@ -263,6 +263,9 @@ async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
     )
     await env.wait_for(lambda: _converged(env), timeout=START, what="convergence")
     TIMINGS.add("killed_mid_flip_to_converged", time.monotonic() - killed)
+    # The demand is still prefill-heavy: the operator gets to the split it wanted.
+    await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="2P:1D after the kill")
+    await env.wait_for(lambda: _converged(env), timeout=300, what="convergence at 2P:1D")
     await load.finished()
     history = (await env.get_cluster())["status"]["switchHistory"]
     assert any(h["pod"] == victim and h["result"] == "replaced" for h in history), history

@@ -21,8 +21,11 @@ start the pods of a test together and share them between tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shlex
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -230,7 +233,19 @@ class SglangPod:
 
     async def stop(self) -> None:
         if self.agent is not None:
-            await self.agent.stop()  # SIGTERM, then SIGKILL, to the engine's process group
+            pid = self.engine_pid
+            try:
+                await self.agent.stop()  # SIGTERM, then SIGKILL, to the engine's process group
+            except asyncio.CancelledError:
+                # The supervisor's own task was cancelled (an event loop shutting down
+                # cancels every task): carry on unless this task itself is being cancelled.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+            finally:
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)  # whatever happened above
             self.agent = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
