@@ -283,10 +283,13 @@ async def test_swaps_under_load_lose_no_token(cluster, client):
             assert out["meta_info"]["finish_reason"]["type"] == "length"
         assert sum(resumes for _, resumes in results) >= to_prefill.aborted_requests
         for pod in cluster.pods:
-            state = await _state(client, pod)
-            assert state.role == cluster.roles[pod.instance] and state.healthy
+            role = cluster.roles[pod.instance]
+            deadline = time.monotonic() + 60  # a health probe may be out on a busy machine
+            while not ((state := await _state(client, pod)).role == role and state.healthy):
+                assert time.monotonic() < deadline, (pod.instance, state)
+                await asyncio.sleep(0.5)
             info = (await client.get(f"{pod.engine_url}/server_info")).json()
-            assert info["internal_states"][0]["disaggregation_mode"] == cluster.roles[pod.instance]
+            assert info["internal_states"][0]["disaggregation_mode"] == role
         del swap
 
 

@@ -9,7 +9,8 @@ among them) and one launched as prefill without that flag, as a hand-made launch
 both prefill-launched engines are flipped to decode and take the same requests through smg,
 idle in between (SGLang checks its memory pools when idle,
 ``srt/managers/scheduler_components/invariant_checker.py``). docs/sglang-role-switch.md,
-section 6, says what the results mean.
+section 6, says what the results mean: the engine launched as prefill without the decode
+radix cache flag dies in SGLang's idle memory check after its first requests.
 """
 
 from __future__ import annotations
@@ -116,8 +117,12 @@ async def test_what_sglang_does_with_prefill_launched_engines_flipped_to_decode(
     finally:
         router.stop()
     print("\nprefill-launched engines flipped to decode:", outcome)
-    assert _leak(launched_decode) is None, "the decode-launched engine must stay clean"
-    # The agent's launch as decode is what the operator runs; these two record SGLang's
-    # behaviour in the states it never makes (docs/sglang-role-switch.md, section 6).
-    assert outcome[launched_prefill.instance]["answers"] == 4
-    assert outcome[bare.instance]["leak"] is not None or outcome[bare.instance]["answers"] == 4
+    # The engine launched as decode (the operator's only launch) stays clean.
+    assert _leak(launched_decode) is None
+    # Launched as prefill without the decode radix cache flag and flipped to decode: SGLang's
+    # own idle check finds KV slots that are neither free nor cached, and the engine dies
+    # (seen on every run here: "[full] total=16384, available=16336, evictable=41").
+    assert outcome[bare.instance]["leak"] is not None, outcome
+    # With the agent's flags the prefill launch served every request here; the operator
+    # still never makes it (docs/sglang-role-switch.md, section 6).
+    assert outcome[launched_prefill.instance]["answers"] == 4, outcome

@@ -367,8 +367,12 @@ async def _warm_up(env: Stack, options: DemoOptions, stop: asyncio.Event) -> Non
             raise DemoInterrupted("interrupted while the engines were starting")
         counts = await env.count_roles(CLUSTER)  # every pod of a group shows its role
         pods = options.instances * options.nodes_per_instance
-        return counts.get("prefill", 0) >= options.nodes_per_instance and (
-            sum(counts.values()) == pods
+        # Every pod running (real engines load for minutes; the doubles at once).
+        running = [p for p in await env.pods(CLUSTER) if (p.get("status") or {}).get("podIP")]
+        return (
+            counts.get("prefill", 0) >= options.nodes_per_instance
+            and sum(counts.values()) == pods
+            and len(running) == pods
         )
 
     # Real engines load for minutes on a CPU; the doubles start at once.
