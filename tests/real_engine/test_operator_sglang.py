@@ -122,6 +122,25 @@ async def env(engine_env: CpuEngineEnv, tmp_path_factory) -> AsyncIterator[Stack
                     print(f"--- {name} engine log (tail) ---\n{runtime.pod.log_tail(12)}")
 
 
+class _ModelNotFoundIsBusy(httpx.AsyncBaseTransport):
+    """smg 1.13.0 under Kubernetes discovery answers 404 (no such model) while no worker of
+    the model is registered, as right after it restarts: the trainer's client takes that
+    for a 503 and retries (``ResumableGeneration`` retries 5xx only)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if response.status_code != 404 or request.url.path != "/generate":
+            return response
+        await response.aread()
+        return httpx.Response(503, headers=response.headers, content=response.content)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class Load:
     """A trainer's generations through smg, resumed across aborts; all checked at the end."""
 
@@ -132,7 +151,10 @@ class Load:
         self.tasks = [asyncio.create_task(self._one(env.router_url, i)) for i in range(count)]
 
     async def _one(self, router: str, i: int) -> dict[str, Any]:
-        async with httpx.AsyncClient(base_url=router, timeout=900, trust_env=False) as http:
+        transport = _ModelNotFoundIsBusy(httpx.AsyncHTTPTransport())
+        async with httpx.AsyncClient(
+            base_url=router, timeout=900, trust_env=False, transport=transport
+        ) as http:
             gen = ResumableGeneration(http, max_resumes=20, max_retries=30, retry_base=0.2)
             body = {
                 "model": SERVED,

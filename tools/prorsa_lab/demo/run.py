@@ -430,10 +430,13 @@ async def _engine_identity(env: Stack, real: CpuEngineEnv | None) -> dict[str, s
         return {"name": "engine-double", "version": f"sglang {SGLANG_VERSION} wire format"}
     versions = set()
     async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-        for runtime in env.kubelet.pods.values():
-            reply = await client.get(f"{runtime.pod.engine_url}/server_info")
-            versions.add(str(reply.json().get("version")))
-    return {"name": "sglang", "version": ", ".join(sorted(versions))}
+        for runtime in list(env.kubelet.pods.values()):
+            try:
+                reply = await client.get(f"{runtime.pod.engine_url}/server_info")
+                versions.add(str(reply.json().get("version")))
+            except (httpx.HTTPError, ValueError):
+                continue  # an engine restarting: the others answer
+    return {"name": "sglang", "version": ", ".join(sorted(versions)) or "unknown"}
 
 
 async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> DemoSummary:

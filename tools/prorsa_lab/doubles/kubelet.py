@@ -525,6 +525,8 @@ class FakeKubelet:
         if pod.group is not None:
             pod.group.leave_leader()  # its workers exit
         await cancel_and_wait(pod.starting)
-        with contextlib.suppress(Exception):
+        # A real engine's stop also ends its process group whatever its supervisor task
+        # did (an event loop shutting down may have cancelled that task already).
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             await pod.pod.stop()
         self._free_ips.append(pod.ip)
