@@ -285,7 +285,9 @@ async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
     )
     await env.wait_for(lambda: _converged(env), timeout=START, what="convergence")
     TIMINGS.add("killed_mid_flip_to_converged", time.monotonic() - killed)
-    # The demand is still prefill-heavy: the operator gets to the split it wanted.
+    # Demand stays prefill-heavy (fresh events, larger: the failed switch raised the
+    # Controller's measured switch cost): the operator gets to the split it wants.
+    await demand(env, prefill_heavy(env, n=120))
     await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="2P:1D after the kill")
     await env.wait_for(lambda: _converged(env), timeout=300, what="convergence at 2P:1D")
     await load.finished()
