@@ -3,7 +3,7 @@
 Run the sandbox, then this trainer against it:
 
     echo s3cret > token
-    prorsa ingest --cluster cluster.yaml --listen 127.0.0.1:8787 --token-file token &
+    prorsa ingest --cluster examples/rolloutcluster.yaml --token-file token &  # 127.0.0.1:8787
     python examples/minimal_trainer.py --url http://127.0.0.1:8787 --namespace rl \\
         --name qwen3-coder --token-file token --duration 60
 

@@ -48,11 +48,12 @@ file in every AgentLoopWorker and instantiates the class per sample with hydra):
 ``PRORSA_CA_FILE`` is the CA bundle the webhook's certificate is verified with (the
 webhook Secret's ``ca.crt``, mounted into the workers); unset, the system trust store.
 
-Resync: a snapshot replaces all of a cluster's trajectories, so it must come from a view
-of all of them. With several AgentLoopWorkers each emitter sees only its own; set
-``PRORSA_TRACK=1`` only when the job runs a single AgentLoopWorker. Otherwise the webhook's
-resync request is logged, and the Controller re-learns the live trajectories from their
-next events (it creates a trajectory it first hears of mid-life).
+Resync: each AgentLoopWorker's emitter sees only its own trajectories, so each names
+itself (``emitter_id``: verl's actor name without its random suffix,
+``agent_loop_worker_<i>``; outside Ray, host and process id) and tracks what it sent. Its
+snapshot, posted when the webhook asks after a restart and once when the worker starts,
+replaces only that worker's trajectories (docs/webhook-events.md, "More than one
+emitter"). ``PRORSA_TRACK=0`` turns the tracking off.
 
 Weight updates: verl syncs weights in the trainer process, in
 ``verl.checkpoint_engine.base.CheckpointEngineManager.update_weights``: it aborts every
@@ -81,6 +82,8 @@ import asyncio
 import functools
 import logging
 import os
+import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -112,12 +115,34 @@ def _settings() -> dict[str, Any]:
     }
 
 
+def worker_emitter_id() -> str:
+    """A stable id for this AgentLoopWorker: verl names its actors
+    ``agent_loop_worker_<i>_<8 hex>``, the suffix new at each launch; outside Ray, the host
+    and process."""
+    name = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            name = ray.get_runtime_context().get_actor_name()
+    except Exception:  # not in a Ray actor, or an older Ray: fall back
+        name = None
+    if name:
+        return re.sub(r"_[0-9a-f]{8}$", "", name)[:128]
+    return f"{socket.gethostname()}-{os.getpid()}"[:128]
+
+
 def prorsa_emitter() -> AsyncEventEmitter:
     """One emitter per AgentLoopWorker event loop, configured from the environment."""
     loop = asyncio.get_running_loop()
     emitter = _EMITTERS.get(loop)
     if emitter is None:
-        emitter = AsyncEventEmitter(**_settings(), track=os.environ.get("PRORSA_TRACK") == "1")
+        emitter_id = worker_emitter_id() + (f"-{len(_EMITTERS)}" if _EMITTERS else "")
+        emitter = AsyncEventEmitter(
+            **_settings(),
+            emitter_id=emitter_id,
+            track=os.environ.get("PRORSA_TRACK", "1") != "0",
+        )
         _EMITTERS[loop] = emitter
     return emitter
 
@@ -136,7 +161,9 @@ class _WeightUpdates:
 
     def get_emitter(self) -> EventEmitter:
         if self.emitter is None:
-            self.emitter = EventEmitter(**_settings())
+            # Named, and tracking the update under way: its snapshot (after a restart) says
+            # whether weights are loading, and replaces no worker's trajectories.
+            self.emitter = EventEmitter(**_settings(), emitter_id="verl-trainer", track=True)
         return self.emitter
 
     def next_version(self, global_steps: int | None) -> int:

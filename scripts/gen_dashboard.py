@@ -471,7 +471,8 @@ def rows() -> list[tuple[str, list[Any]]]:
         series(
             "Webhook rejects per second by reason",
             "Requests refused whole: unreadable (400), invalid (422), unauthorized (401), "
-            "unknown_cluster (404), timeout (408), too_large (413), queue_full and busy (429).",
+            "unknown_cluster (404), timeout (408), too_large (413), queue_full, busy and "
+            "trajectory_limit (429).",
             [
                 q(
                     f"sum by (reason) (rate(prorsa_webhook_rejects_total[{RATE}]))",

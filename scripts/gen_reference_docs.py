@@ -40,15 +40,18 @@ DESCRIPTIONS: dict[str, str] = {
     "switch needs pure tensor parallelism).",
     "engine.transferBackend": "KV transfer backend; `mooncake` and `mori` are the two that "
     "can switch roles.",
-    "engine.extraArgs": "More SGLang launch flags. The Controller reads "
-    "`--enable-dp-attention` with `--dp-size` here: each request then runs on one "
-    "attention-DP rank.",
+    "engine.extraArgs": "More SGLang launch flags. The Controller reads attention DP here "
+    "(`--attn-dp-size N`, or the deprecated `--enable-dp-attention` with `--dp-size N`): "
+    "each request then runs on one attention-DP rank. `prorsa plan` names the flags SGLang "
+    "refuses with role switching.",
     "engine.resources": "Resources of the engine container; the GPU request of "
     "gpuResourceName is added.",
     "engine.nodeSelector": "Node selector of the engine pods.",
     "engine.tolerations": "Tolerations of the engine pods.",
     "engine.volumes": "Extra volumes of the engine pods (e.g. the model weights).",
     "engine.volumeMounts": "Extra volume mounts of the engine container.",
+    # A list of objects: without an entry here only its members would get a row.
+    "engine.imagePullSecrets": "Secrets the kubelet pulls the engine image with.",
     "gpuBudget": "G of Eq. 1: GPUs for all engines; instances = gpuBudget / "
     "engine.gpusPerInstance (must divide).",
     "roles.prefill.min": "Never fewer prefill instances than this.",
@@ -77,7 +80,9 @@ DESCRIPTIONS: dict[str, str] = {
     "router.image": "Router image.",
     "router.policy": "smg routing policy.",
     "trainer.tokenSecretRef": "Secret holding the trainer's bearer token; unset: the operator "
-    "creates `<cluster>-trainer-token` (key `token`).",
+    "creates `<cluster>-trainer-token` (key `token`). Read again every 2 s: a changed token "
+    "(or Secret named here) is in force at once and the old one refused "
+    "([security.md](security.md#rotating-the-trainer-token)).",
     "trainer.tokenSecretRef.name": "Secret name.",
     "trainer.tokenSecretRef.key": "Key in the Secret.",
 }

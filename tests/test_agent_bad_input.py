@@ -23,7 +23,7 @@ PATIENCE = 30.0
 
 @pytest.fixture
 async def pod() -> AsyncIterator[EnginePod]:
-    timeouts = replace(FAST_TIMEOUTS, client_headers=0.5)
+    timeouts = replace(FAST_TIMEOUTS, client_headers=0.5, client_body=0.5)
     async with EnginePod(instance="e-bad", token=TOKEN, timeouts=timeouts) as p:
         yield p
 
@@ -77,7 +77,7 @@ async def test_a_token_file_that_is_not_utf8_accepts_only_its_bytes(pod: EngineP
     assert accepted.startswith(b"HTTP/1.1 200"), accepted[:300]
 
 
-@pytest.mark.parametrize("depth", [10_000, 200_000])
+@pytest.mark.parametrize("depth", [10_000, 32_000])  # bodies under the 64 KiB limit
 async def test_deeply_nested_json_is_400(pod: EnginePod, depth: int) -> None:
     body = b"[" * depth + b"]" * depth
     async with httpx.AsyncClient(timeout=PATIENCE) as http:
@@ -95,3 +95,58 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed(pod: Engin
     assert reply == b""  # closed by the agent, nothing answered
     async with httpx.AsyncClient(timeout=PATIENCE) as http:
         assert (await http.get(f"{pod.agent_url}/v1/state")).status_code == 200
+
+
+def role_headers(length: int, authorization: bytes = b"Bearer " + TOKEN.encode()) -> bytes:
+    return (
+        b"POST /v1/role HTTP/1.1\r\nHost: agent\r\n"
+        b"Authorization: " + authorization + b"\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: " + str(length).encode() + b"\r\n\r\n"
+    )
+
+
+async def reply_to(url: str, request: bytes) -> bytes:
+    """What the agent answers to ``request``, sent as it is and never finished: the
+    connection stays open on our side, so only the agent's own deadline or limit replies."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=PATIENCE)
+    finally:
+        writer.close()
+
+
+async def test_a_declared_body_too_large_for_a_role_request_is_413_before_it_is_read(
+    pod: EnginePod,
+) -> None:
+    reply = await reply_to(pod.agent_url, role_headers(100_000_000))
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert pod.double.counters().switch_calls == 0
+
+
+async def test_a_role_body_larger_than_it_said_is_413(pod: EnginePod) -> None:
+    big = b'{"role": "prefill", "pad": "' + b"x" * 100_000 + b'"}'
+    async with httpx.AsyncClient(timeout=PATIENCE) as http:
+
+        async def chunks() -> AsyncIterator[bytes]:  # chunked: no length declared
+            yield big
+
+        r = await http.post(f"{pod.agent_url}/v1/role", content=chunks(), headers=AUTH)
+    assert r.status_code == 413, r.text
+    assert pod.double.counters().switch_calls == 0
+
+
+async def test_a_role_body_that_stalls_is_408_at_the_body_deadline(pod: EnginePod) -> None:
+    body = b'{"role": "prefill"}'
+    reply = await reply_to(pod.agent_url, role_headers(len(body)) + body[:5])
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert pod.double.counters().switch_calls == 0
+
+
+async def test_an_unauthenticated_huge_body_is_401_at_once(pod: EnginePod) -> None:
+    reply = await reply_to(pod.agent_url, role_headers(100_000_000, b"Bearer nope"))
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:300]

@@ -40,11 +40,13 @@ from test_operator_e2e import comes_up_and_follows_demand_both_ways
 
 from prorsa.cli import build_parser
 from prorsa.clusters import ClusterRegistry
-from prorsa.core.spec import GROUP, PLURAL, VERSION, load_cluster
+from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
-from prorsa_contract.labels import DRAINING
+from prorsa.k8s.manifest_file import load_cluster
+from prorsa.kopf_handlers import LeaderElection
+from prorsa_contract.labels import DIST_INIT_PORT, DRAINING
 from prorsa_lab.doubles.kube_audit import ApiCall
 from prorsa_lab.doubles.kube_emulator import KubeEmulator, KubeEmulatorServer
 from prorsa_lab.doubles.stack import OPERATOR_USER, cluster_manifest, stack
@@ -59,6 +61,8 @@ MONITORING_APIS = (
     "--api-versions=monitoring.coreos.com/v1/ServiceMonitor",
     "--api-versions=monitoring.coreos.com/v1/PrometheusRule",
 )
+# Every namespace watched (a ClusterRole); the engines' NetworkPolicy must then be placed.
+ALL_NS = ("--set=operator.watchAllNamespaces=true", "--set=networkPolicy.namespaces={rl}")
 # Every optional part on, with non-default values where they change the output.
 EVERYTHING = (
     "--set=ingress.enabled=true",
@@ -139,6 +143,29 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found[0]
 
 
+def operator_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The operator's ClusterRole (the chart also ships the users' prorsa-edit and -view)."""
+    found = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "prorsa-operator"
+    ]
+    assert len(found) == 1, f"expected the operator's ClusterRole, got {len(found)}"
+    return found[0]
+
+
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
+    return found[0]
+
+
+def webhook_service(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return named(docs, "Service", "prorsa-webhook")
+
+
+def metrics_service(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return named(docs, "Service", "prorsa-metrics")
+
+
 def kinds(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(d["kind"] for d in docs)
 
@@ -196,8 +223,13 @@ def test_rendered_manifests_are_valid_kubernetes_1_32(helm, flags):
 
 def test_defaults_render_the_operator_without_optional_parts(helm):
     # No Prometheus Operator API known to `helm template`: "auto" renders neither CR.
+    # Watching the release namespace: Roles there (the operator's, the leader's), its
+    # engines' and the operator's NetworkPolicies, the users' two ClusterRoles (which grant
+    # nothing until bound), two replicas and their PodDisruptionBudget.
     assert kinds(render(helm)) == [
-        "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount",
+        "ClusterRole", "ClusterRole", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy",
+        "PodDisruptionBudget", "Role", "Role", "RoleBinding", "RoleBinding", "Service", "Service",
+        "ServiceAccount",
     ]  # fmt: skip
 
 
@@ -247,7 +279,47 @@ def test_operator_pod_is_locked_down(helm):
     # certificate is mounted read-only).
     writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
     assert writable == ["/tmp"]
-    assert one(docs, "Deployment")["spec"]["replicas"] == 1  # kopf --standalone: one operator
+
+
+def test_two_replicas_elect_a_leader_and_the_webhook_service_selects_it(helm):
+    docs = render(helm)
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }  # fmt: skip
+    c = container(docs)
+    args = parse_operator_args(c)
+    assert args.leader_elect and args.operator_namespace == NAMESPACE
+    assert (args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+            args.leader_elect_retry_period) == (15, 10, 2)  # fmt: skip
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The webhook Service selects the leader's label, which no template carries: the
+    # leading process puts it on its own pod.
+    service = webhook_service(docs)
+    assert service["spec"]["selector"][objects.LEADER_LABEL] == "true"
+    assert objects.LEADER_LABEL not in deployment["spec"]["template"]["metadata"]["labels"]
+    # Metrics come from every replica (the standby says it stands by).
+    assert objects.LEADER_LABEL not in metrics_service(docs)["spec"]["selector"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["selector"]["matchLabels"] == selector
+    (term,) = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    # One replica without election: no Lease asked for, recreated on upgrade, no PDB.
+    single = render(helm, "--set=replicaCount=1", "--set=operator.leaderElection.enabled=false")
+    assert not parse_operator_args(container(single)).leader_elect
+    assert one(single, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert "PodDisruptionBudget" not in kinds(single)
+    leader_role = named(single, "Role", "prorsa-operator-leader")
+    assert grants(leader_role) == {("", "pods", "list"), ("", "pods", "patch")}
+    assert grants(named(docs, "Role", "prorsa-operator-leader")) >= {
+        ("coordination.k8s.io", "leases", v) for v in ("get", "create", "update")
+    }
 
 
 def test_operator_image_defaults_to_the_chart_version_and_honours_a_digest(helm):
@@ -268,22 +340,24 @@ def parse_operator_args(c: dict[str, Any]):
 def test_operator_args_are_what_prorsa_operator_accepts(helm):
     c = container(render(helm))
     args = parse_operator_args(c)
-    assert args.all_namespaces and args.namespace == []
+    # The secure default: the release namespace alone (its engines get the NetworkPolicy).
+    assert not args.all_namespaces and args.namespace == [NAMESPACE]
     assert args.operator_namespace == NAMESPACE
     assert not args.admission
     # --listen serves the webhook, /metrics and the readiness probe: the "webhook" port.
     host, _, port = args.listen.rpartition(":")
     assert host == "0.0.0.0" and int(port) == port_number(c, "webhook")
-    # TLS is on by default: the probe speaks HTTPS to the webhook port.
-    assert c["readinessProbe"]["httpGet"] == {
-        "path": "/healthz",
-        "port": "webhook",
-        "scheme": "HTTPS",
-    }
-    # --liveness is kopf's endpoint: the liveness probe asks exactly it.
+    # /metrics has a port of its own (trainers reach the webhook's, Prometheus this one).
+    host, _, port = args.metrics_listen.rpartition(":")
+    assert host == "0.0.0.0" and int(port) == port_number(c, "metrics") == 8788
+    everywhere = parse_operator_args(container(render(helm, *ALL_NS)))
+    assert everywhere.all_namespaces and everywhere.namespace == []
+    # --liveness is the process's probe listener: liveness there, readiness at /readyz (a
+    # standby is ready too; trainers reach the leader through the Service's selector).
     live = urlsplit(args.liveness)
     assert live.port == port_number(c, "liveness") == 8080
     assert c["livenessProbe"]["httpGet"] == {"path": live.path, "port": "liveness"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "liveness"}
     assert args.agent_port == 8080  # the agent CONTRACT's port
 
 
@@ -300,7 +374,7 @@ def test_operator_args_follow_the_values(helm):
     args = parse_operator_args(c)
     assert not args.all_namespaces and args.namespace == ["rl", "eval"]
     assert args.admission and port_number(c, "admission") == 9443
-    service = one(render(helm, "--set=operator.admission=true"), "Service")
+    service = webhook_service(render(helm, "--set=operator.admission=true"))
     assert {"name": "admission", "port": 9443, "targetPort": "admission", "protocol": "TCP"} in (
         service["spec"]["ports"]
     )
@@ -313,7 +387,7 @@ def test_operator_args_follow_the_values(helm):
 
 def test_webhook_service_is_the_one_the_operator_would_create(helm):
     docs = render(helm)
-    service = one(docs, "Service")
+    service = webhook_service(docs)
     theirs = objects.webhook_service(namespace=NAMESPACE)
     assert service["metadata"]["name"] == theirs["metadata"]["name"] == "prorsa-webhook"
     assert service["metadata"]["namespace"] == NAMESPACE
@@ -321,24 +395,34 @@ def test_webhook_service_is_the_one_the_operator_would_create(helm):
     assert [p["port"] for p in service["spec"]["ports"]] == [
         p["port"] for p in theirs["spec"]["ports"]
     ]
-    # The Service reaches the operator pod, on its webhook port.
+    # The Service reaches the leading operator pod (the template's labels and the one the
+    # leader adds to its pod), on its webhook port.
     pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
+    leading = pod_labels | {objects.LEADER_LABEL: "true"}
+    assert service["spec"]["selector"].items() <= leading.items()
     assert service["spec"]["ports"][0]["targetPort"] == "webhook"
     deployment = one(docs, "Deployment")
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
 
 
-def test_service_monitor_scrapes_the_webhook_service_keeping_cluster_labels(helm):
+def test_service_monitor_scrapes_the_metrics_service_keeping_cluster_labels(helm):
     docs = render(helm, *EVERYTHING)
-    sm, service = one(docs, "ServiceMonitor"), one(docs, "Service")
+    sm, service = one(docs, "ServiceMonitor"), metrics_service(docs)
+    # The metrics Service: the operator's pods, on the metrics port (not the webhook's).
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 8788, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= (
+        webhook_service(docs)["metadata"]["labels"].items()
+    )
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = sm["spec"]["endpoints"]
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
-    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
     # Without honorLabels Prometheus renames the series' namespace label (the
     # RolloutCluster's) to exported_namespace, and the dashboard's $namespace finds nothing.
     assert endpoint["honorLabels"] is True
@@ -389,7 +473,8 @@ def test_ingress_tls_without_a_secret_is_refused(helm):
 
 @dataclass(frozen=True)
 class Served:
-    url: str
+    url: str  # the webhook's port
+    metrics_url: str  # the metrics port
     ca: str  # PEM
 
 
@@ -397,7 +482,11 @@ class Served:
 async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
     """The operator's HTTPS surface, assembled as the operator assembles it, on loopback,
     with a throwaway certificate for the names the chart's Certificate asks for."""
+    from prometheus_client import CollectorRegistry
+
+    from prorsa.ingest.webhook_metrics import WebhookMetrics
     from prorsa.k8s.agent_tls import issue_serving_cert
+    from prorsa.operator_process import serve_metrics
     from prorsa_contract.serving_tls import ServingCert
 
     certificate = one(render(helm, *EVERYTHING), "Certificate")
@@ -407,17 +496,21 @@ async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
     (tmp_path / "tls.crt").write_text(issued.cert)
     (tmp_path / "tls.key").write_text(issued.key)
     tls = ServingCert(cert_file=tmp_path / "tls.crt", key_file=tmp_path / "tls.key")
+    prom = CollectorRegistry()
     app = web.Application()
-    WebhookServer(ClusterRegistry()).add_routes(app)
+    WebhookServer(ClusterRegistry(), metrics=WebhookMetrics(prom)).add_routes(app, metrics=False)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.context)
     await site.start()
+    metrics = await serve_metrics(prom, host="127.0.0.1", port=0, tls=tls)
     host, port = runner.addresses[0][:2]
+    metrics_port = metrics.addresses[0][1]
     try:
-        yield Served(f"https://{host}:{port}", issued.ca)
+        yield Served(f"https://{host}:{port}", f"https://{host}:{metrics_port}", issued.ca)
     finally:
         await runner.cleanup()
+        await metrics.cleanup()
 
 
 async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(helm, operator_https):
@@ -426,17 +519,20 @@ async def test_probe_scrape_and_ingress_paths_are_routes_the_operator_serves(hel
     sm = one(docs, "ServiceMonitor")
     ingress = one(docs, "Ingress")
     (endpoint,) = sm["spec"]["endpoints"]
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and endpoint["scheme"] == "https"
+    assert endpoint["scheme"] == "https"
+    # The probes are the process's (tests/test_operator_ha.py asks the chart's paths).
+    assert c["readinessProbe"]["httpGet"]["port"] == "liveness"
     # Prometheus checks the name the ServiceMonitor gives, against the Secret's CA: the
     # certificate cert-manager issues for the chart's names passes.
     verify = ssl.create_default_context(cadata=operator_https.ca)
     sni = {"sni_hostname": endpoint["tlsConfig"]["serverName"]}
     async with httpx.AsyncClient(base_url=operator_https.url, timeout=5, verify=verify) as client:
-        ready = await client.get(c["readinessProbe"]["httpGet"]["path"], extensions=sni)
-        assert ready.status_code == 200
-        scrape = await client.get(endpoint["path"], extensions=sni)
+        # The ServiceMonitor scrapes the metrics port; the webhook's port serves no metrics.
+        assert endpoint["port"] == "metrics"
+        scrape = await client.get(f"{operator_https.metrics_url}{endpoint['path']}", extensions=sni)
         assert scrape.status_code == 200
         assert "prorsa_webhook_events_total" in scrape.text
+        assert (await client.get("/metrics", extensions=sni)).status_code == 404
         # Each Ingress path leads to a webhook route (a JSON answer, not aiohttp's 404 page).
         for path in ("/openapi.json", "/v1/namespaces/rl/rolloutclusters/qwen/forecast"):
             assert ingress_matches(ingress, path)
@@ -669,7 +765,7 @@ KOPF_NEEDS = {
 
 
 def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
-    held = grants(one(render(helm, *LWS_API), "ClusterRole"))
+    held = grants(operator_role(render(helm, *ALL_NS, *LWS_API)))
     calls = api_calls_in_operator_code()
     assert len(calls) >= 10, f"found too few API calls to be credible: {calls}"
     assert calls - held == set()
@@ -677,7 +773,7 @@ def test_cluster_role_covers_every_api_call_in_the_operators_code(helm):
     # Without the LeaderWorkerSet API the chart grants everything but the LWS calls.
     sets = {c for c in calls if c[0] == lws.GROUP}
     assert {v for _, _, v in sets} == {"list", "create", "delete"}
-    assert calls - grants(one(render(helm), "ClusterRole")) == sets
+    assert calls - grants(operator_role(render(helm, *ALL_NS))) == sets
 
 
 async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool) -> set[ApiCall]:
@@ -691,6 +787,9 @@ async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool)
         tick_seconds=0.3, watch_timeout=2.0, watch_namespaces=watch,
         operator_namespace=NAMESPACE, router_settle_timeout=0.2,
         leader_worker_set=leader_worker_set,
+        # As the chart runs it: a replica that elects itself and labels its pod.
+        leader_election=LeaderElection(lease_duration=6.0, renew_deadline=4.0, retry_period=0.5),
+        operator_pod="prorsa-0",
     ) as env:  # fmt: skip
         await comes_up_and_follows_demand_both_ways(env, cluster_manifest(router={"enabled": True}))
         if leader_worker_set:
@@ -705,13 +804,13 @@ async def operator_api_calls(watch: tuple[str, ...], *, leader_worker_set: bool)
         await env.start_operator()
         await env.wait_for(lambda: ready(env), what="the cluster back after a restart")
         # Deleting the cluster: kopf runs the delete handler and removes its finalizer.
-        await env.kube._call(
+        await env.kube.call(
             env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL,
             "demo",
         )  # fmt: skip
 
         async def gone() -> bool:
-            listed = await env.kube._call(
+            listed = await env.kube.call(
                 env.kube.custom.list_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL
             )
             return not listed["items"]
@@ -731,7 +830,7 @@ async def two_node_sets_come_and_go(env: Any) -> None:
     await env.wait_for(lambda: groups(3), what="3 two-pod groups")
     await env.patch_cluster("big", {"spec": {"gpuBudget": 16}})
     await env.wait_for(lambda: groups(2), what="2 two-pod groups")
-    await env.kube._call(
+    await env.kube.call(
         env.kube.custom.delete_namespaced_custom_object, GROUP, VERSION, "rl", PLURAL, "big"
     )
     await env.wait_for(lambda: groups(0), what="the two-pod cluster gone")
@@ -750,7 +849,7 @@ async def ready(env: Any) -> bool:
 async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not(
     helm, watch, leader_worker_set
 ):
-    docs = render(helm, *(WATCH_RL if watch else ()), *(LWS_API if leader_worker_set else ()))
+    docs = render(helm, *(WATCH_RL if watch else ALL_NS), *(LWS_API if leader_worker_set else ()))
     account = one(docs, "ServiceAccount")["metadata"]
     assert service_account_user(account["namespace"], account["name"]) == OPERATOR_USER
     held = grants_of(docs, OPERATOR_USER)
@@ -771,23 +870,43 @@ async def test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_d
 
 def test_watch_namespaces_get_roles_and_nothing_cluster_wide(helm):
     docs = render(helm, "--set=operator.watchNamespaces={rl,eval}")
-    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"}
-    bindings = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "RoleBinding"}
+    assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    # Cluster-scoped only the users' roles, which grant nothing until someone binds them.
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"} == {
+        "prorsa-edit", "prorsa-view"
+    }  # fmt: skip
+    leader = "prorsa-operator-leader"  # leader election, in the release namespace
+    roles = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "Role" and d["metadata"]["name"] != leader
+    }
+    bindings = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "RoleBinding" and d["metadata"]["name"] != leader
+    }
     assert set(roles) == set(bindings) == {"rl", "eval", NAMESPACE}
     assert grants(roles["rl"]) == grants(roles["eval"])
-    # The release namespace (not watched): the shared webhook Service only.
+    # The release namespace (not watched): the shared webhook Service, and the Lease and
+    # the leader's pod label.
     assert grants(roles[NAMESPACE]) == {("", "services", "get"), ("", "services", "create")}
+    assert named(docs, "Role", leader)["metadata"]["namespace"] == NAMESPACE
+    assert grants(named(docs, "Role", leader)) == {
+        ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+        ("coordination.k8s.io", "leases", "update"), ("", "pods", "list"), ("", "pods", "patch"),
+    }  # fmt: skip
     for ns, binding in bindings.items():
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
             "name": roles[ns]["metadata"]["name"],
         }  # fmt: skip
-    # A watched release namespace gets the full Role, once.
+    # A watched release namespace gets the full Role, once (and the leader's).
     both = render(helm, f"--set=operator.watchNamespaces={{rl,{NAMESPACE}}}")
-    assert sorted(d["metadata"]["namespace"] for d in both if d["kind"] == "Role") == sorted(
-        ["rl", NAMESPACE]
-    )
+    assert sorted(
+        d["metadata"]["namespace"] for d in both if d["kind"] == "Role" and
+        d["metadata"]["name"] != leader
+    ) == sorted(["rl", NAMESPACE])  # fmt: skip
     args = parse_operator_args(container(docs))
     assert args.namespace == ["rl", "eval"] and not args.all_namespaces
 
@@ -799,7 +918,7 @@ def router_role() -> dict[str, Any]:
     return next(m for m in manifests if m["kind"] == "Role")
 
 
-@pytest.mark.parametrize("flags", [(), WATCH_RL], ids=["cluster-role", "namespace-role"])
+@pytest.mark.parametrize("flags", [ALL_NS, WATCH_RL], ids=["cluster-role", "namespace-role"])
 def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
     """RBAC refuses to let the operator create a Role granting more than it holds there."""
     held = {
@@ -811,7 +930,7 @@ def test_operator_holds_everything_it_grants_routers(helm, router_role, flags):
 
 
 def test_rbac_is_least_privilege(helm):
-    role = one(render(helm), "ClusterRole")
+    role = operator_role(render(helm, *ALL_NS))
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"])
@@ -819,15 +938,16 @@ def test_rbac_is_least_privilege(helm):
     # Deletes only engine pods; never touches nodes, cluster roles or other CRDs' objects.
     assert {r for g, r, v in held if v == "delete"} == {"pods"}
     # LeaderWorkerSets only where the cluster serves the API (or the values say so).
-    with_sets = grants(one(render(helm, *LWS_API), "ClusterRole"))
+    with_sets = grants(operator_role(render(helm, *ALL_NS, *LWS_API)))
     assert with_sets - held == {
         (lws.GROUP, lws.PLURAL, verb) for verb in ("list", "create", "delete")
     }
     forced = render(helm, "--set=rbac.leaderWorkerSets=true", *WATCH_RL)
     (watched,) = [d for d in forced if d["kind"] == "Role" and d["metadata"]["namespace"] == "rl"]
     assert grants(watched) >= with_sets - held
-    assert grants(one(render(helm, *LWS_API, "--set=rbac.leaderWorkerSets=false"),
-                      "ClusterRole")) == held  # fmt: skip
+    assert grants(
+        operator_role(render(helm, *ALL_NS, *LWS_API, "--set=rbac.leaderWorkerSets=false"))
+    ) == (held)
     assert not {r for g, r, v in held if r in ("nodes", "clusterroles", "clusterrolebindings")}
     assert not {v for g, r, v in held if r == "secrets"} - {"get", "create"}
     assert not {r for g, r, v in held if v == "update"}
@@ -850,6 +970,40 @@ def test_rbac_is_least_privilege(helm):
         for binding in render(helm, *flags):
             if binding["kind"] in ("ClusterRoleBinding", "RoleBinding"):
                 assert binding["subjects"] == subjects
+
+
+def test_user_roles_aggregate_into_the_built_in_roles_and_cover_rolloutclusters(helm):
+    """prorsa-edit and prorsa-view: what people and tools using RolloutClusters are bound to
+    (docs/security.md); aggregated, so a namespace's admins, editors and viewers have them."""
+    docs = render(helm)
+    roles = {
+        d["metadata"]["name"]: d
+        for d in docs
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"] in ("prorsa-edit", "prorsa-view")
+    }
+    assert set(roles) == {"prorsa-edit", "prorsa-view"}
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    labels = {
+        n: {k for k in r["metadata"]["labels"] if k.startswith(aggregate)} for n, r in roles.items()
+    }
+    assert labels == {
+        "prorsa-edit": {aggregate + "admin", aggregate + "edit"},
+        "prorsa-view": {aggregate + "view"},
+    }
+    edit, view = grants(roles["prorsa-edit"]), grants(roles["prorsa-view"])
+    read = {(GROUP, r, v) for r in (PLURAL, f"{PLURAL}/status") for v in ("get", "list", "watch")}
+    assert view == read
+    writes = {"create", "update", "patch", "delete", "deletecollection"}
+    assert edit == read | {(GROUP, PLURAL, v) for v in writes}
+    # Nothing but RolloutClusters: not their status (the operator's), no pods, no Secrets.
+    assert {g for g, _, _ in edit | view} == {GROUP}
+    assert not [b for b in docs if b["kind"].endswith("Binding")
+                and b["roleRef"]["name"] in roles]  # fmt: skip
+    assert "prorsa-edit" not in {
+        d["metadata"]["name"] for d in render(helm, "--set=rbac.userRoles=false")
+    }
+    page = (ROOT / "docs" / "security.md").read_text()
+    assert "prorsa-edit" in page and "prorsa-view" in page
 
 
 # -- NetworkPolicy -------------------------------------------------------------------------------
@@ -928,6 +1082,10 @@ def policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == "NetworkPolicy"]
 
 
+def engine_policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in policies(docs) if p["metadata"]["name"].endswith("-engines")]
+
+
 def engine_pod_labels(role: str) -> dict[str, str]:
     spec = load_cluster(ROOT / "examples" / "rolloutcluster.yaml").spec
     pod = objects.engine_pod(cluster="qwen3-coder", namespace="rl", index=0, role=role, spec=spec)
@@ -952,8 +1110,9 @@ def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_por
         f"--set-json=networkPolicy.agentMetricsFrom={prometheus_peer}",
     )  # fmt: skip
     fences = policies(docs)
-    assert [p["metadata"]["namespace"] for p in fences] == ["rl"]
-    kubernetes_validate.validate(fences[0], K8S_VERSION, strict=True)
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == ["rl"]
+    for fence in fences:
+        kubernetes_validate.validate(fence, K8S_VERSION, strict=True)
     operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     operator = Pod(namespace=NAMESPACE, labels=operator_labels)
     router = Pod(namespace="rl", labels=router_pod_labels())
@@ -965,40 +1124,100 @@ def test_network_policy_lets_only_the_operator_and_routers_reach_the_control_por
     agent, http, bootstrap = objects.AGENT_PORT, objects.ENGINE_PORT, objects.BOOTSTRAP_PORT
     expected = {
         # source: (agent 8080, SGLang HTTP 30000, PD bootstrap 8998)
-        "operator": (operator, True, False, True),
-        "router": (router, False, True, True),
-        "engine": (peer_engine, True, True, True),
-        "trainer": (trainer, False, True, True),
-        "prometheus": (prometheus, True, False, True),
-        "stranger": (stranger, False, False, True),
-        "elsewhere": (elsewhere, False, False, True),
+        "operator": (operator, True, False, False),
+        "router": (router, False, True, False),
+        "engine": (peer_engine, False, False, True),
+        "trainer": (trainer, False, True, False),
+        "prometheus": (prometheus, True, False, False),
+        "stranger": (stranger, False, False, False),
+        "elsewhere": (elsewhere, False, False, False),
     }
     for role in ("prefill", "decode", DRAINING):
         target = Pod(namespace="rl", labels=engine_pod_labels(role))
         for name, (source, to_agent, to_http, to_bootstrap) in expected.items():
             got = tuple(reachable(fences, source, target, p) for p in (agent, http, bootstrap))
             assert got == (to_agent, to_http, to_bootstrap), (role, name)
-        # Every other port as before, UDP too (transfer engines, NCCL).
+        # Every other port as before, UDP too (transfer engines, NCCL, the rendezvous).
         assert reachable(fences, stranger, target, 12345)
         assert reachable(fences, stranger, target, 4791, "UDP")
-    # The policy fences engines only: the router and the operator stay reachable.
+        assert reachable(fences, peer_engine, target, DIST_INIT_PORT)
+    # The policy fences engines only: the router stays reachable.
     assert reachable(fences, stranger, router, objects.ROUTER_PORT)
-    assert reachable(fences, stranger, operator, objects.WEBHOOK_PORT)
+
+
+def test_network_policy_lets_prometheus_alone_reach_the_operators_metrics(helm):
+    """Item 4: metrics on a port of their own, which the operator's NetworkPolicy limits to
+    Prometheus; the webhook stays open to trainers, admission to the API server."""
+    docs = render(helm, "--set=operator.admission=true")
+    fences = policies(docs)
+    (fence,) = [p for p in fences if p["metadata"]["name"] == "prorsa-operator"]
+    assert fence["metadata"]["namespace"] == NAMESPACE
+    operator_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    operator = Pod(namespace=NAMESPACE, labels=operator_labels)
+    c = container(docs)
+    webhook, metrics = port_number(c, "webhook"), port_number(c, "metrics")
+    admission, liveness = port_number(c, "admission"), port_number(c, "liveness")
+    prometheus = Pod(namespace="monitoring", labels={"app.kubernetes.io/name": "prometheus"})
+    trainer = Pod(namespace="rl", labels={"app": "trainer"})
+    stranger = Pod(namespace=NAMESPACE, labels={"app": "notebook"})
+    for source, allowed in ((prometheus, {webhook, metrics, admission}),
+                            (trainer, {webhook, admission}),
+                            (stranger, {webhook, admission})):  # fmt: skip
+        for port in (webhook, metrics, admission, liveness):
+            assert reachable(fences, source, operator, port) == (port in allowed), (source, port)
+    # Narrowed by the values: trainers of one namespace only, Prometheus of one namespace.
+    narrow = render(
+        helm,
+        '--set-json=networkPolicy.webhookFrom=[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "rl"}}}]',
+        '--set-json=networkPolicy.metricsFrom=[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "monitoring"}}}]',
+    )
+    fences = policies(narrow)
+    assert reachable(fences, trainer, operator, webhook)
+    assert not reachable(fences, stranger, operator, webhook)
+    assert reachable(fences, Pod(namespace="monitoring", labels={}), operator, metrics)
+    assert not reachable(fences, trainer, operator, metrics)
+    assert not reachable(fences, trainer, operator, admission)  # admission is off here
 
 
 @pytest.mark.parametrize(
     ("flags", "namespaces"),
     [
-        ((), []),  # every namespace watched: which ones run engines is not known
+        ((), [NAMESPACE]),  # the default: the release namespace, fenced
         (WATCH_RL, ["rl"]),
         (("--set=operator.watchNamespaces={rl,eval}",), ["rl", "eval"]),
         (("--set=networkPolicy.namespaces={gpu}",), ["gpu"]),
+        (ALL_NS, ["rl"]),
         ((*WATCH_RL, "--set=networkPolicy.enabled=false"), []),
     ],
-    ids=["all-namespaces", "watched", "two-watched", "listed", "disabled"],
+    ids=["default", "watched", "two-watched", "listed", "all-namespaces-listed", "disabled"],
 )
 def test_network_policies_go_where_the_engines_run(helm, flags, namespaces):
-    assert [p["metadata"]["namespace"] for p in policies(render(helm, *flags))] == namespaces
+    docs = render(helm, *flags)
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == namespaces
+    operator = [p for p in policies(docs) if p not in engine_policies(docs)]
+    assert [p["metadata"]["namespace"] for p in operator] == ([NAMESPACE] if namespaces else [])
+
+
+def test_watching_every_namespace_needs_the_engines_namespaces_or_an_explicit_opt_out(helm):
+    """No install leaves SGLang's port (and /server_info's admin key) open by default."""
+    result = run_helm(
+        helm, "template", "prorsa", str(CHART), "--set=operator.watchAllNamespaces=true"
+    )
+    assert result.returncode != 0
+    assert "list the namespaces that run RolloutClusters in networkPolicy.namespaces" in (
+        result.stderr
+    )
+    opted_out = render(
+        helm, "--set=operator.watchAllNamespaces=true", "--set=networkPolicy.enabled=false"
+    )
+    assert not policies(opted_out)
+    both = run_helm(
+        helm, "template", "prorsa", str(CHART), "--set=operator.watchAllNamespaces=true",
+        "--set=operator.watchNamespaces={rl}",
+    )  # fmt: skip
+    assert both.returncode != 0 and "set one of them" in both.stderr
 
 
 # -- values.schema.json ---------------------------------------------------------------------------
@@ -1010,7 +1229,9 @@ def test_network_policies_go_where_the_engines_run(helm, flags, namespaces):
         ("--set=securityContext.allowPrivilegeEscalation=true", "allowPrivilegeEscalation"),
         ("--set=podSecurityContext.runAsNonRoot=false", "runAsNonRoot"),
         ("--set=metrics.serviceMonitor.enabled=yes", "metrics.serviceMonitor.enabled"),
-        ("--set=replicaCount=2", "replicaCount"),
+        ("--set=replicaCount=0", "replicaCount"),
+        ("--set=operator.leaderElection.enabled=false", "needs operator.leaderElection.enabled"),
+        ("--set=operator.leaderElection.renewDeadlineSeconds=20", "renewDeadlineSeconds <"),
         ("--set=metrics.serviceMonitor.interval=15", "interval"),
         ("--set=operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
         ("--set=image.digest=abc", "image.digest"),
@@ -1097,8 +1318,12 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         kubeconfig = kube.kubeconfig_path
         notes = helm_on(kubeconfig, "install", "prorsa", str(CHART), "--disable-openapi-validation")
         assert f"prorsa-webhook.{NAMESPACE}.svc:8787/v1/namespaces/" in notes
-        # Watching every namespace, the chart cannot know where engines run: it says so.
-        assert "WARNING: no NetworkPolicy rendered" in notes
+        # The secure default: the release namespace, fenced; metrics on their own port.
+        assert f"handles RolloutClusters in namespace {NAMESPACE}." in notes
+        assert f"NetworkPolicy prorsa-engines in {NAMESPACE}: " in notes
+        assert f"prorsa-metrics.{NAMESPACE}.svc:8788/metrics" in notes
+        assert "2 replica(s): one leads" in notes and "get lease prorsa-operator" in notes
+        assert "WARNING" not in notes
         api = config.new_client_from_config(config_file=str(kubeconfig))
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
         ext = client.ApiextensionsV1Api(api)
@@ -1127,3 +1352,34 @@ def test_helm_install_upgrade_uninstall_and_the_operator_adopts_the_service(helm
         # Helm never deletes CRDs (that would delete every RolloutCluster with them).
         assert ext.read_custom_resource_definition("rolloutclusters.prorsa.io")
         api.close()
+
+
+def _helm_installs(page: Path) -> list[list[str]]:
+    """The ``--set`` flags of each ``helm install prorsa charts/prorsa`` a page shows."""
+    import shlex
+
+    text = page.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        if "helm install prorsa charts/prorsa" not in line:
+            continue
+        words = shlex.split(line.split("#", 1)[0])
+        flags = [f"--set={v}" for flag, v in itertools.pairwise(words) if flag == "--set"]
+        found.append(flags + [w for w in words if w.startswith("--set=")])
+    return found
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/operations.md"])
+def test_the_documented_install_renders_what_the_page_says(helm, page):
+    """The quick start as written: the operator watches the namespace the example
+    RolloutCluster lives in, and that namespace's engines get the NetworkPolicy."""
+    (flags,) = _helm_installs(ROOT / page)
+    docs = render(helm, *flags)
+    example = load_cluster(ROOT / "examples" / "rolloutcluster.yaml")
+    namespace = example.metadata.namespace
+    args = parse_operator_args(container(docs))
+    assert args.namespace == [namespace] and not args.all_namespaces
+    assert [p["metadata"]["namespace"] for p in engine_policies(docs)] == [namespace]
+    text = (ROOT / page).read_text()
+    # The namespace exists before the chart renders a Role and a NetworkPolicy in it.
+    assert text.index(f"kubectl create namespace {namespace}") < text.index("helm install")

@@ -147,18 +147,59 @@ def test_plan_names_the_bad_line_and_field(tmp_path: Path, cluster: Path) -> Non
     assert out.stdout == ""
 
 
-def test_plan_refuses_a_bad_cluster_naming_the_field(tmp_path: Path) -> None:
+def test_plan_refuses_a_bad_cluster_naming_every_field(tmp_path: Path) -> None:
+    """Every problem in one pass: field types, enums and the cross-field rules together."""
     bad = json.loads(json.dumps(CLUSTER))
     bad["spec"]["gpuBudget"] = 60
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
     out = prorsa("plan", "--cluster", str(path), "--events", "-", "--at", "1", stdin="")
     assert out.returncode == 2
-    assert "gpuBudget (60) must be a multiple of engine.gpusPerInstance (8)" in out.stderr
-    bad["spec"]["engine"]["transferBackend"] = "nixl"
+    assert f"{path}: spec.gpuBudget: 60 is not a multiple of engine.gpusPerInstance (8)" in (
+        out.stderr
+    )
+    bad["spec"]["engine"] |= {"transferBackend": "nixl", "tensorParallelSize": "8"}
+    bad["spec"]["switching"] = {"mode": "Sometimes"}
     path.write_text(yaml.safe_dump(bad))
-    out = prorsa("plan", "--cluster", str(path), "--events", "-", "--at", "1", stdin="")
-    assert "spec.engine.transferBackend" in out.stderr
+    out = prorsa("plan", "--cluster", str(path))
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    for field in (
+        "spec.engine.transferBackend",
+        "spec.engine.tensorParallelSize",
+        "spec.switching.mode",
+        "spec.gpuBudget",
+    ):
+        assert any(line.startswith(f"{path}: {field}: ") for line in lines), (field, lines)
+    assert lines[-1] == f"prorsa plan: error: {path}: 4 problems; nothing was planned"
+
+
+def test_plan_without_events_checks_the_deployment(tmp_path: Path, cluster: Path) -> None:
+    out = prorsa("plan", "--cluster", str(cluster))
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith(
+        "rl/qwen3-coder: 8 instances of 8 GPUs (gpuBudget 64), starting at 4P:4D"
+    )
+    assert "advice: attention is not data-parallel" in out.stdout
+    assert "colocated" in out.stdout
+    dp = json.loads(json.dumps(CLUSTER))
+    dp["spec"]["engine"]["extraArgs"] = ["--attn-dp-size", "2", "--chunked-prefill-size", "8192"]
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump(dp))
+    out = prorsa("plan", "--cluster", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "attention data-parallel over 2 ranks of tensor parallel 4" in out.stdout
+    assert "not data-parallel" not in out.stdout
+    assert "each rank prefills chunks of 4096 tokens" in out.stdout
+
+
+def test_plan_names_a_missing_manifest(tmp_path: Path) -> None:
+    out = prorsa("plan", "--cluster", str(tmp_path / "nope.yaml"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"prorsa plan: error: {tmp_path / 'nope.yaml'}: No such file or directory"
+    )
 
 
 def prorsa_without_lab(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from conftest import make_spec
 
 from prorsa.clusters import ClusterHandle, ClusterRegistry, IngestLimits
 from prorsa.core.controller import Controller
+from prorsa.core.spec import RolloutClusterSpec
 from prorsa.ingest import WebhookServer
 from prorsa_sdk import AsyncEventEmitter, Backoff, EmitterStats, EventEmitter
 
@@ -86,10 +88,15 @@ class Webhook:
 
 
 async def start_webhook(
-    *, port: int = 0, limits: IngestLimits | None = None, chaos: Chaos | None = None
+    *,
+    port: int = 0,
+    limits: IngestLimits | None = None,
+    chaos: Chaos | None = None,
+    spec: RolloutClusterSpec | None = None,
 ) -> Webhook:
     registry = ClusterRegistry(limits=limits)
-    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=Controller(make_spec()))
+    controller = Controller(spec or make_spec())
+    handle = registry.add(namespace="rl", name="c", token=TOKEN, controller=controller)
     chaos = chaos or Chaos()
     app = web.Application(middlewares=[chaos.middleware()])
     WebhookServer(registry).add_routes(app)
@@ -332,6 +339,83 @@ async def test_wrong_token_is_retried_a_while_then_dropped_loudly(
     assert hook.handle.applied == 0
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_a_rotated_token_file_is_picked_up_and_nothing_is_lost(
+    hook: Webhook, flavour: str, tmp_path: Path
+) -> None:
+    """The server's token rotates (no overlap): batches get 401 and are retried until the
+    trainer's mounted token file holds the new token; then every event arrives."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    options = dict(url=hook.url, namespace="rl", name="c", token_file=token_file, backoff=FAST)
+    em: AsyncEventEmitter | EventEmitter = (
+        AsyncEventEmitter(**options) if flavour == "async" else EventEmitter(**options)
+    )
+    if isinstance(em, AsyncEventEmitter):
+        await em.start()
+    lifecycle(em, 4, prefix="before")
+    assert await _flush(em)
+    hook.handle.set_token("rotated")  # what the operator does when the Secret changes
+    lifecycle(em, 4, prefix="after")
+    await asyncio.sleep(0.3)  # some 401s meanwhile
+    assert hook.handle.applied == 38
+    tmp = tmp_path / "token.new"  # the kubelet's atomic swap of a Secret volume's files
+    tmp.write_text("rotated\n")
+    tmp.replace(token_file)
+    assert await _flush(em)
+    stats = await em.aclose() if isinstance(em, AsyncEventEmitter) else em.close()
+    assert stats.retries >= 1 and stats.dropped == 0 and accounted(stats)
+    assert hook.handle.applied == 76
+
+
+async def _flush(em: AsyncEventEmitter | EventEmitter, timeout: float = 10) -> bool:
+    if isinstance(em, AsyncEventEmitter):
+        return await em.flush(timeout=timeout)
+    return await asyncio.to_thread(em.flush, timeout)
+
+
+def test_a_token_and_a_token_file_are_one_or_the_other(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        EventEmitter(url="http://x", namespace="rl", name="c")
+    with pytest.raises(ValueError, match="holds no token"):
+        (tmp_path / "empty").write_text("\n")
+        EventEmitter(url="http://x", namespace="rl", name="c", token_file=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("flavour", ["async", "sync"])
+async def test_at_the_trajectory_limit_new_trajectories_wait_and_the_rest_flows(
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One emitter, a cluster that holds 4 live trajectories: the batch that starts four
+    more is set aside (429 trajectory_limit) while the next batches, which end the first
+    four, go through; then the set-aside batch gets in. Nothing is dropped, nothing waits
+    forever behind the refused batch."""
+    spec = make_spec(trainer={"maxLiveTrajectories": 4}, forecast={"horizonSeconds": 1})
+    hook = await start_webhook(spec=spec)  # Retry-After: one horizon
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    em: AsyncEventEmitter | EventEmitter = (
+        AsyncEventEmitter(**options) if flavour == "async" else EventEmitter(**options)
+    )
+    try:
+        if isinstance(em, AsyncEventEmitter):
+            await em.start()
+        for i in range(4):
+            em.request_queued(f"old{i}", prompt_tokens=100, turn=0)
+        assert await _flush(em)
+        for i in range(4):
+            em.request_queued(f"new{i}", prompt_tokens=100, turn=0)
+        assert not await _flush(em, timeout=0.3)  # refused, set aside: still pending
+        assert em.stats.pending == 4 and "trajectory limit" in caplog.text
+        for i in range(4):
+            em.reward_finished(f"old{i}", accepted=True)
+        assert await _flush(em, timeout=30)  # the ends go first, then the new ones fit
+        stats = await em.aclose() if isinstance(em, AsyncEventEmitter) else em.close()
+        assert stats.dropped == 0 and accounted(stats) and stats.retries >= 1
+        assert sorted(hook.handle.controller.table._slots) == [f"new{i}" for i in range(4)]
+    finally:
+        await hook.runner.cleanup()
+
+
 def test_sync_close_gives_up_within_its_timeout() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     em = EventEmitter(url=dead, namespace="rl", name="c", token=TOKEN, backoff=FAST)
@@ -343,6 +427,18 @@ def test_sync_close_gives_up_within_its_timeout() -> None:
     assert stats.dropped_undeliverable == 30 and accounted(stats)
     with pytest.raises(RuntimeError):
         em.request_queued("late", prompt_tokens=1, turn=0)
+
+
+def test_closing_twice_returns_the_same_stats() -> None:
+    """A second close (a `with` block and an atexit hook, say) returns at once; it used to
+    wait forever for the lock it held."""
+    em = EventEmitter(url=f"http://127.0.0.1:{free_port()}", namespace="rl", name="c", token=TOKEN)
+    first = em.close(timeout=0.1)
+    box: list[EmitterStats] = []
+    closer = threading.Thread(target=lambda: box.append(em.close()), daemon=True)
+    closer.start()
+    closer.join(5.0)
+    assert box == [first]
 
 
 # -- resync -----------------------------------------------------------------------------
@@ -377,6 +473,57 @@ async def test_restarted_server_is_resynced_from_the_tracker() -> None:
     finally:
         await em.aclose()
         await hook.runner.cleanup()
+
+
+async def test_workers_with_an_emitter_each_resync_without_erasing_each_other() -> None:
+    """verl's layout: one tracked emitter per worker, each seeing its own trajectories. The
+    operator restarts; each worker's snapshot replaces its own trajectories alone, so the
+    new server knows all of them (without ids the last snapshot would erase the others)."""
+    hook = await start_webhook()
+    port = int(hook.url.rsplit(":", 1)[1])
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    workers = [
+        AsyncEventEmitter(**options, track=True, emitter_id=f"worker-{rank}") for rank in range(3)
+    ]
+    try:
+        for rank, em in enumerate(workers):
+            lifecycle(em, 10, prefix=f"w{rank}-")
+        assert all([await em.flush() for em in workers])
+        assert hook.live == {"tool": 15}
+        await hook.runner.cleanup()  # the operator restarts: all state is lost
+        hook = await start_webhook(port=port)
+        for rank, em in enumerate(workers):  # the next batch of each learns of the restart
+            em.request_queued(f"w{rank}-0", prompt_tokens=1200, turn=1)
+        assert all([await em.flush(timeout=20) for em in workers])
+        assert all(em.stats.resyncs == 2 and em.stats.dropped == 0 for em in workers)
+        assert hook.live == {"ready": 3, "tool": 12}  # every worker's trajectories
+    finally:
+        for em in workers:
+            await em.aclose()
+        await hook.runner.cleanup()
+
+
+async def test_a_restarted_worker_clears_what_its_previous_process_left(hook: Webhook) -> None:
+    """A worker process dies with trajectories live; its replacement (same emitter id)
+    posts its own, empty, view when it starts: no ghost waits an hour for eviction."""
+    options = dict(url=hook.url, namespace="rl", name="c", token=TOKEN, backoff=FAST)
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-7") as old:
+        lifecycle(old, 6, prefix="old-")
+        assert await old.flush()
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-8") as other:
+        lifecycle(other, 2, prefix="other-")
+        assert await other.flush()
+    assert hook.live == {"tool": 4}
+    async with AsyncEventEmitter(**options, track=True, emitter_id="worker-7") as new:
+        new.sample_dispatched("new-0", task="swe")
+        assert await new.flush()
+        assert new.stats.resyncs == 1
+    assert hook.live == {"starting": 1, "tool": 1}  # new-0 and other-0
+
+
+def test_an_emitter_id_must_be_a_header_value() -> None:
+    with pytest.raises(ValueError, match="emitter_id"):
+        EventEmitter(url="http://x", namespace="rl", name="c", token=TOKEN, emitter_id="a b")
 
 
 def test_sync_resync_uses_the_user_callback() -> None:

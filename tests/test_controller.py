@@ -10,9 +10,16 @@ from conftest import EventLog, make_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prorsa.core.allocate import Allocation
 from prorsa.core.controller import Controller
-from prorsa.core.decision import Decision
+from prorsa.core.decision import Decision, Forecast, Target
+from prorsa.core.demand import forecast_demand
 from prorsa.core.diagnostics import Diagnostics
+from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.switch_cost import Persistence, Regret
+from prorsa.core.switch_plan import lost_tokens, plan_switches
+from prorsa.core.types import Demand, DemandInputs, PlanInputs, Sizing
 from prorsa_contract.agent_api import EngineState
 
 
@@ -493,9 +500,19 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
     events = log.take()
     c.observe(events)
     states = {s.instance: s for s in engines(3, 5)}
+
+    def lost(c: Controller, state: EngineState) -> float:
+        return lost_tokens(
+            state,
+            contexts=c.table.live_contexts_by_instance(),
+            abort_share=c.switch_costs.abort_share,
+            cache_tokens=c.spec.capacity.prefill_cache_tokens,
+            cache_scale=c.spec.engine.prefix_cache_scale,
+        )
+
     assert c.table.live_context_on("c-engine-0") == 5 * 30_010
-    assert c._lost_tokens(states["c-engine-0"]) == 5 * 30_010
-    assert c._lost_tokens(states["c-engine-2"]) == 0  # it served none of them
+    assert lost(c, states["c-engine-0"]) == 5 * 30_010
+    assert lost(c, states["c-engine-2"]) == 0  # it served none of them
     # What a cache can hold bounds what it loses (80% of a 1M-token KV pool here).
     # No prefix cache at all (engines without a radix cache): a switch flushes nothing.
     nocache = Controller(
@@ -506,11 +523,11 @@ def test_a_prefill_instance_is_priced_with_the_contexts_it_caches(log) -> None:
     )
     nocache.observe(events)
     assert nocache.table.live_context_on("c-engine-0") == 5 * 30_010
-    assert nocache._lost_tokens(states["c-engine-0"]) == 0.0
+    assert lost(nocache, states["c-engine-0"]) == 0.0
     # The HiCache host tier holds twice the 50k-token GPU pool, a copy of what the GPU
     # caches included (write-through): 80% of 100k.
     small = states["c-engine-0"].model_copy(update={"kv_capacity_tokens": 50_000})
-    assert c._lost_tokens(small) == 80_000
+    assert lost(c, small) == 80_000
 
 
 def test_switch_durations_and_aborts_are_measured(log) -> None:
@@ -643,3 +660,113 @@ def test_each_decision_carries_what_its_tick_saw_and_the_wire_form_does_not(log)
         diag.demand = (0.0, 0.0)  # type: ignore[misc]
     assert "diagnostics" not in first.wire()
     assert Decision.model_validate(first.wire()).diagnostics is None
+
+
+# -- the stages of a tick on their own inputs ----------------------------------------------
+
+
+def test_a_demand_source_gets_what_the_tick_measured_and_its_demand_sizes_the_split() -> None:
+    """A demand source is a function of DemandInputs alone (the simulator's oracle is one)."""
+    seen: list[DemandInputs] = []
+
+    def source(inputs: DemandInputs) -> Demand:
+        seen.append(inputs)
+        return Demand(mode="predictive", a=6.0, b=2.0, forecast=Forecast(prefill_tokens=600_000))
+
+    c = Controller(spec8(), demand_source=source)
+    states = engines(2, 6, **{"c-engine-5": {"runningRequests": 0}})
+    c.observe_engines(states)
+    d = c.tick(5.0)
+    (inputs,) = seen
+    assert (inputs.now, inputs.horizon) == (5.0, 10.0)
+    assert inputs.engines == tuple(states)
+    assert inputs.prefill_names == ("c-engine-0", "c-engine-1")
+    assert inputs.theta == 10_000  # the profiled θ_P: nothing measured yet
+    assert inputs.kv_capacity == 1_000_000 and inputs.kv_now == 6 * 100_000  # C_KV, K_D
+    assert d.target == Target(prefill=6, decode=2)
+    assert [(s.instance, s.to) for s in d.switches] == [("c-engine-5", "prefill")]
+    assert d.forecast.prefill_tokens == 600_000
+    assert d.diagnostics is not None and d.diagnostics.forecast is None  # the source's own
+
+
+def test_the_demand_stage_needs_only_its_inputs_and_the_forecast_state() -> None:
+    forecaster = Forecaster(ForecastConfig())
+    table = TrajectoryTable(observer=forecaster)
+    spec = spec8()
+    inputs = DemandInputs(
+        now=50.0,
+        horizon=10.0,
+        kv_now=400_000,
+        theta=10_000,
+        kv_capacity=1_000_000,
+        prefill_names=("c-engine-0",),
+        engines=tuple(engines(1, 1, **{"c-engine-0": {"waitingTokens": 200_000}})),
+        calibration=None,
+        capacity=spec.capacity,
+        ranks=1,
+    )
+    d = forecast_demand(inputs, table=table, forecaster=forecaster)
+    # No trainer events: the engines' queued prefill tokens over S·θ_P, and K_D over C_KV.
+    assert (d.mode, d.a, d.b) == ("reactive", 2.0, 0.4)
+    assert d.note == "reactive: no trainer events"
+
+
+def plan_inputs(current: tuple[int, int] = (2, 6), **override) -> PlanInputs:
+    spec = spec8()
+    prefill, decode = current
+    fields = {
+        "now": 100.0,
+        "horizon": 10.0,
+        "current": current,
+        "sizing": Sizing(
+            demand=Demand(mode="predictive", a=6.0, b=2.0, forecast=Forecast()),
+            a=6.0,
+            b=2.0,
+            cache=0.0,
+            decode_share=0.5,
+            now_demand=(6.0, 2.0),
+            ahead=(6.0, 2.0),
+            backlog=0.0,
+            queued=0.0,
+            knees=0.0,
+            budget=64,
+            min_prefill=1,
+            min_decode=1,
+            best=Allocation(6, 2, 0.0),
+        ),
+        "engines": tuple(engines(prefill, decode, **{"c-engine-5": {"runningRequests": 0}})),
+        "cooldown_until": {},
+        "contexts": dict,
+        "switch_seconds": 13.0,
+        "abort_share": 0.1,
+        "calibration": None,
+        "switching": spec.switching,
+        "capacity": spec.capacity,
+        "cache_scale": spec.engine.prefix_cache_scale,
+    }
+    return PlanInputs(**(fields | override))
+
+
+def test_the_switch_plan_needs_only_its_inputs() -> None:
+    """The plan stage prices moves from PlanInputs: no Controller, no trajectory table."""
+
+    def plan(inputs: PlanInputs):
+        return plan_switches(inputs, persistence=Persistence(prior=300.0), regret=Regret())
+
+    made = plan(plan_inputs())
+    assert made.target == Target(prefill=6, decode=2) and made.held == ""
+    # maxConcurrent = 1: one move, the least loaded decode instance.
+    assert [(s.instance, s.from_, s.to) for s in made.switches] == [
+        ("c-engine-5", "decode", "prefill")
+    ]
+    assert len(made.moves) == 1 and made.notes[0].startswith("switching: c-engine-5")
+    cooling = plan(plan_inputs(cooldown_until={"c-engine-5": 160.0}))
+    assert [s.instance for s in cooling.switches] == ["c-engine-2"]
+    # A switch that takes longer than the payoff horizon never pays: the split holds.
+    slow = plan(plan_inputs(switch_seconds=1_000.0))
+    assert slow.switches == () and slow.target == Target(prefill=2, decode=6)
+    assert slow.notes[0].startswith("holding: c-engine-5")
+    # Restoring a role minimum is never priced.
+    restore = plan(plan_inputs(current=(0, 8), switch_seconds=1_000.0))
+    assert [s.to for s in restore.switches] == ["prefill"]
+    assert restore.held == "restoring role minimums"

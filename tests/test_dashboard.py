@@ -247,18 +247,45 @@ def monotonic_samples() -> frozenset[str]:
     return frozenset(names)
 
 
+def _matrix_ranges(node: Any, name: str) -> list[Any]:
+    """The ranges of every ``name[...]`` under ``node``."""
+    if isinstance(node, promql_parser.MatrixSelector):
+        return [node.range] if node.vector_selector.name == name else []
+    children = list(getattr(node, "args", None) or [])
+    children += [getattr(node, a, None) for a in ("lhs", "rhs", "expr", "param")]
+    return [r for c in children if c is not None for r in _matrix_ranges(c, name)]
+
+
+def _born_within(node: Any) -> str | None:
+    """``f(x[w]) unless x offset W`` with every range w <= W: the counter ``x`` read on the
+    left, by value, only in series that did not exist W ago (a new operator pod), which
+    have not been reset since they started. Returns that counter's name."""
+    rhs = node.rhs
+    if str(node.op) != "unless" or not isinstance(rhs, promql_parser.VectorSelector):
+        return None
+    ranges = _matrix_ranges(node.lhs, rhs.name)
+    if rhs.offset is None or not ranges or max(ranges) > rhs.offset:
+        return None
+    return str(rhs.name)
+
+
 def raw_counter_reads(expr: str, counters: frozenset[str]) -> list[str]:
     """Counters ``expr`` reads by value (not through rate/increase), which a reset breaks."""
     found: list[str] = []
 
-    def visit(node: Any, safe: bool) -> None:
+    def visit(node: Any, safe: bool | str) -> None:
+        # ``safe``: True under a reset-safe function; a name: only that counter is safe.
         if isinstance(node, promql_parser.VectorSelector):
-            if node.name in counters and not safe:
+            if node.name in counters and safe is not True and safe != node.name:
                 found.append(node.name)
             return
         if isinstance(node, promql_parser.Call):
             for arg in node.args:
                 visit(arg, safe or node.func.name in RESET_SAFE)
+            return
+        if isinstance(node, promql_parser.BinaryExpr) and str(node.op) in ("and", "unless"):
+            # The right side only filters the left by label set: no value of it is read.
+            visit(node.lhs, safe or _born_within(node) or False)
             return
         for attr in ("lhs", "rhs", "expr", "param", "vector_selector"):
             child = getattr(node, attr, None)
@@ -281,6 +308,11 @@ def test_counters_are_read_only_through_reset_safe_functions():
     old = "x_total - (x_total offset 15m or x_total * 0)"
     assert raw_counter_reads(old, frozenset({"x_total"})) == ["x_total"] * 3
     assert raw_counter_reads("sum(increase(x_total[15m])) > 0", frozenset({"x_total"})) == []
+    # A series' first value counts only where the series did not exist a window ago.
+    young = "min_over_time(x_total[15m]) unless x_total offset {}"
+    assert raw_counter_reads(young.format("15m"), frozenset({"x_total"})) == []
+    assert raw_counter_reads(young.format("5m"), frozenset({"x_total"})) == ["x_total"]
+    assert raw_counter_reads("x_total unless y_total", frozenset({"x_total"})) == ["x_total"]
 
 
 def expand_series(values: str) -> list[float | None]:

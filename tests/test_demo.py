@@ -132,6 +132,7 @@ def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
     assert summary["prefill_wape"] is not None  # the Controller scored its forecasts
     # The demo reads the agents (over https, with the cluster's CA) as the operator does.
     assert summary["decode_kv_peak_tokens"] > 0, summary
+    assert summary["degraded_seconds"] >= 0.0  # measured from the status (test_demo_monitor)
     assert summary["requests_sent"] > 20
     assert summary["requests_completed"] == summary["requests_sent"]
     assert summary["requests_failed"] == 0 and summary["tokens_lost"] == 0

@@ -47,3 +47,36 @@ async def test_the_wape_is_the_one_read_when_dispatching_stopped() -> None:
     assert monitor.accuracy_at(160.0) == {"prefillWape": 0.10, "decodeWape": 0.25}
     assert monitor.accuracy_at(90.0)["decodeWape"] == 11.28  # nothing before: the latest
     assert monitor.status["accuracy"]["decodeWape"] == 11.28
+
+
+async def test_degraded_seconds_count_the_time_the_degraded_condition_was_true() -> None:
+    def status(degraded: bool) -> dict:
+        value = "True" if degraded else "False"
+        return {"conditions": [{"type": "Degraded", "status": value}]}
+
+    # (clock, Degraded): true from 10 s to 25 s, then again from 40 s to the last read.
+    readings = iter([(0.0, False), (10.0, True), (20.0, True), (25.0, False), (40.0, True),
+                     (42.5, True)])  # fmt: skip
+    now = 0.0
+
+    def reply(_request: httpx.Request) -> httpx.Response:
+        nonlocal now
+        now, degraded = next(readings)
+        return httpx.Response(200, json={"status": status(degraded)})
+
+    monitor = Monitor(
+        webhook="http://webhook",
+        cluster_path="/v1/namespaces/rl/rolloutclusters/demo",
+        api_url="http://api",
+        namespace="rl",
+        cluster="demo",
+        token="t",
+        agent_port=8080,
+        directory=PodDirectory(api_url="http://api", namespace="rl", cluster="demo"),
+        clock=lambda: now,
+    )
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as http:
+        monitor._http = http
+        for _ in range(6):
+            await monitor._status()
+    assert monitor.degraded_seconds == 15.0 + 2.5

@@ -124,3 +124,70 @@ def test_generated_reference_tables_are_current() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_readme_says_what_make_venv_is_and_how_to_run_one_test_file() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"^make venv\s+# .*\.venv", readme, re.M), "README: what is make venv for?"
+    one = re.search(r"^\.venv/bin/python -m pytest -q (tests/\S+\.py)", readme, re.M)
+    assert one, "README: how to run one test file"
+    assert (ROOT / one.group(1)).is_file()
+
+
+CLUSTER_ARG = re.compile(r"--cluster[ =](\S+?)[`\s]|load_cluster\(\"([^\"]+)\"\)")
+
+
+def test_every_cluster_manifest_the_docs_pass_exists() -> None:
+    """`--cluster cluster.yaml` in a copy-pasted command fails for a new user: every manifest
+    the docs and examples name is one the repository has (or a <placeholder>)."""
+    missing = []
+    for path in [*PAGES, *sorted((ROOT / "examples").glob("*.py"))]:
+        for m in CLUSTER_ARG.finditer(path.read_text()):
+            name = m.group(1) or m.group(2)
+            if not name.startswith("<") and not (ROOT / name).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, missing
+
+
+def test_operations_and_role_switch_pages_agree_on_dp_attention() -> None:
+    """SGLang 0.5.23 allows DP attention with role switching and refuses EP: both pages."""
+    for page in ("operations.md", "sglang-role-switch.md"):
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        assert "no DP attention" not in text, page
+        assert re.search(r"DP attention (itself )?is \**allowed", text), page
+        assert "expert parallelism" in text, page
+        assert re.search(r"local[ _-]control[ _-]broadcast", text), page
+
+
+def test_demo_page_states_the_default_trajectories() -> None:
+    from prorsa_lab.demo.run import TRAJECTORIES_PER_INSTANCE
+
+    text = " ".join((ROOT / "docs" / "demo.md").read_text().split())
+    trainer = text.partition("**A simulated agentic trainer**")[2].partition("* **")[0]
+    stated = re.search(r"(\d+) (?:live )?trajectories per instance", trainer)
+    assert stated, "docs/demo.md: the trainer's bullet does not say how many trajectories"
+    assert int(stated.group(1)) == TRAJECTORIES_PER_INSTANCE
+
+
+def test_webhook_page_documents_every_cluster_endpoint() -> None:
+    """The page calls itself the whole contract: every route the webhook mounts is on it."""
+    from aiohttp import web
+
+    from prorsa.ingest import WebhookServer
+    from prorsa.ingest.openapi import CLUSTER_PATH
+
+    app = web.Application()
+    WebhookServer().add_routes(app, health=False, metrics=False)
+    routes = {
+        (r.method, r.resource.canonical.removeprefix(CLUSTER_PATH))
+        for r in app.router.routes()
+        if r.resource is not None and r.resource.canonical.startswith(CLUSTER_PATH)
+    }
+    routes.discard(("HEAD", "/status"))
+    routes.discard(("HEAD", "/forecast"))
+    text = (ROOT / "docs" / "webhook-events.md").read_text()
+    assert routes, "no cluster routes found"
+    for method, suffix in sorted(routes):
+        assert f"{method} {CLUSTER_PATH}{suffix}" in text or f"{method} .../{suffix[1:]}" in (
+            text
+        ), f"docs/webhook-events.md does not document {method} {suffix}"

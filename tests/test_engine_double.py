@@ -183,6 +183,35 @@ def test_timing_model_scales_with_prompt_length_and_batch_size():
         TimingModel(prefill_tokens_per_second=float("nan"))
 
 
+async def test_attention_cost_and_decode_moments_as_sglang_reports_them(client):
+    """Prefill grows with the prompt (``prorsa profile`` measures it) and each rank reports
+    0.5.23's decode step-time moment sums (load_snapshot.py ``decode_moments``)."""
+    timing = TimingModel(
+        prefill_tokens_per_second=100_000,
+        prefill_overhead_seconds=0.0,
+        prefill_cost_doubling_tokens=10_000,
+        decode_step_seconds=0.005,
+        decode_step_seconds_per_request=0.0,
+    )
+    assert timing.prefill_batch_seconds([10_000]) == pytest.approx(0.15)  # 10k·(1 + ½)/100k
+    assert timing.prefill_batch_seconds([5_000, 5_000]) == pytest.approx(0.125)
+    async with EngineDouble(EngineConfig(role="null", timing=timing)) as engine:
+        (idle,) = await _loads(client, engine.url)
+        assert idle["decode_moments"] is None
+        await _generate(
+            client,
+            engine.url,
+            input_ids=[[7] * 100, [8] * 100],
+            sampling_params={"max_new_tokens": 10},
+        )
+        (load,) = await _loads(client, engine.url)
+    steps, batch, step_us, batch_sq, batch_step_us, generated = load["decode_moments"]
+    # The first token comes from the prefill; nine decode steps of both requests follow.
+    assert (steps, batch, batch_sq, generated) == (9, 18, 36, 18)
+    assert step_us >= 9 * 5_000 and batch_step_us == pytest.approx(2 * step_us)
+    assert load["total_prefill_busy_us"] >= 1e6 * timing.prefill_batch_seconds([100, 100])
+
+
 async def test_bad_generate_requests_are_refused_like_sglang(engine, client):
     missing = await client.post(f"{engine.url}/generate", json={"sampling_params": {}})
     assert missing.status_code == 400

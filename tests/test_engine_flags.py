@@ -19,11 +19,14 @@ from prorsa_agent.config import args_from_env, engine_argv
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--ep-size", "8"], "--ep-size 8 (expert parallelism)"),
-        (["--pp-size=2"], "--pp-size 2 (pipeline parallelism)"),
-        (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm EAGLE3"),
-        (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend deepep"),
-        (["--dcp-size", "2"], "--dcp-size 2"),
+        (["--ep-size", "8"], "--ep-size 8: SGLang 0.5.23 refuses"),
+        (["--expert-parallel-size=16"], "expert parallelism"),
+        (["--pp-size=2"], "--pp-size=2: SGLang 0.5.23 refuses"),
+        (["--pipeline-parallel-size", "4"], "pipeline parallelism"),
+        (["--speculative-algorithm", "EAGLE3"], "speculative decoding"),
+        (["--moe-a2a-backend", "deepep"], "--moe-a2a-backend deepep: "),
+        (["--moe-a2a-backend=non"], "MoE all-to-all"),
+        (["--dcp-size", "2"], "decode context parallelism"),
         (
             [
                 "--enable-dp-attention",
@@ -31,13 +34,19 @@ from prorsa_agent.config import args_from_env, engine_argv
                 "4",
                 "--enable-dp-attention-local-control-broadcast",
             ],
-            "local-control-broadcast",
+            "local control broadcast",
         ),
-        (["--disaggregation-decode-host-receive-threshold", "0.5"], "host-receive-threshold"),
+        (["--attn-dp-size", "4", "--dwdp-size", "4"], "local control broadcast"),
+        (["--attn-dp-size", "4", "--dp-size", "2"], "--dp-size above 1 next to --attn-dp-size"),
+        (["--disaggregation-decode-host-receive-threshold", "0.5"], "other than 1"),
         (["--disaggregation-mode", "prefill"], "--disaggregation-mode is not allowed"),
         (["--admin-api-key", "k"], "--admin-api-key is not allowed"),
         (["--api-key", "k"], "--api-key is not allowed"),
         (["--port", "31000"], "--port is not allowed"),
+        (["--tp-size", "4"], "--tp-size is not allowed: set engine.tensorParallelSize"),
+        (["--tensor-parallel-size=4"], "set engine.tensorParallelSize"),
+        (["--model-path", "/m"], "set model.path"),
+        (["--nnodes", "2"], "set engine.nodesPerInstance"),
         (["--disaggregation-transfer-backend", "nixl"], "engine.transferBackend"),
     ],
 )
@@ -47,6 +56,7 @@ def test_admission_refuses_engine_flags_naming_the_field(args: list[str], named:
     message = str(exc.value)
     assert message.startswith("spec.engine.extraArgs: "), message
     assert named in message
+    assert [p.field for p in exc.value.problems] == ["spec.engine.extraArgs"]
 
 
 @pytest.mark.parametrize(
@@ -55,8 +65,12 @@ def test_admission_refuses_engine_flags_naming_the_field(args: list[str], named:
         [],
         ["--chunked-prefill-size", "4096", "--kv-cache-dtype", "fp8_e4m3"],
         ["--enable-dp-attention", "--dp-size", "8"],
+        ["--attn-dp-size", "8", "--chunked-prefill-size", "16384"],
         ["--ep-size", "1", "--moe-a2a-backend", "none", "--pp-size", "1"],
+        ["--ep=1", "--moe-a2a-backend=none", "--disaggregation-decode-host-receive-threshold=1"],
+        ["--enable-dp-attention-local-control-broadcast"],  # without attention DP: no effect
         ["--disable-radix-cache"],
+        ["--served-model-name-suffix", "x"],  # not --served-model-name: names are whole
     ],
 )
 def test_admission_accepts_what_sglang_runs(args: list[str]) -> None:
@@ -68,10 +82,14 @@ def test_engine_env_cannot_override_what_the_operator_sets() -> None:
     two wins: a PRORSA_EXTRA_ARGS there would carry ``--disaggregation-mode prefill`` past
     the flag checks."""
     smuggled = [{"name": "PRORSA_EXTRA_ARGS", "value": '["--disaggregation-mode", "prefill"]'}]
-    with pytest.raises(SpecError, match=r"spec\.engine: env PRORSA_EXTRA_ARGS is set by the"):
+    with pytest.raises(SpecError, match=r"spec\.engine\.env: PRORSA_EXTRA_ARGS is set by the"):
         make_spec(engine={"env": smuggled})
-    with pytest.raises(SpecError, match="hicache-storage-backend file is refused"):
+    with pytest.raises(SpecError, match="extraArgs: --hicache-storage-backend is refused"):
         make_spec(engine={"extraArgs": ["--hicache-storage-backend", "file"]})
+    rust = [{"name": "SGLANG_RUST_SERVER", "value": "True"}]
+    with pytest.raises(SpecError, match=r"spec\.engine\.env: --attn-dp-size 2: SGLANG_RUST_SERVER"):
+        make_spec(engine={"extraArgs": ["--attn-dp-size", "2"], "env": rust})
+    assert make_spec(engine={"env": rust}).engine.env == rust  # no attention DP: no effect
     ok = make_spec(
         engine={
             "extraArgs": ["--hicache-storage-backend", "file"],

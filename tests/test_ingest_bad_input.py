@@ -6,6 +6,7 @@ caller which clusters exist. Over real HTTP on loopback, with the real Controlle
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import time
@@ -291,3 +292,138 @@ async def test_one_batch_from_a_clock_far_ahead_does_not_evict_live_trajectories
         live = srv.handle.controller.live_trajectories()
         assert live["ready"] == 6, (decision.at - now, live)
         assert srv.handle.controller.table.anomalies["evicted"] == 0
+
+
+@pytest.mark.parametrize("ahead_batch", [0, 1], ids=["first", "second"])
+async def test_a_clock_far_ahead_in_the_first_batches_does_not_move_the_trainer_clock(
+    ahead_batch: int,
+) -> None:
+    """The first or the second batch stamped almost an hour ahead (inside the window): the
+    estimate is not trusted on so few samples, so the tick still runs at the present and
+    the live trajectories still count as ready."""
+    async with serve() as srv:
+        now = time.time()
+        for i in range(2):
+            sent = now + 3500.0 if i == ahead_batch else now
+            batch = [queued(f"q{i}-{k}", f"t{i}-{k}", now) for k in range(3)]
+            r = await srv.post(batch, **{"X-Prorsa-Sent-At": repr(sent)})
+            assert r.status_code == 200, r.text
+        decision = await srv.handle.tick()
+        assert decision.at < time.time() + 60.0, decision.at - time.time()
+        assert decision.forecast.components.ready == 6 * 1000
+        status = (await srv.http.get(f"{BASE}/status", headers=AUTH)).json()
+        assert status["clockSkewSeconds"] is None  # not estimated yet
+
+
+# -- bounded memory: the live-trajectory limit -------------------------------------------
+
+
+async def test_past_the_trajectory_limit_new_trajectories_get_429_and_nothing_is_dropped() -> None:
+    """maxLiveTrajectories 5 with 4 live: a batch that starts three more, moves a live one
+    on and ends another applies all but the two that do not fit, and answers 429 with
+    Retry-After; resent once a trajectory has ended, it applies the rest."""
+    spec = make_spec(trainer={"maxLiveTrajectories": 5})
+    async with serve(controller=Controller(spec)) as srv:
+        now = time.time()
+        r = await srv.post([queued(f"q{i}", f"t{i}", now) for i in range(4)])
+        assert r.status_code == 200
+        batch = [
+            queued("n5", "t5", now),
+            queued("n6", "t6", now),
+            {"id": "x0", "type": "tool_started", "trajectory": "t0", "ts": now + 1},
+            queued("n6b", "t6", now + 1),  # a later event of a refused trajectory
+            queued("n7", "t7", now),
+            {"id": "d1", "type": "trajectory_dropped", "trajectory": "t1", "ts": now + 1},
+        ]
+        r = await srv.post(batch)
+        assert r.status_code == 429, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+        assert "maxLiveTrajectories (5)" in r.json()["error"]
+        table = srv.handle.controller.table
+        assert sorted(table._slots) == ["t0", "t2", "t3", "t5"]  # t1 ended: one slot free
+        assert srv.handle.controller.live_trajectories()["tool"] == 1
+        assert srv.rejects("trajectory_limit") == 1 and srv.handle.limit_hits == 1
+        r = await srv.post(batch)  # the SDK resends the whole batch after Retry-After
+        assert r.status_code == 429  # t6 fits now, t7 not yet
+        assert sorted(table._slots) == ["t0", "t2", "t3", "t5", "t6"]
+        assert table.counts[2] == 4  # ready: t2, t3, t5, t6 (t6's later event applied too)
+        r = await srv.post([{"id": "d2", "type": "trajectory_dropped", "trajectory": "t2",
+                             "ts": now + 2}])  # fmt: skip
+        r = await srv.post(batch)
+        assert r.status_code == 200, r.text
+        assert r.json()["duplicates"] == 5 and r.json()["applied"] == 1
+        assert sorted(table._slots) == ["t0", "t3", "t5", "t6", "t7"]
+
+
+async def test_at_the_limit_the_live_trajectories_still_move_and_end() -> None:
+    spec = make_spec(trainer={"maxLiveTrajectories": 3})
+    async with serve(controller=Controller(spec)) as srv:
+        now = time.time()
+        assert (
+            await srv.post([queued(f"q{i}", f"t{i}", now) for i in range(3)])
+        ).status_code == 200
+        moves = [
+            {"id": "p0", "type": "prefill_started", "trajectory": "t0", "ts": now + 1},
+            {"id": "r1", "type": "reward_finished", "trajectory": "t1", "ts": now + 1,
+             "accepted": True},
+        ]  # fmt: skip
+        r = await srv.post(moves)
+        assert r.status_code == 200 and r.json()["applied"] == 2
+        assert srv.handle.limit_hits == 0
+
+
+async def test_a_snapshot_past_the_limit_is_refused_without_touching_the_table() -> None:
+    spec = make_spec(trainer={"maxLiveTrajectories": 3})
+    async with serve(controller=Controller(spec)) as srv:
+        now = time.time()
+        assert (await srv.post([queued("q0", "t0", now)])).status_code == 200
+
+        def rows(*names: str) -> list[dict]:
+            return [
+                {"trajectory": n, "state": "ready", "since": now, "context_tokens": 10}
+                for n in names
+            ]
+
+        r = await srv.snapshot({"ts": now, "trajectories": rows("a", "b", "c", "d")})
+        assert r.status_code == 422 and fields(r) == [(None, "trajectories")]
+        assert list(srv.handle.controller.table._slots) == ["t0"] and srv.handle.resync
+        # A named emitter's snapshot counts the other emitters' live trajectories too.
+        headers = {**AUTH, "X-Prorsa-Emitter": "w1"}
+        body = {"ts": now, "trajectories": rows("a", "b", "c")}
+        r = await srv.http.post(f"{BASE}/snapshot", json=body, headers=headers)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        body = {"ts": now, "trajectories": rows("a", "b")}
+        r = await srv.http.post(f"{BASE}/snapshot", json=body, headers=headers)
+        assert r.status_code == 200
+        assert sorted(srv.handle.controller.table._slots) == ["a", "b", "t0"]
+
+
+async def test_snapshots_have_their_own_budget_of_bytes_in_flight() -> None:
+    """A snapshot being read holds the snapshot budget until it is loaded: a second one
+    waits (429 busy), while event batches still flow."""
+    limits = IngestLimits(max_snapshot_bytes=20_000, max_inflight_snapshot_bytes=20_000)
+    async with serve(limits) as srv:
+        now = time.time()
+        rows = [
+            {"trajectory": f"s{i}", "state": "ready", "since": now, "context_tokens": 10}
+            for i in range(150)
+        ]
+        body = json.dumps({"ts": now, "trajectories": rows}).encode()
+        assert 10_000 < len(body) < 20_000
+        url = srv.http.base_url
+        _, writer = await asyncio.open_connection(url.host, url.port)
+        head = (
+            f"POST {BASE}/snapshot HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        writer.write(head.encode() + body[: len(body) // 2])  # and then it stalls
+        await writer.drain()
+        try:
+            while srv.server.inflight_bytes < len(body) // 2:
+                await asyncio.sleep(0.01)
+            r = await srv.http.post(f"{BASE}/snapshot", content=body, headers=AUTH)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"].startswith("too many request bodies")
+            assert (await srv.post([queued("e", "t", now)])).status_code == 200
+        finally:
+            writer.close()

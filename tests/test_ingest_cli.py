@@ -141,6 +141,29 @@ def test_sigterm_stops_it_and_the_port_is_released(ingest: tuple[Proc, str]) -> 
         s.bind(("127.0.0.1", port))  # free again
 
 
+def test_a_changed_token_file_is_in_force_within_a_second(
+    ingest: tuple[Proc, str], files: tuple[Path, Path]
+) -> None:
+    """The trainer's token rotated in the file (as a mounted Secret is): the new one is
+    accepted and the old one refused, with no restart; a file emptied by mistake keeps the
+    token in force."""
+    proc, url = ingest
+    _, token_file = files
+    status = f"{url}/v1/namespaces/rl/rolloutclusters/qwen3-coder/status"
+
+    def code(token: str) -> int:
+        return httpx.get(status, headers={"Authorization": f"Bearer {token}"}).status_code
+
+    assert code("s3cret-token") == 200
+    token_file.write_text("")
+    proc.expect(r"--token-file .*: .*empty.*the token in force stays")
+    assert code("s3cret-token") == 200
+    token_file.write_text("rotated-token\n")
+    proc.expect(r"changed: its token is in force, the previous one is refused")
+    assert code("rotated-token") == 200
+    assert code("s3cret-token") == 401
+
+
 def test_json_format_prints_each_decision(files: tuple[Path, Path]) -> None:
     cluster, token = files
     proc = Proc(
@@ -200,6 +223,6 @@ def test_errors_are_one_line_with_an_exit_code(files: tuple[Path, Path], tmp_pat
 
 
 def test_examples_compile() -> None:
-    for example in ("minimal_trainer.py", "verl_agent_loop.py"):
+    for example in ("minimal_trainer.py", "verl_agent_loop.py", "slime_prorsa.py"):
         source = (ROOT / "examples" / example).read_text()
         compile(source, example, "exec")

@@ -314,6 +314,78 @@ async def test_invalid_snapshot_is_422_and_keeps_resync(srv: Served) -> None:
     assert srv.handle.resync is True
 
 
+def emitting(emitter: str) -> dict[str, str]:
+    return {**AUTH, "X-Prorsa-Emitter": emitter}
+
+
+async def test_a_workers_snapshot_replaces_only_its_own_trajectories(srv: Served) -> None:
+    """verl runs one emitter per worker: worker-0 resyncs after the server restarted, and
+    worker-1's trajectories stay; worker-1's replies still ask for its own snapshot, and
+    worker-0's snapshot supersedes worker-0's late events alone."""
+    t0 = time.time()
+    for worker, ids in (("worker-0", ("a", "b")), ("worker-1", ("c", "d"))):
+        batch = {"events": [queued(f"{worker}-{t}", t, t0 - 2) for t in ids]}
+        r = await srv.http.post(f"{BASE}/events", json=batch, headers=emitting(worker))
+        assert r.status_code == 200 and r.json()["resync"] is True
+    row = {"trajectory": "a", "state": "tool", "since": t0 - 1, "context_tokens": 5000}
+    r = await srv.http.post(
+        f"{BASE}/snapshot", json={"ts": t0, "trajectories": [row]}, headers=emitting("worker-0")
+    )
+    assert r.json() == {"epoch": srv.handle.epoch, "resync": False, "trajectories": 1}
+    live = srv.handle.controller.live_trajectories()
+    assert (live["tool"], live["ready"]) == (1, 2)  # a (tool), c and d; b is gone
+    late = [queued("late-0", "a", t0 - 0.5)]
+    r0 = await srv.http.post(f"{BASE}/events", json={"events": late}, headers=emitting("worker-0"))
+    assert (r0.json()["superseded"], r0.json()["resync"]) == (1, False)
+    late = [queued("late-1", "c", t0 - 0.5)]
+    r1 = await srv.http.post(f"{BASE}/events", json={"events": late}, headers=emitting("worker-1"))
+    assert (r1.json()["applied"], r1.json()["resync"]) == (1, True)
+    assert srv.handle.resync is True  # no snapshot of every trajectory yet
+
+
+async def test_a_workers_snapshot_does_not_supersede_its_weight_update_events(
+    srv: Served,
+) -> None:
+    """The end of a weight update, stamped before the emitter's own snapshot (which lists
+    trajectories, not updates) and delivered after it, still ends the update."""
+    t0 = time.time()
+    started = {"id": "ws", "type": "weight_update_started", "ts": t0 - 2, "version": 4}
+    finished = {"id": "wf", "type": "weight_update_finished", "ts": t0 - 1, "version": 4,
+                "reprefill_trajectories": 0}  # fmt: skip
+    trainer = emitting("verl-trainer")
+    await srv.http.post(f"{BASE}/events", json={"events": [started]}, headers=trainer)
+    snap = {"ts": t0, "trajectories": []}
+    assert (await srv.http.post(f"{BASE}/snapshot", json=snap, headers=trainer)).is_success
+    late = [finished, queued("late", "t", t0 - 1)]
+    r = await srv.http.post(f"{BASE}/events", json={"events": late}, headers=trainer)
+    assert (r.json()["applied"], r.json()["superseded"]) == (1, 1)
+    assert srv.handle.controller.table.weight_update.pending is False
+
+
+async def test_a_snapshot_without_an_emitter_still_replaces_every_trajectory(
+    srv: Served,
+) -> None:
+    t0 = time.time()
+    batch = {"events": [queued("w", "t1", t0 - 1)]}
+    await srv.http.post(f"{BASE}/events", json=batch, headers=emitting("worker-0"))
+    await srv.post([queued("u", "t2", t0 - 1)])
+    r = await srv.http.post(f"{BASE}/snapshot", json={"ts": t0, "trajectories": []}, headers=AUTH)
+    assert r.json()["resync"] is False and srv.handle.resync is False
+    assert sum(srv.handle.controller.live_trajectories().values()) == 0
+    batch = {"events": [queued("w2", "t3", t0 + 1)]}
+    r = await srv.http.post(f"{BASE}/events", json=batch, headers=emitting("worker-0"))
+    assert r.json()["resync"] is False
+
+
+@pytest.mark.parametrize("emitter", ["", "-leading-dash", "a b", "x" * 129, "wörker"])
+async def test_a_malformed_emitter_id_is_422_naming_the_header(srv: Served, emitter: str) -> None:
+    headers = {**AUTH, "X-Prorsa-Emitter": emitter.encode()}  # bytes: UTF-8 as sent
+    r = await srv.http.post(f"{BASE}/events", json={"events": [queued("a", "t")]}, headers=headers)
+    assert r.status_code == 422, r.text
+    assert [(e["index"], e["field"]) for e in r.json()["errors"]] == [(None, "X-Prorsa-Emitter")]
+    assert srv.handle.applied == 0
+
+
 async def test_restart_gets_a_new_epoch_and_asks_for_resync_again() -> None:
     port = 0
     epochs = []
@@ -353,13 +425,15 @@ async def test_forecast_is_404_before_a_tick_then_the_latest_decision(srv: Serve
 
 @pytest.mark.parametrize("skew", [-1000.0, 1000.0])
 async def test_trainer_clock_offset_is_estimated_and_corrected(srv: Served, skew: float) -> None:
-    """A trainer clock 1000 s off: ticks still run at the trainer's present."""
-    trainer_now = time.time() + skew
-    r = await srv.post(
-        [queued("a", "t1", trainer_now - 1.0, tokens=3000)],
-        headers={"X-Prorsa-Sent-At": repr(trainer_now)},
-    )
-    assert r.status_code == 200
+    """A trainer clock 1000 s off: ticks run at the trainer's present once five batches
+    (the SDK sends one at least every 0.2 s while events flow) have shown it."""
+    for i in range(5):
+        trainer_now = time.time() + skew
+        r = await srv.post(
+            [queued(f"a{i}", "t1", trainer_now - 1.0, tokens=3000)],
+            headers={"X-Prorsa-Sent-At": repr(trainer_now)},
+        )
+        assert r.status_code == 200
     status = (await srv.http.get(f"{BASE}/status", headers=AUTH)).json()
     assert status["clockSkewSeconds"] == pytest.approx(skew, abs=0.5)
     decision = await srv.handle.tick()

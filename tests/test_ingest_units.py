@@ -184,7 +184,7 @@ async def test_decision_line_shows_target_demand_and_live_trajectories() -> None
         ]
     )
     await handle.apply(events, received=handle.clock.monotonic(), sent_at=100.0)
-    decision = await handle.tick()
+    decision = await handle.tick(101.0)
     line = format_decision(decision, handle)
     assert f"target {decision.target.prefill}P:{decision.target.decode}D" in line
     assert "prefill 60.0k tok (ready 60.0k)" in line
@@ -207,9 +207,36 @@ def test_clock_ignores_a_minority_of_future_samples_as_it_does_late_ones() -> No
         elif i % 8 == 5:
             sent -= 3600.0
         clock.observe(received=now[0], trainer_sent=sent)
-        if i >= 2:
+        if i >= 4:  # trusted from the fifth sample on
             assert clock.trainer_now() == pytest.approx(now[0] + truth, abs=0.25), i
     assert clock.trainer_now() == pytest.approx(now[0] + truth, abs=0.25)
+
+
+def test_clock_is_trusted_only_from_its_fifth_sample() -> None:
+    """One or two batches far ahead, first in the window: the present stays the server's
+    own until five samples are in, and then the honest majority decides."""
+    clock, now = _clock()
+    wall = 5e8  # _clock's wall clock reads mono + 5e8
+    for i in range(5):
+        now[0] = 1000.0 + i
+        ahead = 3500.0 if i < 2 else 0.0
+        clock.observe(received=now[0], trainer_sent=now[0] + wall + ahead)
+        if i < 4:
+            assert not clock.trusted and clock.skew() is None
+            assert clock.trainer_now() == now[0] + wall
+    assert clock.trusted and clock.skew() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_window_emptied_by_silence_keeps_the_trusted_estimate_until_it_refills() -> None:
+    clock, now = _clock()
+    for i in range(10):
+        now[0] = 1000.0 + i
+        clock.observe(received=now[0], trainer_sent=now[0] + 7e8)
+    now[0] += 600.0  # ten minutes of silence: every sample has aged out of the window
+    for _ in range(4):
+        now[0] += 1.0
+        clock.observe(received=now[0], trainer_sent=now[0] + 7e8 + 3500.0)
+        assert clock.trainer_now() == pytest.approx(now[0] + 7e8, abs=1e-6)
 
 
 def test_clock_follows_a_forward_step_once_most_samples_agree() -> None:

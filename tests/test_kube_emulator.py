@@ -1045,3 +1045,79 @@ def test_audit_log_records_each_users_calls_as_rbac_sees_them(kube, core, tmp_pa
     }  # fmt: skip
     admin = {c for c in kube.emulator.api_calls() if c.user == "admin"}
     assert ApiCall(user="admin", verb="list", group="", resource="secrets", namespace="rl") in admin
+
+
+def test_printer_columns_follow_jsonpath_filters_as_the_real_server_does() -> None:
+    """``.status.conditions[?(@.type=="Ready")].status``: the first match, as the API server's
+    table convertor takes it (cert-manager and Prorsa print such columns)."""
+    import datetime
+
+    from prorsa_lab.doubles.kube_resources import specs_from_crd, table_columns, table_row
+
+    (spec,) = specs_from_crd(
+        {
+            "metadata": {"name": "things.example.com"},
+            "spec": {
+                "group": "example.com",
+                "scope": "Namespaced",
+                "names": {"plural": "things", "kind": "Thing"},
+                "versions": [
+                    {
+                        "name": "v1",
+                        "served": True,
+                        "storage": True,
+                        "additionalPrinterColumns": [
+                            {"name": "Ready", "type": "string",
+                             "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                            {"name": "Since", "type": "string",
+                             "jsonPath": ".status.conditions[?(@.type=='Ready')].reason"},
+                            {"name": "First", "type": "string",
+                             "jsonPath": ".status.conditions[0].type"},
+                        ],
+                    }
+                ],
+            },
+        }
+    )  # fmt: skip
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    names = [c["name"] for c in table_columns(spec)]
+    assert names == ["Name", "Ready", "Since", "First", "Age"]
+    thing = {
+        "metadata": {"name": "t", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "conditions": [
+                {"type": "Degraded", "status": "True", "reason": "AgentTimeout"},
+                {"type": "Ready", "status": "False", "reason": "EnginesUnavailable"},
+            ]
+        },
+    }
+    assert table_row(spec, thing, now)[1:4] == ["False", "EnginesUnavailable", "Degraded"]
+    assert table_row(spec, {"metadata": {"name": "bare"}}, now)[1:4] == [None, None, None]
+
+
+def test_leases_are_written_under_optimistic_concurrency(kube: KubeEmulatorServer) -> None:
+    """What leader election rests on: of two writers that read the same Lease, only the
+    first replace succeeds (409 for the second), and a second create is refused."""
+    with kube.api_client() as api:
+        leases = client.CoordinationV1Api(api)
+        body = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "prorsa-operator"},
+            "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15,
+                     "renewTime": "2026-01-01T00:00:00.000000Z"},
+        }  # fmt: skip
+        leases.create_namespaced_lease("rl", body)
+        with pytest.raises(ApiException) as info:
+            leases.create_namespaced_lease("rl", body)
+        assert info.value.status == 409
+        seen = api.sanitize_for_serialization(leases.read_namespaced_lease("prorsa-operator", "rl"))
+        first = {**seen, "spec": {**seen["spec"], "holderIdentity": "b"}}
+        second = {**seen, "spec": {**seen["spec"], "holderIdentity": "c"}}
+        leases.replace_namespaced_lease("prorsa-operator", "rl", first)
+        with pytest.raises(ApiException) as info:
+            leases.replace_namespaced_lease("prorsa-operator", "rl", second)
+        assert info.value.status == 409
+        now = leases.read_namespaced_lease("prorsa-operator", "rl")
+        assert now.spec.holder_identity == "b"
+        assert now.spec.renew_time is not None  # MicroTime round-trips

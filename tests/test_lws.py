@@ -195,7 +195,7 @@ async def test_the_fake_controller_names_labels_and_recreates_groups_like_lws() 
         assert await groups.discover_manager(kube) == groups.LWS_MANAGED
         api = kube.custom
         args = (fake.GROUP, fake.VERSION, "default", fake.PLURAL)
-        created = await kube._call(
+        created = await kube.call(
             api.create_namespaced_custom_object, *args, simple_set("s", size=3, replicas=2)
         )
         # The CRD's defaults are the real one's.
@@ -240,18 +240,18 @@ async def test_the_fake_controller_names_labels_and_recreates_groups_like_lws() 
 
             now = await wait_for(group_1_recreated, "group 1 recreated")
             assert all(now[n]["metadata"]["uid"] == uids[n] for n in ("s-0", "s-0-1", "s-0-2"))
-            events = await kube._call(kube.core.list_namespaced_event, "default")
-            assert [e.reason for e in events.items] == ["RecreateGroup"]
+            events = await kube.call(kube.core.list_namespaced_event, "default")
+            assert [e["reason"] for e in events["items"]] == ["RecreateGroup"]
 
             # Scaled to one group; then a new template is rolled out to the group left.
-            await kube._call(
+            await kube.call(
                 api.patch_namespaced_custom_object, *args, "s", {"spec": {"replicas": 1}}
             )
             await wait_for(lambda: _exactly(pods, names[:3]), "one group left")
             before = (await pods())["s-0"]["metadata"]["uid"]
             patch = {"spec": {"leaderWorkerTemplate": {"workerTemplate": {
                 "metadata": {"labels": {"app": "s", "new": "yes"}}}}}}  # fmt: skip
-            await kube._call(api.patch_namespaced_custom_object, *args, "s", patch)
+            await kube.call(api.patch_namespaced_custom_object, *args, "s", patch)
 
             async def rolled() -> bool:
                 now = await _exactly(pods, names[:3])

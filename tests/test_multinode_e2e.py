@@ -68,7 +68,7 @@ def layout(request: pytest.FixtureRequest) -> Layout:
 
 
 async def leader_worker_sets(env: Stack) -> dict[str, dict[str, Any]]:
-    listed = await env.kube._call(
+    listed = await env.kube.call(
         env.kube.custom.list_namespaced_custom_object,
         fake_lws.GROUP, fake_lws.VERSION, env.namespace, fake_lws.PLURAL,
     )  # fmt: skip

@@ -127,6 +127,11 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     assert failures[("prefill", "decode", "lost")] == 0
     assert failures[("decode", "prefill", "replaced")] == 0
     assert "prorsa_webhook_events_total" in text
+    # The trainers' port does not serve them: no token, no cluster names.
+    async with env.http() as client:
+        unauthenticated = await client.get(f"{env.webhook}/metrics", timeout=5)
+    assert unauthenticated.status_code == 404
+    assert 'cluster="demo"' not in unauthenticated.text and "prorsa_" not in unauthenticated.text
 
 
 async def _count(pods_coro, n: int) -> bool:

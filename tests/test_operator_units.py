@@ -26,9 +26,7 @@ def test_admission_refuses_bad_specs_naming_the_field() -> None:
     validate(spec=good)
     with pytest.raises(kopf.AdmissionError) as info:
         validate(spec={**good, "gpuBudget": 30})
-    assert "spec: gpuBudget (30) must be a multiple of engine.gpusPerInstance (8)" in str(
-        info.value
-    )
+    assert "spec.gpuBudget: 30 is not a multiple of engine.gpusPerInstance (8)" in str(info.value)
     with pytest.raises(kopf.AdmissionError) as info:
         validate(spec={**good, "switching": {"mode": "Sometimes"}})
     assert "spec.switching.mode" in str(info.value)
@@ -37,6 +35,15 @@ def test_admission_refuses_bad_specs_naming_the_field() -> None:
 def test_parse_spec_error_names_nested_fields() -> None:
     with pytest.raises(ValueError, match=r"spec\.forecast\.horizonSeconds"):
         parse_spec({**cluster_manifest()["spec"], "forecast": {"horizonSeconds": -1}})
+
+
+def test_parse_spec_names_every_problem_at_once() -> None:
+    """A field error does not hide a cross-field one: the user fixes both in one edit."""
+    spec = {**cluster_manifest()["spec"], "gpuBudget": 30, "switching": {"mode": "Sometimes"}}
+    with pytest.raises(ValueError) as info:
+        parse_spec(spec)
+    assert "spec.switching.mode: Input should be 'Auto', 'Recommend' or 'Off'" in str(info.value)
+    assert "spec.gpuBudget: 30 is not a multiple of engine.gpusPerInstance (8)" in str(info.value)
 
 
 def test_engine_pod_manifest_follows_the_contract() -> None:
@@ -72,7 +79,7 @@ def test_engine_pod_manifest_follows_the_contract() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
-def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
+def test_engine_pods_run_unprivileged_and_the_spec_adds_within_bounds() -> None:
     spec = parse_cluster(cluster_manifest()).spec
     pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=spec)
     kubernetes_validate.validate(pod, "1.32", strict=True)
@@ -80,6 +87,7 @@ def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+    assert pod["spec"]["automountServiceAccountToken"] is False
     (container,) = pod["spec"]["containers"]
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
@@ -91,15 +99,24 @@ def test_engine_pods_run_unprivileged_unless_the_spec_opts_out() -> None:
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert users and users[-1].isdigit() and int(users[-1]) != 0
 
-    root = {"runAsUser": 0, "runAsNonRoot": False}
-    privileged = {"privileged": True, "capabilities": {"add": ["IPC_LOCK", "SYS_RESOURCE"]}}
+    # What the spec gives is merged over the defaults; non-root and no escalation stay.
+    pod_ctx = {"runAsUser": 2000, "fsGroup": 2000}
+    rdma = {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK", "SYS_RESOURCE"]}}
     opted = parse_cluster(
-        cluster_manifest(engine={"podSecurityContext": root, "securityContext": privileged})
+        cluster_manifest(engine={"podSecurityContext": pod_ctx, "securityContext": rdma})
     ).spec
     pod = obj.engine_pod(cluster="demo", namespace="rl", index=0, role="decode", spec=opted)
     kubernetes_validate.validate(pod, "1.32", strict=True)
-    assert pod["spec"]["securityContext"] == root
-    assert pod["spec"]["containers"][0]["securityContext"] == privileged
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 2000,
+        "fsGroup": 2000,
+    }
+    assert pod["spec"]["containers"][0]["securityContext"] == rdma | {
+        "allowPrivilegeEscalation": False
+    }
+    assert obj.pod_violations(pod, cluster="demo", spec=opted) == []
     # A manifest never shares its dicts with the defaults.
     again = obj.engine_pod(cluster="demo", namespace="rl", index=1, role="decode", spec=spec)
     again["spec"]["containers"][0]["securityContext"]["capabilities"]["add"].append("NET_ADMIN")
@@ -155,17 +172,34 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
 ) -> None:
     """With --namespace the chart binds Roles only: kopf must not list namespaces or
     watch CRDs then (OperatorConfig.namespaced turns its scanning off)."""
-    from prorsa import kopf_handlers as handlers
+    from prorsa import operator_process
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(
-        handlers, "build_registry", lambda config: seen.setdefault("config", config)
-    )
-    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+
+    def run_operator(config: OperatorConfig) -> int:
+        seen["config"] = config
+        return 0
+
+    monkeypatch.setattr(operator_process, "run_operator", run_operator)
     monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
     assert command.run(build_parser().parse_args(["operator", *argv])) == 0
     config = seen["config"]
     assert isinstance(config, OperatorConfig) and config.namespaced is namespaced
-    assert seen["clusterwide"] is not namespaced
+    assert config.namespaces == (("rl", "eval") if namespaced else ())
+    assert config.leader_election is None
+
+
+def test_leader_election_needs_the_operator_namespace_and_takes_client_gos_timings() -> None:
+    from prorsa.cli import build_parser
+    from prorsa.commands import operator as command
+
+    with pytest.raises(SystemExit, match="--leader-elect needs --operator-namespace"):
+        command.run(build_parser().parse_args(["operator", "--leader-elect"]))
+    args = build_parser().parse_args(
+        ["operator", "--leader-elect", "--operator-namespace=prorsa-system", "--pod-name=p-0"]
+    )
+    assert (args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+            args.leader_elect_retry_period) == (15.0, 10.0, 2.0)  # fmt: skip
+    assert args.pod_name == "p-0" and args.metrics_listen == "0.0.0.0:8788"

@@ -75,6 +75,34 @@ def test_unknown_and_finished_trajectories_are_counted_not_fatal(log) -> None:
     assert t.anomalies["finished_trajectory"] == 1
 
 
+def test_a_drop_heard_first_leaves_no_ghost_when_earlier_events_follow(log) -> None:
+    """Events of one trajectory can arrive out of order (two emitters, a retried batch): a
+    drop (or a reward's end) heard before anything else of its trajectory is remembered,
+    so the earlier events that follow do not bring it back as a live, ready ghost."""
+    t = table()
+    log("trajectory_dropped", "a", 10.0, reason="sandbox died")
+    log("reward_finished", "b", 10.0, accepted=False)
+    t.apply(log.take())
+    log("request_queued", "a", 5.0, prompt_tokens=70_000, turn=0)
+    log("prefill_started", "a", 6.0)
+    log("sample_dispatched", "b", 1.0)
+    log("request_queued", "b", 2.0, prompt_tokens=70_000, turn=0)
+    t.apply(log.take())
+    assert len(t) == 0 and t.state_counts()["ready"] == 0
+    assert t.anomalies["finished_trajectory"] == 4
+
+
+def test_tombstones_are_bounded(log) -> None:
+    t = TrajectoryTable(observer=Forecaster(ForecastConfig()), finished_window=100)
+    for i in range(1000):
+        log("trajectory_dropped", f"gone-{i}", 1.0)
+    t.apply(log.take())
+    log("request_queued", "gone-0", 0.5, prompt_tokens=5, turn=0)  # forgotten: let in
+    log("request_queued", "gone-999", 0.5, prompt_tokens=5, turn=0)  # remembered
+    t.apply(log.take())
+    assert t.slot_of("gone-0") is not None and t.slot_of("gone-999") is None
+
+
 def test_unexpected_transition_is_applied_and_counted(log) -> None:
     t = table()
     log("request_queued", "a", 1.0, prompt_tokens=5, turn=0)
@@ -319,3 +347,85 @@ def test_snapshot_carries_an_update_under_way(log) -> None:
     assert (wu.pending, wu.version, wu.expected_end(now=50.0)) == (True, 4, 55.0)
     t.load_snapshot(ev.Snapshot(ts=60.0, trajectories=[]))
     assert t.weight_update.pending is False
+
+
+# -- emitters: snapshots scoped to the worker that sends them -------------------------------
+
+
+def _row(trajectory: str, state: str = "ready", since: float = 10.0) -> ev.SnapshotTrajectory:
+    return ev.SnapshotTrajectory(
+        trajectory=trajectory, state=state, since=since, context_tokens=1000
+    )
+
+
+def test_a_named_emitters_snapshot_replaces_its_trajectories_alone(log) -> None:
+    """Two workers, one emitter each: worker a resyncs; worker b's trajectories stay."""
+    t = table()
+    for worker in ("a", "b"):
+        for i in range(3):
+            log("request_queued", f"{worker}{i}", 1.0, prompt_tokens=500, turn=0)
+        with t.emitting(worker):
+            t.apply(log.take())
+    with t.emitting("a"):  # a still holds a0 (now in a tool) and a new a9; a1, a2 ended
+        t.load_snapshot(ev.Snapshot(ts=20.0, trajectories=[_row("a0", "tool"), _row("a9")]))
+    assert sorted(t._slots) == ["a0", "a9", "b0", "b1", "b2"]
+    assert t.emitter_counts() == {"a": 2, "b": 3}
+    assert t.state_counts()["tool"] == 1 and t.state_counts()["ready"] == 4
+
+
+def test_a_trajectory_belongs_to_the_emitter_that_reported_it_last(log) -> None:
+    t = table()
+    log("sample_dispatched", "x", 1.0)
+    with t.emitting("driver"):
+        t.apply(log.take())
+    log("request_queued", "x", 2.0, prompt_tokens=500, turn=0)
+    with t.emitting("worker-3"):
+        t.apply(log.take())
+    with t.emitting("driver"):  # the driver's view no longer holds x: it is not the driver's
+        t.load_snapshot(ev.Snapshot(ts=3.0, trajectories=[]))
+    assert t.slot_of("x") is not None and t.emitter_counts() == {"worker-3": 1}
+    with t.emitting("worker-3"):
+        t.load_snapshot(ev.Snapshot(ts=4.0, trajectories=[]))
+    assert len(t) == 0
+
+
+def test_a_snapshot_without_an_emitter_still_replaces_everything(log) -> None:
+    """Old trainers, unchanged: a snapshot that names no emitter is the whole truth."""
+    t = table()
+    log("request_queued", "a0", 1.0, prompt_tokens=500, turn=0)
+    with t.emitting("a"):
+        t.apply(log.take())
+    log("request_queued", "u0", 1.0, prompt_tokens=500, turn=0)
+    t.apply(log.take())
+    t.load_snapshot(ev.Snapshot(ts=5.0, trajectories=[_row("n0")]))
+    assert list(t._slots) == ["n0"] and t.emitter_counts() == {"": 1}
+
+
+def test_a_named_snapshot_leaves_a_weight_update_it_does_not_mention(log) -> None:
+    t = table()
+    log.cluster("weight_update_started", 1.0, version=3)
+    with t.emitting("trainer"):
+        t.apply(log.take())
+    with t.emitting("worker-0"):
+        t.load_snapshot(ev.Snapshot(ts=2.0, trajectories=[_row("w0")]))
+    assert t.weight_update.pending and t.weight_update.version == 3
+    t.load_snapshot(ev.Snapshot(ts=3.0, trajectories=[]))  # every trajectory: none under way
+    assert not t.weight_update.pending
+
+
+def test_emitter_ids_are_bounded() -> None:
+    from prorsa.core.forecast.table import MAX_EMITTERS, TooManyEmitters
+
+    t = table()
+    for i in range(MAX_EMITTERS):
+        with t.emitting(f"w{i}"):
+            pass
+    with t.emitting("w0"):  # a known one is fine
+        pass
+    try:
+        with t.emitting("one-too-many"):
+            raise AssertionError("entered")
+    except TooManyEmitters as exc:
+        assert "stable" in str(exc)
+    else:
+        raise AssertionError("no TooManyEmitters")

@@ -127,6 +127,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds a client may take to send a request's headers (from its connect, or "
         "from the previous reply on a kept-alive connection) before it is disconnected",
     )
+    t.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.client_body,
+        help="seconds a client may take to send a POST /v1/role body once its headers are "
+        "in; then 408 and the connection is closed",
+    )
     backoff = Backoff()
     t.add_argument("--restart-backoff", type=float, default=backoff.initial)
     t.add_argument("--restart-backoff-max", type=float, default=backoff.maximum)
@@ -184,6 +191,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         health_interval=args.health_interval,
         health_probe=args.health_timeout,
         client_headers=args.header_timeout,
+        client_body=args.body_timeout,
     )
     return AgentConfig(
         engine_url=args.engine_url,

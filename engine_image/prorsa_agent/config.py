@@ -101,6 +101,8 @@ class Timeouts:
     client_headers: float = 30.0
     """A client's request line and headers, from its connect (or its previous reply on a
     kept-alive connection); then the agent closes the connection."""
+    client_body: float = 10.0
+    """A ``POST /v1/role`` body, from its headers (it is a few dozen bytes); then 408."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -11,7 +11,9 @@ pair), so the bearer token of ``POST /v1/role`` never crosses the network in cle
                    :class:`~prorsa_contract.agent_api.RoleResult` (200 ok, 502 failed); the same
                    target while it runs answers 202 with the progress, another target 409;
                    503 when the engine cannot switch now (down, starting, failed); 401 bad
-                   token; 400 unreadable body; 422 invalid body. The switch runs on even if
+                   token; 400 unreadable body; 422 invalid body; 413 a body over 64 KiB
+                   (declared or sent); 408 a body not sent within ``--body-timeout``
+                   seconds. The switch runs on even if
                    its caller goes away (an operator restart), and a repeat of the call
                    after it finished answers 200 "already in the requested role".
 ``GET /v1/role``   the running switch's progress and the last result (not a CONTRACT).
@@ -47,6 +49,10 @@ from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
 from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa_agent")
+
+MAX_ROLE_BODY = 64 << 10
+"""Largest ``POST /v1/role`` body: the request is a few dozen bytes of JSON."""
+_READ_CHUNK = 8 << 10
 
 
 class TokenFile:
@@ -101,6 +107,40 @@ class _Job:
 
 def _result(status: int, result: RoleResult) -> web.Response:
     return web.json_response(result.wire(), status=status)
+
+
+def _refused_body(status: int, message: str) -> web.Response:
+    """A reply to a request whose body was not read whole: the connection then closes,
+    instead of lingering to read (and discard) what the client may still send."""
+    response = web.json_response({"error": message}, status=status)
+    response.force_close()
+    return response
+
+
+async def read_limited(request: web.Request, *, limit: int, timeout: float) -> bytes | web.Response:
+    """The body, or the reply that refuses it: 413 as soon as it is over ``limit`` bytes
+    (declared or sent), 408 when it has not arrived within ``timeout`` seconds.
+
+    aiohttp's own ``read()`` waits as long as a client keeps the connection open and
+    refuses an oversized body only after reading ``client_max_size`` of it.
+    """
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        return _refused_body(413, f"a body of {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_chunked(_READ_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    return _refused_body(413, f"the body exceeds {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        return _refused_body(
+            408, f"the request body did not arrive within {timeout:g} s ({size} bytes came)"
+        )
+    return b"".join(chunks)
 
 
 class Agent:
@@ -326,10 +366,15 @@ class Agent:
                 status=401,
                 headers={"WWW-Authenticate": 'Bearer realm="prorsa-agent"'},
             )
+        body = await read_limited(
+            request, limit=MAX_ROLE_BODY, timeout=self.config.timeouts.client_body
+        )
+        if isinstance(body, web.Response):
+            return body
         try:
             # pydantic-core parses with a nesting limit: a deeply nested body is "not JSON"
             # (400), where json.loads would raise RecursionError (a 500).
-            wanted = RoleRequest.model_validate_json(await request.read())
+            wanted = RoleRequest.model_validate_json(body)
         except ValidationError as exc:
             errors = exc.errors(include_url=False)
             unreadable = [e for e in errors if e["type"] == "json_invalid"]

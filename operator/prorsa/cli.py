@@ -21,6 +21,8 @@ COMMANDS: dict[str, str] = {
     "ingest": "ingest",
     "operator": "operator",
     "plan": "plan",
+    "profile": "profile",
+    "record": "record",
 }
 
 # Subcommands that run the lab (package prorsa_lab, tools/ in the repository): the

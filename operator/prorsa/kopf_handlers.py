@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -18,14 +17,13 @@ from typing import Any, cast
 import kopf
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from prorsa.clusters import ClusterRegistry
 from prorsa.core.controller import Controller
-from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, format_validation_error
+from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, SpecError, validate_spec
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
-from prorsa.k8s import groups
+from prorsa.k8s import groups, trainer_token
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
@@ -43,6 +41,9 @@ class OperatorConfig:
 
     listen_host: str = "0.0.0.0"
     listen_port: int = obj.WEBHOOK_PORT
+    # /metrics on a port of its own, never the webhook's (None: not served).
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = obj.METRICS_PORT
     # tls.crt + tls.key: the webhook and /metrics serve HTTPS (docs/security.md); None: HTTP.
     webhook_tls_dir: str | None = None
     options: OperatorOptions = field(default_factory=OperatorOptions)
@@ -52,8 +53,28 @@ class OperatorConfig:
     # Watching named namespaces (kopf --namespace) rather than all: kopf then neither lists
     # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
     namespaced: bool = False
+    namespaces: tuple[str, ...] = ()
+    # The liveness and readiness probes (prorsa.operator_process), e.g.
+    # http://0.0.0.0:8080/healthz (readiness at /readyz); None: not served.
+    liveness: str | None = None
+    # Two replicas, one leading (a Lease in operator_namespace); None: this one acts alone.
+    leader_election: LeaderElection | None = None
+    pod_name: str | None = None  # this process's pod: the webhook Service selects the leader's
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderElection:
+    """``prorsa operator --leader-elect-*`` (client-go's defaults, docs/operations.md)."""
+
+    lease_name: str = "prorsa-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+Serving = Callable[["OperatorContext"], Awaitable[None]]
 
 
 @dataclass
@@ -73,16 +94,26 @@ class OperatorContext:
 
 
 def parse_spec(spec: Mapping[str, Any]) -> RolloutClusterSpec:
+    """The spec, or ValueError naming every bad field (not only the first)."""
     try:
-        return RolloutClusterSpec.model_validate(dict(spec))
-    except ValidationError as exc:
-        raise ValueError(format_validation_error(exc, root="spec")) from None
+        return validate_spec(dict(spec))
+    except SpecError as exc:
+        raise ValueError(str(exc)) from None
 
 
-def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
-    """The kopf handlers of ``prorsa operator``, registered on a registry of their own."""
+def build_registry(
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None = None,
+    on_serving: Serving | None = None,
+) -> kopf.OperatorRegistry:
+    """The kopf handlers of ``prorsa operator``, registered on a registry of their own.
+
+    ``prom`` is the process's metrics registry (its listener outlives kopf:
+    :mod:`prorsa.operator_process`); ``on_serving`` is awaited once the webhook serves.
+    """
     registry = kopf.OperatorRegistry()
-    _register_lifecycle(registry, config)
+    _register_lifecycle(registry, config, prom=prom, on_serving=on_serving)
     if config.admission:
         _register_admission(registry)
     _register_clusters(registry)
@@ -93,7 +124,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 _RESOURCE = (GROUP, VERSION, PLURAL)
 
 
-def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+def _register_lifecycle(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    *,
+    prom: CollectorRegistry | None,
+    on_serving: Serving | None,
+) -> None:
     """Log-in, start-up (settings, webhook listener), clean-up and the liveness probe."""
     if config.login_kubeconfig:
 
@@ -104,8 +141,10 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         _configure(settings, config)
-        _load_credentials(config)
-        memo.prorsa = await _start_context(config)
+        load_credentials(config)
+        memo.prorsa = ctx = await _start_context(config, prom or CollectorRegistry())
+        if on_serving is not None:
+            await on_serving(ctx)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -156,7 +195,7 @@ def _admission_server(config: OperatorConfig) -> kopf.WebhookServer:
     )
 
 
-def _load_credentials(config: OperatorConfig) -> None:
+def load_credentials(config: OperatorConfig) -> None:
     """The kubernetes client's credentials, for the Kubernetes adapter's own calls."""
     if config.login_kubeconfig:
         import kubernetes
@@ -166,9 +205,8 @@ def _load_credentials(config: OperatorConfig) -> None:
         _load_kube_config()
 
 
-async def _start_context(config: OperatorConfig) -> OperatorContext:
-    """The process-wide state, with the webhook and metrics listener already serving."""
-    prom = CollectorRegistry()
+async def _start_context(config: OperatorConfig, prom: CollectorRegistry) -> OperatorContext:
+    """The operator's state while it leads, with the webhook listener already serving."""
     registry_ = ClusterRegistry()
     ctx = OperatorContext(
         config=config,
@@ -186,7 +224,8 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
             key_file=Path(config.webhook_tls_dir, "tls.key"),
         )
     app = web.Application()
-    ctx.server.add_routes(app)
+    # Unauthenticated /metrics names every served cluster: not on the trainers' port.
+    ctx.server.add_routes(app, metrics=False)
     ctx.runner = ctx.server.runner(app)  # with the webhook's header deadline
     await ctx.runner.setup()
     site = web.TCPSite(
@@ -199,7 +238,7 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
     addresses = ctx.runner.addresses
     ctx.port = addresses[0][1] if addresses else config.listen_port
     scheme = "https" if tls else "http"
-    log.info("webhook and metrics on %s://%s:%d", scheme, config.listen_host, ctx.port)
+    log.info("webhook on %s://%s:%d", scheme, config.listen_host, ctx.port)
     if tls is None and config.listen_host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
             "the webhook serves plain HTTP: trainer tokens cross the network in clear "
@@ -207,7 +246,10 @@ async def _start_context(config: OperatorConfig) -> OperatorContext:
         )
     if config.operator_namespace:
         try:
-            await ctx.kube.ensure(obj.webhook_service(namespace=config.operator_namespace))
+            service = obj.webhook_service(
+                namespace=config.operator_namespace, leader=config.pod_name is not None
+            )
+            await ctx.kube.ensure(service)
         except Exception:
             log.exception("could not create the shared webhook Service")
     return ctx
@@ -245,7 +287,12 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
         except ValueError as exc:
             kopf.warn(body, reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(str(exc)) from None
-        token = await _trainer_token(ctx, namespace=namespace, name=name, spec=cluster, uid=uid)
+        try:
+            token = await trainer_token.initial_token(
+                ctx.kube, namespace=namespace, name=name, uid=uid, spec=cluster
+            )
+        except trainer_token.TokenUnavailable as exc:
+            raise kopf.TemporaryError(str(exc), delay=30) from None
         handle = ctx.registry.add(
             namespace=namespace, name=name, token=token, controller=Controller(cluster)
         )
@@ -264,6 +311,12 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             group_manager=ctx.group_manager,
         )
         ctx.runtimes[(namespace, name)] = runtime
+        # A rotated Secret, or a spec naming another, is in force within a poll.
+        tokens = trainer_token.TokenFollower(
+            kube=ctx.kube, namespace=namespace, name=name, uid=uid, handle=handle,
+            spec=lambda: runtime.spec, token=token, post_event=runtime.post_event,
+        )  # fmt: skip
+        following = asyncio.create_task(tokens.run(), name=f"prorsa-token-{name}")
 
         def forget(_: object) -> None:
             # Only once the runtime is closed: until then cleanup must find it to await it.
@@ -277,6 +330,7 @@ def _register_clusters(registry: kopf.OperatorRegistry) -> None:
             runtime.start()
             await stopped.wait()
         finally:
+            following.cancel()
             closing = runtime.close()
             closing.add_done_callback(forget)
             await asyncio.shield(closing)
@@ -355,47 +409,6 @@ def _namespaced(namespace: str | None) -> str:
     if namespace is None:
         raise kopf.PermanentError("a RolloutCluster or engine pod without a namespace")
     return namespace
-
-
-async def _trainer_token(
-    ctx: OperatorContext, *, namespace: str, name: str, spec: RolloutClusterSpec, uid: str
-) -> str:
-    """The trainer's bearer token: the referenced Secret, or one the operator creates."""
-    ref = spec.trainer.token_secret_ref
-    if ref is not None:
-        for _ in range(30):
-            token = await ctx.kube.read_secret_key(namespace, ref.name, ref.key)
-            if token:
-                return token.strip()
-            log.warning("%s/%s: waiting for Secret %s key %s", namespace, name, ref.name, ref.key)
-            await asyncio.sleep(2.0)
-        raise kopf.TemporaryError(f"Secret {ref.name} has no key {ref.key}", delay=30)
-    secret_name = f"{name}-trainer-token"
-    token = await ctx.kube.read_secret_key(namespace, secret_name, "token")
-    if token:
-        return token.strip()
-    manifest = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name,
-            "namespace": namespace,
-            "labels": obj.labels(name, "trainer-token"),
-            "ownerReferences": [
-                {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": "RolloutCluster",
-                    "name": name,
-                    "uid": uid,
-                    "controller": True,
-                }
-            ],
-        },
-        "type": "Opaque",
-        "stringData": {"token": secrets.token_urlsafe(32)},
-    }
-    await ctx.kube.ensure(manifest)
-    return (await ctx.kube.read_secret_key(namespace, secret_name, "token") or "").strip()
 
 
 def connection_from_kubeconfig(path: str) -> kopf.ConnectionInfo:

@@ -16,6 +16,7 @@ every live trajectory at once and so name none; a cluster event that carries a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -26,6 +27,20 @@ from pydantic_core import ErrorDetails
 MAX_ID = 256
 MAX_NAME = 128
 MAX_TEXT = 1024
+
+EMITTER_HEADER = "X-Prorsa-Emitter"
+"""Names the emitter that sends a batch or a snapshot, for trainers that run more than one
+(one per worker): a snapshot with it replaces only the trajectories that emitter reported
+last, one without it every trajectory (docs/webhook-events.md#more-than-one-emitter)."""
+EMITTER_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
+_EMITTER = re.compile(EMITTER_PATTERN)
+
+
+def valid_emitter(emitter: str) -> bool:
+    """An emitter id: 1-128 characters of letters, digits and ``_.:-``, starting with a
+    letter or digit (an HTTP header value, and a worker's rank or pod name fits)."""
+    return _EMITTER.fullmatch(emitter) is not None
+
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]

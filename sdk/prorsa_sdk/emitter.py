@@ -11,19 +11,34 @@ generator of actions that the thread and the task each execute):
 
 * 429, 5xx, connection errors and timeouts are retried with exponential backoff and full
   jitter, honouring Retry-After, until the emitter is closed. Event ids make retries
-  idempotent: the server counts a replayed id instead of applying it twice.
+  idempotent: the server counts a replayed id instead of applying it twice. A 429 for the
+  cluster's live-trajectory limit (``reason: trajectory_limit``: the batch applied but for
+  the events that start new trajectories) sets the batch aside until Retry-After and sends
+  the newer events meanwhile: their ends of trajectories are what makes room.
 * 422: the server names the bad events; they are dropped (counted, logged with the
   reason) and the rest of the batch is sent again. 413: the batch is split in halves.
 * 401 / 404 (a token being rotated, a cluster the operator is still registering) are
   retried for ``give_up_after`` seconds, then the batch is dropped, counted and logged.
+  With ``token_file=`` (a mounted Secret) every request carries the file's token as it is
+  then: a rotated Secret reaches the emitter when the kubelet refreshes the file.
 * When the buffer is full the *oldest* events are dropped, counted in
   ``stats.dropped_overflow`` and logged (rate-limited); if a snapshot source is
   available the emitter then posts a snapshot, which repairs the server's view.
 * A reply with ``resync: true`` (the server restarted and lost its state) makes the
   emitter post ``POST .../snapshot`` built by the ``snapshot`` callback (or by the
   built-in tracker with ``track=True``) before sending more events.
+* ``emitter_id=`` names the emitter (``X-Prorsa-Emitter``) for trainers that run one per
+  worker: its snapshots then replace only the trajectories it reported, so each worker
+  resyncs on its own (and, with a snapshot source, once when it starts, which clears what
+  a previous process of the same id left). Without it a snapshot replaces every trajectory.
 * ``close()`` flushes what is buffered, within a timeout; whatever could not be delivered
   by then is counted as dropped and logged, never silently lost.
+
+Recording: with ``record="events.ndjson"`` every event the webhook accepted is also
+appended to that file, one JSON object per line, in the order the webhook applied it (a
+batch is written once its 2xx reply arrives; events the webhook refused are left out), so
+``prorsa plan --events`` replays the job as the operator saw it. The sender writes it (the
+asyncio flavour from a thread), never ``emit()``.
 
 TLS: an ``https://`` webhook's certificate is verified against ``verify``: a CA bundle
 path (the webhook Secret's ``ca.crt``, a cert-manager issuer's CA), an ``ssl.SSLContext``,
@@ -58,7 +73,7 @@ from pydantic_core import to_json
 
 from prorsa_contract import __version__
 from prorsa_contract.aio import cancel_and_wait
-from prorsa_contract.events import Snapshot, SnapshotTrajectory
+from prorsa_contract.events import EMITTER_HEADER, Snapshot, SnapshotTrajectory, valid_emitter
 from prorsa_sdk.tracker import TrajectoryTracker
 
 log = logging.getLogger("prorsa_sdk")
@@ -89,6 +104,7 @@ class EmitterStats:
     retries: int
     resyncs: int
     epoch: int | None
+    recorded: int = 0  # events written to the ``record`` file
 
     @property
     def dropped(self) -> int:
@@ -131,6 +147,13 @@ class _BuildSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class _Record:
+    """Append these events (accepted by the webhook) to the ``record`` file."""
+
+    batch: list[bytes]
+
+
+@dataclass(frozen=True, slots=True)
 class _Reply:
     status: int
     headers: Mapping[str, str]
@@ -144,7 +167,7 @@ class _Reply:
         return data if isinstance(data, dict) else {}
 
 
-_Action = _Post | _Sleep | _BuildSnapshot
+_Action = _Post | _Sleep | _BuildSnapshot | _Record
 _Result = _Reply | BaseException | Snapshot | None
 Delivery = Generator[_Action, _Result, None]
 
@@ -163,6 +186,7 @@ class _Counters:
     retries: int = 0
     resyncs: int = 0
     epoch: int | None = None
+    recorded: int = 0
 
 
 @dataclass
@@ -193,6 +217,14 @@ class _DropLog:
             log.warning("prorsa emitter dropped %d event(s): %s", count, why)
 
 
+def _reason(reply: object) -> str | None:
+    """A refusal's ``reason`` (the webhook names it in its error body)."""
+    if not isinstance(reply, _Reply):
+        return None
+    reason = reply.json().get("reason")
+    return reason if isinstance(reason, str) else None
+
+
 def _retry_after(reply: _Reply) -> float | None:
     raw = reply.headers.get("retry-after")
     if raw is None:
@@ -204,6 +236,41 @@ def _retry_after(reply: _Reply) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+class _TokenFile:
+    """The bearer token in a file, read again whenever the file changes.
+
+    A Secret mounted as a volume is refreshed by the kubelet after a rotation (an atomic
+    swap of the files, so a new inode); the stat check keeps the read off every request.
+    A file that cannot be read later keeps the last token, logged once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._token = ""
+        self._warned = False
+        if not self.token():  # at start, a missing or empty file is an error
+            raise ValueError(f"token_file {self.path} holds no token")
+
+    def token(self) -> str:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp != self._stamp:
+                with open(self.path, encoding="utf-8") as f:
+                    token = f.read().strip()
+                if token:
+                    self._token, self._stamp, self._warned = token, stamp, False
+        except (OSError, UnicodeDecodeError) as exc:
+            if not self._token:
+                raise ValueError(f"cannot read token_file {self.path}: {exc}") from None
+            if not self._warned:
+                self._warned = True
+                log.warning("prorsa token_file %s unreadable (%s); keeping its last token",
+                            self.path, exc)  # fmt: skip
+        return self._token
+
+
 class _Core:
     """State and policy shared by both emitters; all mutation under ``self.lock``."""
 
@@ -213,7 +280,9 @@ class _Core:
         url: str,
         namespace: str,
         name: str,
-        token: str,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+        emitter_id: str | None = None,
         batch_size: int = 500,
         flush_interval: float = 0.2,
         max_buffer: int = 100_000,
@@ -221,21 +290,37 @@ class _Core:
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.time,
         track: bool = False,
+        record: str | os.PathLike[str] | None = None,
         has_snapshot: bool = False,
     ) -> None:
         if batch_size < 1 or max_buffer < batch_size:
             raise ValueError("need batch_size >= 1 and max_buffer >= batch_size")
         if flush_interval <= 0:
             raise ValueError("flush_interval must be > 0")
+        # Opened here, so a path that cannot be written fails at construction.
+        self.record_path = None if record is None else os.fspath(record)
+        self.record_file = None if record is None else open(record, "ab")  # noqa: SIM115
+        self.record_failed = False
+        if (token is None) == (token_file is None):
+            raise ValueError("give the bearer token as token= or as token_file= (exactly one)")
+        self.token_file = _TokenFile(token_file) if token_file is not None else None
+        if emitter_id is not None and not valid_emitter(emitter_id):
+            raise ValueError(
+                f"emitter_id {emitter_id!r}: 1-128 letters, digits and _.:- starting with a "
+                "letter or digit"
+            )
+        self.emitter_id = emitter_id
         base = f"/v1/namespaces/{namespace}/rolloutclusters/{name}"
         self.url = url.rstrip("/")
         self.events_path = f"{base}/events"
         self.snapshot_path = f"{base}/snapshot"
         self.headers = {
-            "Authorization": f"Bearer {token.strip()}",
+            "Authorization": f"Bearer {(token or '').strip()}",
             "Content-Type": "application/json",
             "User-Agent": f"prorsa-sdk/{__version__}",
         }
+        if emitter_id is not None:
+            self.headers[EMITTER_HEADER] = emitter_id
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
@@ -246,15 +331,21 @@ class _Core:
         self.buffer: deque[bytes] = deque()  # events already encoded as JSON objects
         self.first_at = 0.0  # monotonic time the oldest buffered event arrived
         self.in_flight = 0
+        # Batches set aside at the cluster's trajectory limit: (not before, batch), in order.
+        self.held: deque[tuple[float, list[bytes]]] = deque()
+        self.held_events = 0
         self.counters = _Counters()
         self.tracker = TrajectoryTracker() if track else None
         self.can_snapshot = has_snapshot or track
-        self.repair = False  # events were dropped: post a snapshot when possible
+        # Events were dropped: post a snapshot when possible. A named emitter also posts
+        # one at its start: a previous process of its id may have left trajectories.
+        self.repair = emitter_id is not None and self.can_snapshot
         self.last_repair = -math.inf
         self.resync_warned_epoch: int | None = None
         self.abandon_at = math.inf  # monotonic deadline set by close(timeout)
         self.closed = False
         self.drops = _DropLog()
+        self._limit_noted = -math.inf
         self._prefix = uuid.uuid4().hex[:12] + "-"
         self._seq = itertools.count()
 
@@ -310,8 +401,11 @@ class _Core:
                     self.tracker.apply(event)
                 except Exception:  # a tracker bug must never reach the training loop
                     log.exception("prorsa trajectory tracker failed on %r", event.get("type"))
-            if len(buf) >= self.max_buffer:
-                buf.popleft()
+            if len(buf) + self.held_events >= self.max_buffer:
+                if buf:
+                    buf.popleft()
+                else:  # everything waiting is set aside: the oldest of those goes
+                    self._drop_oldest_held()
                 c.dropped_overflow += 1
                 self.repair = self.can_snapshot
                 self.drops.note(
@@ -342,18 +436,40 @@ class _Core:
         return batch
 
     def idle(self) -> bool:
-        return not self.buffer and not self.in_flight
+        return not self.buffer and not self.in_flight and not self.held
+
+    def hold(self, batch: list[bytes], *, seconds: float) -> None:
+        """Set ``batch`` aside for ``seconds`` (the trajectory limit); newer batches go."""
+        with self.lock:
+            self.held.append((time.monotonic() + seconds, batch))
+            self.held_events += len(batch)
+
+    def _drop_oldest_held(self) -> None:
+        """One event of the oldest batch set aside, the caller holding ``lock``."""
+        batch = self.held[0][1]
+        batch.pop(0)
+        self.held_events -= 1
+        if not batch:
+            self.held.popleft()
 
     def next_step(self, *, now: float, flushing: bool, closing: bool) -> list[bytes] | float | None:
         """The sender's next step, the caller holding ``lock``: a batch to deliver now,
         seconds to wait for one, or None once closing has nothing left to send."""
         if self.due(now=now, flushing=flushing or closing):
             return self.take()
+        if self.held and (closing or self.held[0][0] <= now):
+            _, batch = self.held.popleft()
+            self.held_events -= len(batch)
+            self.in_flight = len(batch)
+            return batch
         if closing and not self.buffer:
             return None
+        waits = [1.0]
         if self.buffer:
-            return max(self.first_at + self.flush_interval - now, 0.001)
-        return 1.0
+            waits.append(max(self.first_at + self.flush_interval - now, 0.001))
+        if self.held:
+            waits.append(max(self.held[0][0] - now, 0.001))
+        return min(waits)
 
     def lost(self, batch: list[bytes]) -> None:
         """A bug broke the delivery of ``batch``: count it dropped so nothing hides it."""
@@ -362,12 +478,36 @@ class _Core:
         with self.lock:
             self.in_flight = 0
 
+    def write_record(self, batch: list[bytes]) -> None:
+        """Append ``batch`` to the record file (the sender's thread; blocking)."""
+        if self.record_file is None or self.record_failed:
+            return
+        try:
+            self.record_file.write(b"\n".join(batch) + b"\n")
+            self.record_file.flush()
+        except (OSError, ValueError) as exc:  # ValueError: closed under a cancelled sender
+            self.record_failed = True
+            log.error(
+                "prorsa emitter: cannot write the recording %s (%s); recording stopped, "
+                "delivery goes on",
+                self.record_path,
+                exc,
+            )
+            return
+        with self.lock:
+            self.counters.recorded += len(batch)
+
     def close_out(self) -> EmitterStats:
         """Closed: what is still buffered is counted as dropped; the final stats."""
+        if self.record_file is not None:
+            with contextlib.suppress(OSError):
+                self.record_file.close()
         with self.lock:
             self.closed = True
-            left = len(self.buffer)
+            left = len(self.buffer) + self.held_events
             self.buffer.clear()
+            self.held.clear()
+            self.held_events = 0
         if left:
             self._drop(
                 left, "undeliverable", "emitter closed before they could be sent", cause="close"
@@ -390,11 +530,12 @@ class _Core:
                 dropped_overflow=c.dropped_overflow,
                 dropped_invalid=c.dropped_invalid,
                 dropped_undeliverable=c.dropped_undeliverable,
-                pending=len(self.buffer) + self.in_flight,
+                pending=len(self.buffer) + self.in_flight + self.held_events,
                 batches=c.batches,
                 retries=c.retries,
                 resyncs=c.resyncs,
                 epoch=c.epoch,
+                recorded=c.recorded,
             )
 
     def tracked_snapshot(self) -> Snapshot:
@@ -439,8 +580,9 @@ class _Core:
             # At most one repair snapshot per interval, however long the drops go on.
             with self.lock:
                 self.repair = False
+            reason = "the emitter started" if self.last_repair == -math.inf else None
             self.last_repair = now
-            yield from self._resync(reason="events were dropped")
+            yield from self._resync(reason=reason or "events were dropped")
 
     def _deliver_one(self, batch: list[bytes], pieces: list[list[bytes]]) -> Delivery:
         attempt = 0
@@ -462,6 +604,8 @@ class _Core:
                         if c.epoch is not None and epoch != c.epoch:
                             log.warning("prorsa webhook restarted (epoch %s -> %s)", c.epoch, epoch)
                         c.epoch = epoch
+                if self.record_file is not None:
+                    yield _Record(batch)
                 if reply.get("resync") is True:
                     yield from self._resync(reason="the server asked (resync: true)")
                 return
@@ -501,6 +645,21 @@ class _Core:
                         f"HTTP {status} for {self.give_up_after:.0f}s (wrong token or cluster?)",
                         cause=f"http{status}",
                     )
+                    return
+            elif status == 429 and _reason(result) == "trajectory_limit":
+                # Applied but for the events that start new trajectories. Trajectories that
+                # end make room, and their ends are in the newer batches: send those first.
+                retry_after = _retry_after(result) if isinstance(result, _Reply) else None
+                if not self._abandoned():
+                    with self.lock:
+                        self.counters.retries += 1
+                    if self._limit_noted + 60.0 <= time.monotonic():
+                        self._limit_noted = time.monotonic()
+                        log.warning(
+                            "prorsa webhook at the cluster's trajectory limit "
+                            "(spec.trainer.maxLiveTrajectories): new trajectories wait"
+                        )
+                    self.hold(batch, seconds=retry_after or 1.0)
                     return
             elif status is not None and status != 429 and status < 500:
                 text = result.body[:300] if isinstance(result, _Reply) else b""
@@ -547,6 +706,15 @@ class _Core:
             if isinstance(result, _Reply) and 200 <= result.status < 300:
                 with self.lock:
                     self.counters.resyncs += 1
+                    self.repair = False  # the snapshot repairs drops before it too
+                self.last_repair = time.monotonic()
+                if self.record_file is not None:
+                    log.warning(
+                        "prorsa emitter: a resync snapshot of %d trajectories was posted; "
+                        "the recording %s holds events only",
+                        len(built.trajectories),
+                        self.record_path,
+                    )
                 log.info(
                     "prorsa resync: posted %d live trajectories (%s)",
                     len(built.trajectories),
@@ -564,7 +732,10 @@ class _Core:
             attempt += 1
 
     def send_headers(self) -> dict[str, str]:
-        return {**self.headers, SENT_AT_HEADER: repr(self.clock())}
+        headers = {**self.headers, SENT_AT_HEADER: repr(self.clock())}
+        if self.token_file is not None:
+            headers["Authorization"] = f"Bearer {self.token_file.token()}"
+        return headers
 
 
 def _dumps(obj: Any) -> bytes:
@@ -805,7 +976,9 @@ class EmitterOptions(TypedDict, total=False):
     url: Required[str]  # the webhook's base URL
     namespace: Required[str]  # the RolloutCluster's namespace
     name: Required[str]  # and name
-    token: Required[str]  # the trainer's bearer token
+    token: str  # the trainer's bearer token, or:
+    token_file: str | os.PathLike[str]  # a file holding it, re-read when it changes
+    emitter_id: str  # [none] this emitter's stable id, one per worker (snapshots scoped to it)
     track: bool  # [False] snapshots from the built-in tracker (one emitter sees all)
     batch_size: int  # [500] events per request
     flush_interval: float  # [0.2] seconds an event may wait for a fuller batch
@@ -813,6 +986,7 @@ class EmitterOptions(TypedDict, total=False):
     give_up_after: float  # [60] seconds 401/404 are retried before a batch is dropped
     backoff: Backoff | None  # [Backoff()] retry delays
     clock: Callable[[], float]  # [time.time] the trainer clock events are stamped with
+    record: str | os.PathLike[str] | None  # [None] append accepted events here (NDJSON)
 
 
 class _Emitter(_Helpers):
@@ -936,11 +1110,13 @@ class EventEmitter(_Emitter):
         """Flush within ``timeout`` seconds, then stop; the rest is counted as dropped."""
         core = self._core
         with self._wake:
-            if core.closed:
-                return core.stats()
-            self._closing = True
-            core.abandon_at = time.monotonic() + timeout
-            self._wake.notify_all()
+            closed = core.closed
+            if not closed:
+                self._closing = True
+                core.abandon_at = time.monotonic() + timeout
+                self._wake.notify_all()
+        if closed:  # stats() takes the lock the condition holds: read them outside it
+            return core.stats()
         self._thread.join(timeout + 1.0)
         self._stop.set()
         self._thread.join(2.0)
@@ -980,6 +1156,9 @@ class EventEmitter(_Emitter):
                     result = self._post(action)
                 elif isinstance(action, _Sleep):
                     self._stop.wait(action.seconds)
+                    result = None
+                elif isinstance(action, _Record):
+                    self._core.write_record(action.batch)
                     result = None
                 else:
                     result = self._build_snapshot()
@@ -1156,6 +1335,9 @@ class AsyncEventEmitter(_Emitter):
                 elif isinstance(action, _Sleep):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), action.seconds)
+                    result = None
+                elif isinstance(action, _Record):
+                    await asyncio.to_thread(self._core.write_record, action.batch)
                     result = None
                 else:
                     result = await self._build_snapshot()

@@ -1,9 +1,12 @@
 """The operator's end-to-end scenarios on a real Kubernetes cluster (kind, k3d, a GPU-less
 test cluster), with engine doubles as the engine pods. Skipped unless configured:
 
-    KUBECONFIG=~/.kube/config            a cluster where the chart is installed:
+    KUBECONFIG=~/.kube/config            a cluster where the chart is installed, watching
+                                         the test namespace (created first):
+        kubectl create namespace prorsa-e2e
         helm install prorsa charts/prorsa -n prorsa-system --create-namespace \\
-            --set image.repository=<your operator image>
+            --set image.repository=<your operator image> \\
+            --set 'operator.watchNamespaces={prorsa-e2e}' --set webhook.tls.enabled=false
     PRORSA_E2E_IMAGE=<image>             an image with the prorsa distribution (the operator
                                          image works): engine pods run the agent in it, with
                                          the engine double in place of SGLang

@@ -145,3 +145,39 @@ true
 {{- define "prorsa.webhookScheme" -}}
 {{- if .Values.webhook.tls.enabled -}}https{{- else -}}http{{- end -}}
 {{- end -}}
+
+{{/*
+The namespaces whose RolloutClusters the operator handles, as a JSON list: []
+(every namespace) with operator.watchAllNamespaces, else operator.watchNamespaces, else the
+release namespace alone (the secure default: its engines get the NetworkPolicy).
+*/}}
+{{- define "prorsa.watchedNamespaces" -}}
+{{- if .Values.operator.watchAllNamespaces -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- fail "operator.watchAllNamespaces and operator.watchNamespaces: set one of them" -}}
+{{- end -}}
+[]
+{{- else -}}
+{{- toJson (.Values.operator.watchNamespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The namespaces that get the engines' NetworkPolicy, as a JSON list: networkPolicy.namespaces,
+else the watched ones. Watching every namespace, the chart cannot know where engines run:
+it refuses to render until they are listed, or until networkPolicy.enabled=false says to go
+without (docs/security.md#networkpolicy).
+*/}}
+{{- define "prorsa.fencedNamespaces" -}}
+{{- $watched := include "prorsa.watchedNamespaces" . | fromJsonArray -}}
+{{- $fenced := .Values.networkPolicy.namespaces | default $watched -}}
+{{- if and .Values.networkPolicy.enabled (not $fenced) -}}
+{{- fail "operator.watchAllNamespaces: list the namespaces that run RolloutClusters in networkPolicy.namespaces (their engines get a NetworkPolicy), or set networkPolicy.enabled=false to leave the engines' ports open (docs/security.md)" -}}
+{{- end -}}
+{{- toJson $fenced -}}
+{{- end -}}
+
+{{/* http or https: what the metrics port (8788) speaks (the webhook's certificate). */}}
+{{- define "prorsa.metricsScheme" -}}
+{{- include "prorsa.webhookScheme" . -}}
+{{- end -}}

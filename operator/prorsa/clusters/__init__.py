@@ -14,6 +14,7 @@ from prorsa.clusters.registry import (
     ClusterRegistry,
     IngestLimits,
     QueueFull,
+    TrajectoryLimit,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "ClusterRegistry",
     "IngestLimits",
     "QueueFull",
+    "TrajectoryLimit",
 ]

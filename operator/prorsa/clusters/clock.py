@@ -22,14 +22,22 @@ ahead would find every trajectory silent. So samples whose trainer clock reads m
 ``tolerance`` (30 s) ahead of the median sample are dropped first, and the estimate is the
 10th percentile of the rest, over the last 64 samples (and at most the last five
 minutes). Fewer than half of the samples, in either direction, cannot move it by more
-than the tolerance; from the third sample on, no single batch can. A trainer clock stepped
-backwards or forwards is followed once the stepped samples are the majority of the window
-(or the older ones are five minutes old). With the header the residual error is the
-one-way loopback/LAN latency, under a millisecond; without it, about the smallest
-buffering delay the client ever achieves (its flush interval at most).
+than the tolerance. A trainer clock stepped backwards or forwards is followed once the
+stepped samples are the majority of the window (or the older ones are five minutes old).
+With the header the residual error is the one-way loopback/LAN latency, under a
+millisecond; without it, about the smallest buffering delay the client ever achieves (its
+flush interval at most).
 
-``trainer_now()`` = server monotonic now - offset. Until a batch has arrived the server
-assumes the clocks agree and returns its own wall clock.
+Few samples prove nothing: with one or two, the majority may be the one broken batch, and
+an estimate an hour ahead makes every live trajectory look an hour old. So the estimate
+is trusted only once the window holds ``min_samples`` (5) samples, where two bad batches
+are a minority whatever their place; until then the previous trusted estimate stands (a
+window emptied by a long silence refills before the estimate moves again), and before the
+first one the server assumes the clocks agree. The SDK sends a batch at least every 0.2 s
+while events flow, so a trainer whose clock really is off is followed within a second.
+
+``trainer_now()`` = server monotonic now - offset; the server's own wall clock until an
+estimate is trusted.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ DEFAULT_WINDOW = 64
 DEFAULT_QUANTILE = 0.1
 DEFAULT_MAX_AGE = 300.0
 DEFAULT_TOLERANCE = 30.0
+DEFAULT_MIN_SAMPLES = 5
 
 
 class ClockOffset:
@@ -51,6 +60,7 @@ class ClockOffset:
 
     __slots__ = (
         "_max_age",
+        "_min_samples",
         "_mono",
         "_offset",
         "_quantile",
@@ -67,6 +77,7 @@ class ClockOffset:
         quantile: float = DEFAULT_QUANTILE,
         max_age: float = DEFAULT_MAX_AGE,
         tolerance: float = DEFAULT_TOLERANCE,
+        min_samples: int = DEFAULT_MIN_SAMPLES,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -74,6 +85,9 @@ class ClockOffset:
             raise ValueError(
                 "window >= 1, 0 <= quantile < 1, max_age > 0 and tolerance > 0 are required"
             )
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be within 1..window ({window})")
+        self._min_samples = min_samples
         self._window = window
         self._quantile = quantile
         self._max_age = max_age
@@ -99,6 +113,8 @@ class ClockOffset:
         samples.append((received, received - trainer_sent))
         while samples and samples[0][0] < received - self._max_age:
             samples.popleft()
+        if len(samples) < self._min_samples:
+            return  # too few to outvote a broken batch: the last trusted estimate stands
         ordered = sorted(d for _, d in samples)
         # Ahead-of-the-rest samples have small d: drop those far below the (lower) median.
         floor = ordered[(len(ordered) - 1) // 2] - self._tolerance
@@ -107,8 +123,13 @@ class ClockOffset:
 
     @property
     def offset(self) -> float | None:
-        """Server monotonic minus trainer clock, in seconds; None before any sample."""
+        """Server monotonic minus trainer clock, in seconds; None until it is trusted."""
         return self._offset
+
+    @property
+    def trusted(self) -> bool:
+        """Whether ``trainer_now()`` follows an estimate (else the server's wall clock)."""
+        return self._offset is not None
 
     @property
     def samples(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from prorsa.clusters.clock import ClockOffset
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
+from prorsa.core.forecast.table import MAX_EMITTERS, ApplyResult
 from prorsa_contract.agent_api import EngineState
-from prorsa_contract.events import Event, Snapshot
+from prorsa_contract.events import CLUSTER_EVENT_TYPES, Event, Snapshot
 
 T = TypeVar("T")
 
@@ -43,10 +45,17 @@ class IngestLimits:
 
     max_batch_bytes: int = 4 << 20
     """Largest ``POST .../events`` body (after any Content-Encoding); larger gets 413."""
-    max_snapshot_bytes: int = 64 << 20
-    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory."""
-    max_inflight_bytes: int = 256 << 20
-    """Request bodies being read or parsed at once, whole server; beyond it 429."""
+    max_snapshot_bytes: int = 32 << 20
+    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory (the
+    default cap of 100,000 at ~300 bytes each fits). Parsed, a snapshot takes about 12
+    times its size in memory."""
+    max_inflight_bytes: int = 16 << 20
+    """Event batch bodies being read or parsed at once, whole server; beyond it 429: four
+    of the largest batches, or 160 of the SDK's (500 events). Parsed events take about 10
+    times their JSON's size, so this bounds that memory."""
+    max_inflight_snapshot_bytes: int = 32 << 20
+    """Snapshot bodies being read, parsed or loaded at once, whole server; beyond it 429:
+    by default one snapshot of the largest size at a time."""
     max_pending_events: int = 50_000
     """Validated events waiting for one cluster's Controller; beyond it 429."""
     dedupe_window: int = 65_536
@@ -75,6 +84,7 @@ class IngestLimits:
             "max_batch_bytes",
             "max_snapshot_bytes",
             "max_inflight_bytes",
+            "max_inflight_snapshot_bytes",
             "max_pending_events",
             "dedupe_window",
         ):
@@ -102,6 +112,38 @@ class BatchOutcome:
     duplicates: int
     superseded: int
     anomalies: int
+
+
+class TrajectoryLimit(Exception):
+    """The cluster holds ``spec.trainer.maxLiveTrajectories``: events that would start new
+    trajectories (``deferred`` of them), or a snapshot, were not applied. ``outcome`` is
+    what the rest of the batch did; ``retry_after`` None means a retry cannot fit (a
+    snapshot that lists more trajectories than the limit)."""
+
+    def __init__(
+        self,
+        *,
+        live: int,
+        limit: int,
+        deferred: int,
+        retry_after: int | None,
+        outcome: BatchOutcome | None = None,
+    ) -> None:
+        if outcome is None:
+            what = "the snapshot was not loaded"
+        else:
+            what = (
+                f"{deferred} event(s) that would start new trajectories were not applied "
+                f"(the other {outcome.accepted} were: resending the whole batch is safe)"
+            )
+        super().__init__(
+            f"{live} live trajectories, at spec.trainer.maxLiveTrajectories ({limit}): {what}"
+        )
+        self.live = live
+        self.limit = limit
+        self.deferred = deferred
+        self.retry_after = retry_after
+        self.outcome = outcome
 
 
 class QueueFull(Exception):
@@ -141,6 +183,10 @@ class ClusterHandle:
         self._token = normalize_token(token)
         self._resync = resync
         self._snapshot_ts: float | None = None
+        # Per named emitter: its last snapshot's ts (its events stamped earlier are
+        # superseded), and, while ``resync`` holds, the emitters that have resynced.
+        self._emitter_snapshot_ts: OrderedDict[str, float] = OrderedDict()
+        self._resynced: OrderedDict[str, None] = OrderedDict()
         self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
@@ -154,10 +200,15 @@ class ClusterHandle:
         self.superseded = 0
         self.anomalies = 0
         self.snapshots = 0
+        # Requests refused at the live-trajectory limit (the runtime's status condition).
+        self.limit_hits = 0
         self.created = time.time()
         # Called when a batch announces a weight update: the operator ticks at once, since
         # the update's duration is the lead time a switch toward prefill can use.
         self.on_weight_update: Callable[[], None] | None = None
+        # Called with each batch's new events right after the Controller applied them, in
+        # the order it applied them (a recorder, ``prorsa record``); may run in a thread.
+        self.on_applied: Callable[[Sequence[Event]], None] | None = None
 
     # -- identity and auth ---------------------------------------------------------------
 
@@ -174,12 +225,32 @@ class ClusterHandle:
 
     @property
     def resync(self) -> bool:
-        """True until the trainer has posted a snapshot to this epoch."""
+        """True until the trainer has posted a snapshot of every trajectory to this epoch
+        (one without an emitter id; named emitters each resync on their own)."""
         return self._resync
+
+    def resync_for(self, emitter: str | None) -> bool:
+        """Whether the replies to ``emitter`` ask for its snapshot: until it has posted
+        one to this epoch (or a snapshot of every trajectory came)."""
+        return self._resync and (emitter is None or emitter not in self._resynced)
 
     def request_resync(self) -> None:
         """Ask the trainer for a snapshot in the next reply (e.g. after losing state)."""
         self._resync = True
+        self._resynced.clear()
+
+    def _superseded(
+        self, events: Sequence[Event], emitter: str | None
+    ) -> tuple[Sequence[Event], int]:
+        """``events`` less the trajectory events a named emitter's last snapshot holds
+        already (stamped before it), and how many those were. Its cluster events stay: a
+        snapshot of one emitter's trajectories says nothing of a weight update's end."""
+        mine = None if emitter is None else self._emitter_snapshot_ts.get(emitter)
+        every = self._snapshot_ts
+        if mine is None or (every is not None and every >= mine):
+            return events, 0
+        kept = [e for e in events if not e.ts < mine or e.type in CLUSTER_EVENT_TYPES]
+        return kept, len(events) - len(kept)
 
     def trainer_now(self) -> float:
         return self.clock.trainer_now()
@@ -202,23 +273,48 @@ class ClusterHandle:
             raise QueueFull(pending=pending, retry_after=max(1, math.ceil(wait)))
 
     async def apply(
-        self, events: Sequence[Event], *, received: float, sent_at: float | None = None
+        self,
+        events: Sequence[Event],
+        *,
+        received: float,
+        sent_at: float | None = None,
+        emitter: str | None = None,
     ) -> BatchOutcome:
         """Validate-then-apply step of one batch: capacity, dedupe, Controller.
 
         Raises :class:`QueueFull` before changing anything. ``received`` is the arrival
-        time on ``self.clock.monotonic()``; ``sent_at`` the client's send time if it said.
+        time on ``self.clock.monotonic()``; ``sent_at`` the client's send time if it said;
+        ``emitter`` the id the batch names (``X-Prorsa-Emitter``), if any.
         """
         self.check_capacity(len(events))
         if events:
             newest = sent_at if sent_at is not None else max(e.ts for e in events)
             self.clock.observe(received=received, trainer_sent=newest)
         window = self._window
-        fresh, duplicates, superseded = window.admit(events, before=self._snapshot_ts)
+        current, superseded = self._superseded(events, emitter)
+        fresh, duplicates, older = window.admit(current, before=self._snapshot_ts)
+        superseded += older
         applied = anomalies = 0
+        left: list[Event] = []
         if fresh:
-            result = await self._exclusive(
-                self.controller.observe,
+            controller = self.controller
+            on_applied = self.on_applied
+
+            def observe(batch: list[Event]) -> tuple[ApplyResult, list[Event]]:
+                table = controller.table
+                # Under the lock: the batches queued ahead may have filled the table.
+                limit = controller.spec.trainer.max_live_trajectories
+                fits, refused = table.split_at_limit(batch, limit)
+                if refused:
+                    window.forget(e.id for e in refused)  # a retry applies them
+                with table.emitting(emitter):
+                    result = controller.observe(fits)
+                if on_applied is not None:
+                    on_applied(fits)
+                return result, refused
+
+            result, left = await self._exclusive(
+                observe,
                 fresh,
                 offload=len(fresh) > self.limits.offload_events,
                 pending=len(fresh),
@@ -235,41 +331,105 @@ class ClusterHandle:
         self.duplicates += duplicates
         self.superseded += superseded
         self.anomalies += anomalies
-        return BatchOutcome(
-            accepted=len(events),
+        outcome = BatchOutcome(
+            accepted=len(events) - len(left),
             applied=applied,
             duplicates=duplicates,
             superseded=superseded,
             anomalies=anomalies,
         )
+        if left:
+            raise self._at_limit(deferred=len(left), outcome=outcome)
+        return outcome
+
+    def _at_limit(
+        self, *, deferred: int, outcome: BatchOutcome | None, retry: bool = True
+    ) -> TrajectoryLimit:
+        """The refusal at the live-trajectory limit, counted for the status condition. A
+        retry is worth it after about a horizon, when trajectories have ended."""
+        self.limit_hits += 1
+        spec = self.controller.spec
+        return TrajectoryLimit(
+            live=len(self.controller.table),
+            limit=spec.trainer.max_live_trajectories,
+            deferred=deferred,
+            retry_after=max(1, math.ceil(spec.forecast.horizon_seconds)) if retry else None,
+            outcome=outcome,
+        )
 
     async def apply_snapshot(
-        self, snapshot: Snapshot, *, received: float, sent_at: float | None = None
+        self,
+        snapshot: Snapshot,
+        *,
+        received: float,
+        sent_at: float | None = None,
+        emitter: str | None = None,
     ) -> None:
         """Replace the Controller's trajectories with the trainer's; clears ``resync``.
 
-        Events stamped before the snapshot that arrive after it (from a buffer, a retry or
-        another emitter) are already reflected in it; they are counted as ``superseded``
-        and not applied, so no transition is applied twice.
+        With an ``emitter`` id, only the trajectories that emitter reported last are
+        replaced, and only that emitter's ``resync`` is cleared. Events stamped before the
+        snapshot that arrive after it (from a buffer, a retry or another emitter, for a
+        snapshot of every trajectory; from the same emitter, for a named one) are already
+        reflected in it; they are counted as ``superseded`` and not applied, so no
+        transition is applied twice.
         """
         sent = sent_at if sent_at is not None else snapshot.ts
         self.clock.observe(received=received, trainer_sent=sent)
         n = len(snapshot.trajectories)
         # The cutoff moves now, as the snapshot joins the queue: batches queued before it
         # apply first and are then replaced by it; batches arriving after it are filtered.
-        previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
+        cutoffs = self._emitter_snapshot_ts
+        if emitter is None:
+            previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
+        else:
+            previous = cutoffs.pop(emitter, None)
+            cutoffs[emitter] = snapshot.ts
+            if len(cutoffs) > MAX_EMITTERS:
+                cutoffs.popitem(last=False)
 
         def undo() -> None:
-            self._snapshot_ts = previous
+            # Unless a later snapshot moved the cutoff meanwhile.
+            if emitter is None:
+                if self._snapshot_ts == snapshot.ts:
+                    self._snapshot_ts = previous
+            elif cutoffs.get(emitter) == snapshot.ts:
+                if previous is None:
+                    del cutoffs[emitter]
+                else:
+                    cutoffs[emitter] = previous
 
-        await self._exclusive(
-            self.controller.observe_snapshot,
+        controller = self.controller
+
+        def observe(loaded: Snapshot) -> bool | None:
+            """Load it; else whether a retry may fit (False: it never can)."""
+            table = controller.table
+            limit = controller.spec.trainer.max_live_trajectories
+            if n > limit:
+                return False
+            if len(table) - table.live_of(emitter) + n > limit:
+                return True  # other emitters' trajectories may end meanwhile
+            with table.emitting(emitter):
+                controller.observe_snapshot(loaded)
+            return None
+
+        refused = await self._exclusive(
+            observe,
             snapshot,
             offload=n > self.limits.offload_events,
             pending=n,
             on_error=undo,
         )
-        self._resync = False
+        if refused is not None:
+            undo()
+            raise self._at_limit(deferred=n, outcome=None, retry=refused)
+        if emitter is None:
+            self._resync = False
+            self._resynced.clear()
+        elif self._resync:
+            self._resynced[emitter] = None
+            if len(self._resynced) > MAX_EMITTERS:
+                self._resynced.popitem(last=False)
         self.snapshots += 1
 
     async def observe_engines(self, states: Sequence[EngineState]) -> None:
@@ -279,6 +439,10 @@ class ClusterHandle:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
 
         def run() -> Decision:
+            if now is None and not self.clock.trusted:
+                # The present is the server's guess until the trainer's clock is known: a
+                # trainer whose clock is behind would see its trajectories evicted.
+                return self.controller.tick(self.trainer_now(), evict_now=-math.inf)
             at = self.trainer_now() if now is None else now
             return self.controller.tick(at, evict_now=self._eviction_now(at))
 
@@ -289,10 +453,10 @@ class ClusterHandle:
         server's monotonic clock since the previous tick (from the server's wall clock at
         the first one).
 
-        A batch stamped an hour ahead can move the clock estimate by an hour (while fewer
-        than three batches have arrived); without this, the next tick would find every
-        live trajectory silent for longer than the TTL and evict it. A trainer clock that
-        really is ahead of the server's is caught up with at one extra second per second.
+        A majority of batches stamped an hour ahead can move the clock estimate by an
+        hour; without this, the next tick would find every live trajectory silent for
+        longer than the TTL and evict it. A trainer clock that really is ahead of the
+        server's is caught up with at one extra second per second.
         """
         mono = self.clock.monotonic()
         if self._evicted_at is None:

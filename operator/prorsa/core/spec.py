@@ -2,24 +2,41 @@
 
 These pydantic models are the single source of the CRD schema (``prorsa crd``), of the
 admission checks and of the Controller's configuration. Wire names are camelCase.
+
+They accept what the API server accepts for the generated CRD, no more and no less:
+types are strict (``tensorParallelSize: "8"`` is refused, as the schema's ``integer``
+refuses it), a whole-number float is an integer (Kubernetes' own allowance,
+``kube-openapi`` ``validate/type.go``), and a null for a field that is not nullable is
+dropped and the field defaulted (structural-schema pruning). ``tests/test_crd_parity.py``
+runs a battery of manifests through both.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
-from prorsa.core.engine_flags import engine_env_errors, extra_args_errors, flag_values
+from prorsa.core import engine_flags, pod_bounds
+from prorsa.core.engine_flags import flag_values
 
 GROUP = "prorsa.io"
 VERSION = "v1alpha1"
@@ -32,8 +49,144 @@ PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+def _allows(annotation: Any, kind: type) -> bool:
+    """Whether a field's annotation admits ``kind`` (through Optional and Annotated)."""
+    if annotation is kind:
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _allows(typing.get_args(annotation)[0], kind)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_allows(a, kind) for a in typing.get_args(annotation))
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class _WireField:
+    name: str
+    info: FieldInfo
+    integer: bool
+    nullable: bool
+
+
+def _last_size(args: Sequence[str], *names: str) -> int:
+    """The last positive integer given to any of ``names`` (argparse's rule), else 1."""
+    size = 1
+    for value in flag_values(args, *names):
+        if value.isdigit() and int(value) >= 1:
+            size = int(value)
+    return size
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True, strict=True)
+
+    @classmethod
+    @cache
+    def _wire_fields(cls) -> dict[str, _WireField]:
+        """Each field under its wire name and its Python name."""
+        out = {}
+        for name, info in cls.model_fields.items():
+            field = _WireField(
+                name=name,
+                info=info,
+                integer=_allows(info.annotation, int),
+                nullable=_allows(info.annotation, type(None)),
+            )
+            out[name] = field
+            out[info.alias or name] = field
+        return out
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_the_api_server_reads_it(cls, data: Any) -> Any:
+        """A whole-number float is an integer; a null where none is allowed is absent."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls._wire_fields()
+        out = {}
+        for key, value in data.items():
+            field = fields.get(key)
+            if field is not None:
+                if value is None and not field.nullable:
+                    continue
+                if field.integer and type(value) is float and value.is_integer():
+                    value = int(value)
+            out[key] = value
+        return out
+
+
+class _BoundsError(ValueError):
+    """Problems below the field that was validated, each under its own path (so that
+    :func:`spec_problems` names ``engine.env.0.value``, as the API server does)."""
+
+    def __init__(self, problems: list[pod_bounds.Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+
+
+def _refuse(problems: list[pod_bounds.Problem]) -> None:
+    if problems:
+        raise _BoundsError(problems)
+
+
+def _volume(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.volume_problems(value))
+    return value
+
+
+def _env(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.env_problems(value))
+    return value
+
+
+def _pod_security(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.pod_security_problems(value))
+    return value
+
+
+def _container_security(value: dict[str, Any]) -> dict[str, Any]:
+    _refuse(pod_bounds.container_security_problems(value))
+    return value
+
+
+def _pod_labels(value: dict[str, str]) -> dict[str, str]:
+    _refuse(pod_bounds.metadata_problems(value, labels=True))
+    return value
+
+
+def _pod_annotations(value: dict[str, str]) -> dict[str, str]:
+    _refuse(pod_bounds.metadata_problems(value, labels=False))
+    return value
+
+
+# Kubernetes objects the spec passes through to the engine pods, within the bounds of
+# prorsa.core.pod_bounds; their CRD schema declares the fields the CEL rules read.
+Volume = Annotated[
+    dict[str, Any], AfterValidator(_volume), WithJsonSchema(pod_bounds.VOLUME_SCHEMA)
+]
+EnvVar = Annotated[dict[str, Any], AfterValidator(_env), WithJsonSchema(pod_bounds.ENV_SCHEMA)]
+PodSecurityContext = Annotated[
+    dict[str, Any],
+    AfterValidator(_pod_security),
+    WithJsonSchema(pod_bounds.POD_SECURITY_SCHEMA),
+]
+ContainerSecurityContext = Annotated[
+    dict[str, Any],
+    AfterValidator(_container_security),
+    WithJsonSchema(pod_bounds.CONTAINER_SECURITY_SCHEMA),
+]
+PodLabels = Annotated[
+    dict[str, str], AfterValidator(_pod_labels), WithJsonSchema(pod_bounds.POD_LABELS_SCHEMA)
+]
+PodAnnotations = Annotated[
+    dict[str, str],
+    AfterValidator(_pod_annotations),
+    WithJsonSchema(pod_bounds.POD_ANNOTATIONS_SCHEMA),
+]
+
+
+class LocalObjectReference(_Spec):
+    name: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Secret name.")
 
 
 class ModelSpec(_Spec):
@@ -65,11 +218,20 @@ class EngineSpec(_Spec):
     )
     tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
     transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
-    extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
-    env: list[dict[str, Any]] = Field(
+    extra_args: Annotated[
+        list[Annotated[str, Field(max_length=engine_flags.MAX_EXTRA_ARG_LENGTH)]],
+        Field(max_length=engine_flags.MAX_EXTRA_ARGS),
+    ] = Field(
+        default_factory=list,
+        alias="extraArgs",
+        description="More SGLang flags, after the operator's. Flags the operator sets, and "
+        "combinations SGLang 0.5.23 refuses with role switching, are refused "
+        "(docs/engine-flags.md).",
+    )
+    env: Annotated[list[EnvVar], Field(max_length=256)] = Field(
         default_factory=list,
         description="Extra environment variables of the engine container (EnvVar list), "
-        "e.g. NCCL or Mooncake settings.",
+        "e.g. NCCL or Mooncake settings. No valueFrom.secretKeyRef (docs/security.md).",
     )
     gpu_resource_name: str = Field(
         "nvidia.com/gpu",
@@ -85,40 +247,67 @@ class EngineSpec(_Spec):
         "(see docs/engine-flags.md).",
     )
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    volume_mounts: list[dict[str, Any]] = Field(default_factory=list, alias="volumeMounts")
-    pod_security_context: dict[str, Any] | None = Field(
+    tolerations: Annotated[list[dict[str, Any]], Field(max_length=64)] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(
+        None, description="The engine pods' affinity (node, pod and pod anti-affinity)."
+    )
+    topology_spread_constraints: Annotated[list[dict[str, Any]], Field(max_length=16)] = Field(
+        default_factory=list,
+        alias="topologySpreadConstraints",
+        description="The engine pods' topologySpreadConstraints; select them with "
+        "labelSelector matchLabels prorsa.io/cluster: <name>.",
+    )
+    scheduler_name: Annotated[str, Field(min_length=1, max_length=253)] | None = Field(
+        None,
+        alias="schedulerName",
+        description="Scheduler of the engine pods (e.g. a gang scheduler); unset: the "
+        "cluster's default.",
+    )
+    priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = Field(
+        None, alias="priorityClassName", description="PriorityClass of the engine pods."
+    )
+    image_pull_secrets: Annotated[list[LocalObjectReference], Field(max_length=16)] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        description="Secrets the kubelet pulls the engine image with ([{name}]): the only "
+        "Secrets of the namespace a RolloutCluster can name for its pods.",
+    )
+    pod_labels: PodLabels = Field(
+        default_factory=dict,
+        alias="podLabels",
+        description="More labels of the engine pods. The operator's own (prorsa.io/*, "
+        "app.kubernetes.io/managed-by, name, instance, component) are refused.",
+    )
+    pod_annotations: PodAnnotations = Field(
+        default_factory=dict,
+        alias="podAnnotations",
+        description="More annotations of the engine pods, e.g. Multus networks "
+        "(k8s.v1.cni.cncf.io/networks) for RDMA. prorsa.io/* and "
+        "sglang.ai/bootstrap-port are refused.",
+    )
+    volumes: Annotated[list[Volume], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Extra volumes of the engine pods (e.g. the model weights). No "
+        "hostPath, and no Secret (secret, projected secret, csi nodePublishSecretRef).",
+    )
+    volume_mounts: Annotated[list[dict[str, Any]], Field(max_length=64)] = Field(
+        default_factory=list, alias="volumeMounts"
+    )
+    pod_security_context: PodSecurityContext | None = Field(
         None,
         alias="podSecurityContext",
-        description="The engine pods' securityContext (PodSecurityContext). Unset: "
-        "runAsNonRoot and seccompProfile RuntimeDefault (the engine image runs as UID "
-        "10001). Given: used as it is, e.g. {runAsUser: 0} for an RDMA setup that needs "
-        "root (docs/security.md).",
+        description="The engine pods' securityContext (PodSecurityContext), merged over "
+        "the defaults (runAsNonRoot, seccompProfile RuntimeDefault; the engine image runs "
+        "as UID 10001). runAsNonRoot false and runAsUser 0 are refused (docs/security.md).",
     )
-    security_context: dict[str, Any] | None = Field(
+    security_context: ContainerSecurityContext | None = Field(
         None,
         alias="securityContext",
-        description="The engine container's securityContext. Unset: no privilege "
-        "escalation, every capability dropped but IPC_LOCK (RDMA memory registration). "
-        "Given: used as it is (docs/security.md).",
+        description="The engine container's securityContext, merged over the defaults (no "
+        "privilege escalation, every capability dropped but IPC_LOCK). privileged, "
+        "allowPrivilegeEscalation, root and capabilities that amount to root on the node "
+        "are refused (docs/security.md).",
     )
-
-    # Engine flags SGLang (or the agent) would refuse: prorsa.core.engine_flags.
-    @field_validator("extra_args")
-    @classmethod
-    def _runnable_flags(cls, args: list[str]) -> list[str]:
-        errors = extra_args_errors(args)
-        if errors:
-            raise ValueError("; ".join(errors))
-        return args
-
-    @model_validator(mode="after")
-    def _runnable_with_env(self) -> EngineSpec:
-        errors = engine_env_errors(self.extra_args, self.env)
-        if errors:
-            raise ValueError("; ".join(errors))
-        return self
 
     @property
     def m_prefill(self) -> int:
@@ -163,17 +352,17 @@ class EngineSpec(_Spec):
     def attention_dp_size(self) -> int:
         """Attention data-parallel ranks per instance, read from SGLang's ``extraArgs``.
 
-        With ``--enable-dp-attention`` each request runs on one rank, so a prefill instance
-        is ``--dp-size`` servers at that fraction of its speed rather than one fast server:
-        a long prompt takes that many times longer than the instance's speed suggests.
+        With attention DP each request runs on one rank, so a prefill instance is that many
+        servers at that fraction of its speed rather than one fast server: a long prompt
+        takes that many times longer than the instance's speed suggests. SGLang 0.5.23
+        spells it ``--attn-dp-size N``, or (deprecated) ``--enable-dp-attention`` with
+        ``--dp-size N``, which it resolves to the former
+        (``srt/arg_groups/parallel_hook.py``, ``handle_deprecated_dp_attention``).
         """
         args = self.extra_args
-        if "--enable-dp-attention" not in args:
-            return 1
-        size = 1
-        for value in flag_values(args, "--dp-size", "--dp", "--data-parallel-size"):
-            if value.isdigit() and int(value) >= 1:
-                size = int(value)
+        size = _last_size(args, "--attn-dp-size", "--attention-data-parallel-size")
+        if size == 1 and "--enable-dp-attention" in args:
+            size = _last_size(args, "--dp-size", "--dp", "--data-parallel-size")
         return size
 
 
@@ -192,13 +381,14 @@ class InjectionSpec(_Spec):
 
     policy: Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"] = "replaceOnReward"
     group_size: PosInt = Field(1, alias="groupSize")
-    rate_per_second: NonNegFloat = Field(0.0, alias="ratePerSecond")
+    rate_per_second: NonNegFloat = Field(0.0, alias="ratePerSecond", validate_default=True)
 
-    @model_validator(mode="after")
-    def _rate_needed(self) -> InjectionSpec:
-        if self.policy == "fixedRate" and self.rate_per_second <= 0:
-            raise ValueError("ratePerSecond must be > 0 when policy is fixedRate")
-        return self
+    @field_validator("rate_per_second")
+    @classmethod
+    def _rate_needed(cls, rate: float, info: ValidationInfo) -> float:
+        if info.data.get("policy") == "fixedRate" and rate <= 0:
+            raise ValueError("must be > 0 when policy is fixedRate")
+        return rate
 
 
 class ForecastSpec(_Spec):
@@ -299,6 +489,14 @@ class SecretKeyRef(_Spec):
 
 class TrainerSpec(_Spec):
     token_secret_ref: SecretKeyRef | None = Field(None, alias="tokenSecretRef")
+    max_live_trajectories: Annotated[int, Field(ge=1, le=10_000_000)] = Field(
+        100_000,
+        alias="maxLiveTrajectories",
+        description="Live trajectories the operator holds for this cluster (each costs "
+        "~0.5-1 KB of its memory). Past it, events that would start a new trajectory are "
+        "refused with 429 and Retry-After (events of live ones still apply, so the trainer's "
+        "retry gets in as trajectories end), and the TrajectoryLimit condition is True.",
+    )
 
 
 class RolloutClusterSpec(_Spec):
@@ -319,40 +517,9 @@ class RolloutClusterSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutClusterSpec:
-        m = self.engine.gpus_per_instance
-        if self.gpu_budget % m:
-            raise ValueError(
-                f"gpuBudget ({self.gpu_budget}) must be a multiple of engine.gpusPerInstance ({m})"
-            )
-        nodes = self.engine.nodes_per_instance
-        for field, gpus in (
-            ("gpusPerInstance", m),
-            ("prefillGpusPerInstance", self.engine.prefill_gpus_per_instance),
-        ):
-            if gpus is not None and gpus % nodes:
-                raise ValueError(
-                    f"engine.nodesPerInstance ({nodes}) must divide engine.{field} ({gpus}): "
-                    "every node of an instance holds the same number of GPUs"
-                )
-        if self.engine.tensor_parallel_size > m:
-            raise ValueError(
-                f"engine.tensorParallelSize ({self.engine.tensor_parallel_size}) exceeds "
-                f"engine.gpusPerInstance ({m})"
-            )
-        need = self.roles.prefill.min * self.engine.m_prefill + self.roles.decode.min * m
-        if need > self.gpu_budget:
-            raise ValueError(
-                f"roles.prefill.min and roles.decode.min need {need} GPUs, more than "
-                f"gpuBudget ({self.gpu_budget})"
-            )
-        initial = self.roles.prefill.initial
-        if initial is not None:
-            n = self.instances
-            if initial < self.roles.prefill.min or n - initial < self.roles.decode.min:
-                raise ValueError(
-                    f"roles.prefill.initial ({initial}) must leave both roles at their "
-                    f"minimums among {n} instances"
-                )
+        problems = cross_field_problems(_ModelLookup(self))
+        if problems:
+            raise ValueError("; ".join(p.text() for p in problems))
         return self
 
     def initial_prefill(self) -> int:
@@ -381,38 +548,258 @@ class RolloutCluster(BaseModel):
     spec: RolloutClusterSpec
 
 
+# -- validation: every problem of a manifest at once ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One refused field: its dotted wire path and what is wrong with it."""
+
+    field: str
+    message: str
+
+    def text(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
 class SpecError(ValueError):
-    """A RolloutCluster that does not validate; the message names each bad field."""
+    """A RolloutCluster that does not validate; ``problems`` names each bad field."""
+
+    def __init__(self, problems: Sequence[Problem] | str, *, source: str = "") -> None:
+        self.problems = [Problem("", problems)] if isinstance(problems, str) else list(problems)
+        self.source = source
+        text = "; ".join(p.text() for p in self.problems)
+        super().__init__(f"{source}: {text}" if source else text)
+
+
+class _Unknown(Exception):
+    """A value a cross-field rule needs is missing or invalid: the rule cannot be judged."""
+
+
+class _ModelLookup:
+    """Wire paths (``engine.gpusPerInstance``) of a validated spec."""
+
+    def __init__(self, spec: RolloutClusterSpec) -> None:
+        self._spec = spec
+
+    def __call__(self, path: str) -> Any:
+        node: Any = self._spec
+        for key in path.split("."):
+            node = getattr(node, type(node)._wire_fields()[key].name)
+        return node
+
+
+@cache
+def _field_adapter(path: str) -> tuple[FieldInfo, TypeAdapter[Any]]:
+    model: type[_Spec] = RolloutClusterSpec
+    *parents, leaf = path.split(".")
+    for key in parents:
+        annotation = model._wire_fields()[key].info.annotation
+        assert isinstance(annotation, type) and issubclass(annotation, _Spec), path
+        model = annotation
+    info = model._wire_fields()[leaf].info
+    typ: Any = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+    return info, TypeAdapter(typ)
+
+
+class _RawLookup:
+    """Wire paths of a spec that may not validate: each value validated on its own, as
+    its field would validate it, absent ones defaulted; :class:`_Unknown` when invalid."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self._raw = raw
+
+    def __call__(self, path: str) -> Any:
+        info, adapter = _field_adapter(path)
+        *parents, leaf = path.split(".")
+        node: Any = self._raw
+        for key in parents:
+            node = node.get(key) if isinstance(node, Mapping) else None
+            node = {} if node is None else node
+        if not isinstance(node, Mapping):
+            raise _Unknown(path)
+        value = node.get(leaf)
+        if value is None:
+            if info.is_required():
+                raise _Unknown(path)
+            return info.get_default(call_default_factory=True)
+        if type(value) is float and value.is_integer() and _allows(info.annotation, int):
+            value = int(value)
+        try:
+            return adapter.validate_python(value, strict=True)
+        except ValidationError:
+            raise _Unknown(path) from None
+
+
+def cross_field_problems(get: Callable[[str], Any]) -> list[Problem]:
+    """The rules that span fields; each mirrors a CEL rule of the CRD
+    (``prorsa.k8s.crd_manifest.SPEC_RULES``) and names the field that rule names.
+
+    ``get`` reads a field by its wire path. A rule whose fields are missing or invalid is
+    not judged: the field's own error already says what is wrong.
+    """
+    problems: list[Problem] = []
+
+    def budget() -> Problem | None:
+        g, m = get("gpuBudget"), get("engine.gpusPerInstance")
+        if g % m:
+            return Problem("gpuBudget", f"{g} is not a multiple of engine.gpusPerInstance ({m})")
+        return None
+
+    def nodes() -> Problem | None:
+        n = get("engine.nodesPerInstance")
+        for field in ("gpusPerInstance", "prefillGpusPerInstance"):
+            gpus = get(f"engine.{field}")
+            if gpus is not None and gpus % n:
+                return Problem(
+                    "engine.nodesPerInstance",
+                    f"{n} does not divide engine.{field} ({gpus}): every node of an instance "
+                    "holds the same number of GPUs",
+                )
+        return None
+
+    def tensor_parallel() -> Problem | None:
+        tp, m = get("engine.tensorParallelSize"), get("engine.gpusPerInstance")
+        if tp > m:
+            return Problem(
+                "engine.tensorParallelSize", f"{tp} exceeds engine.gpusPerInstance ({m})"
+            )
+        return None
+
+    def minimums() -> Problem | None:
+        g, m = get("gpuBudget"), get("engine.gpusPerInstance")
+        m_prefill = get("engine.prefillGpusPerInstance") or m
+        need = get("roles.prefill.min") * m_prefill + get("roles.decode.min") * m
+        if need > g:
+            return Problem(
+                "roles",
+                f"roles.prefill.min and roles.decode.min need {need} GPUs, more than "
+                f"gpuBudget ({g})",
+            )
+        return None
+
+    def initial() -> Problem | None:
+        first = get("roles.prefill.initial")
+        if first is None:
+            return None
+        n = get("gpuBudget") // get("engine.gpusPerInstance")
+        if first < get("roles.prefill.min") or n - first < get("roles.decode.min"):
+            return Problem(
+                "roles.prefill.initial",
+                f"{first} must leave both roles at their minimums among {n} instances",
+            )
+        return None
+
+    for rule in (budget, nodes, tensor_parallel, minimums, initial):
+        try:
+            problem = rule()
+        except (_Unknown, ZeroDivisionError):
+            continue
+        if problem is not None:
+            problems.append(problem)
+    # Engine flags SGLang or the agent refuse, or the operator sets (prorsa.core.engine_flags).
+    try:
+        args, env = get("engine.extraArgs"), get("engine.env")
+    except _Unknown:
+        return problems
+    problems += [
+        Problem(f"engine.{field}", message)
+        for field, message in engine_flags.engine_problems(args, env)
+    ]
+    return problems
+
+
+def _wire_path(loc: Sequence[int | str], model: type[_Spec]) -> str:
+    """pydantic's error location in wire names: a defaulted field's error carries its
+    Python name (``rate_per_second``), a given one's the key it was given under."""
+    parts = []
+    node: type[_Spec] | None = model
+    for part in loc:
+        field = (
+            node._wire_fields().get(part) if node is not None and isinstance(part, str) else None
+        )
+        if field is None:
+            parts.append(str(part))
+            node = None
+            continue
+        parts.append(field.info.alias or field.name)
+        annotation = field.info.annotation
+        node = (
+            annotation if isinstance(annotation, type) and issubclass(annotation, _Spec) else None
+        )
+    return ".".join(parts)
+
+
+def _pydantic_problems(
+    errors: Sequence[ErrorDetails], *, root: str, model: type[_Spec] | None = None
+) -> list[Problem]:
+    out = []
+    for err in errors:
+        loc = _wire_path(err["loc"], model or RolloutClusterSpec)
+        if err["type"] == "extra_forbidden":  # the key as it was given
+            loc = ".".join([*loc.split(".")[:-1], str(err["loc"][-1])])
+        field = ".".join(p for p in (root, loc) if p)
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _BoundsError):
+            out += [
+                Problem(".".join(p for p in (field, path) if p), m) for path, m in cause.problems
+            ]
+            continue
+        out.append(Problem(field, _message(err["msg"])))
+    return out
+
+
+def _message(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+def spec_problems(raw: Any, *, root: str = "spec") -> list[Problem]:
+    """Every problem of a RolloutCluster spec, field errors and cross-field rules alike,
+    in one pass (pydantic alone stops before the cross-field rules once a field fails)."""
+    try:
+        RolloutClusterSpec.model_validate(raw, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    else:
+        return []
+    # The spec's own model validator stops at the cross-field rules of a spec whose fields
+    # all validate; the rules are judged below, with their fields named.
+    fields = [e for e in errors if not (e["loc"] == () and e["type"] == "value_error")]
+    problems = _pydantic_problems(fields, root=root)
+    if isinstance(raw, Mapping):
+        problems += [
+            Problem(".".join(p for p in (root, c.field) if p), c.message)
+            for c in cross_field_problems(_RawLookup(raw))
+        ]
+    return problems
+
+
+def validate_spec(raw: Any, *, root: str = "spec") -> RolloutClusterSpec:
+    """The validated spec, or :class:`SpecError` listing every problem."""
+    try:
+        return RolloutClusterSpec.model_validate(raw, by_alias=True, by_name=False)
+    except ValidationError:
+        raise SpecError(spec_problems(raw, root=root)) from None
 
 
 def format_validation_error(exc: ValidationError, *, root: str = "") -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        loc = ".".join(str(p) for p in err["loc"])
-        where = ".".join(p for p in (root, loc) if p) or root or "manifest"
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)
+    return "; ".join(p.text() for p in _pydantic_problems(exc.errors(), root=root))
 
 
-def parse_cluster(data: dict[str, Any]) -> RolloutCluster:
+def parse_cluster(data: dict[str, Any], *, source: str = "") -> RolloutCluster:
+    """A whole manifest, or :class:`SpecError` naming every problem in it."""
     try:
-        return RolloutCluster.model_validate(data)
+        return RolloutCluster.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as exc:
-        raise SpecError(format_validation_error(exc)) from None
-
-
-def load_cluster(path: str | Path) -> RolloutCluster:
-    """Read a RolloutCluster manifest (YAML or JSON); the first RolloutCluster document wins."""
-    text = Path(path).read_text()
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d]
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    for doc in docs:
-        if isinstance(doc, dict) and doc.get("kind") == KIND:
-            return parse_cluster(doc)
-    raise SpecError(f"{path}: no document of kind {KIND}")
+        errors = exc.errors(include_url=False)
+    outside = [e for e in errors if not e["loc"] or e["loc"][0] != "spec"]
+    problems = [
+        Problem(".".join(str(p) for p in e["loc"]) or "manifest", _message(e["msg"]))
+        for e in outside
+    ]
+    if len(outside) < len(errors):
+        problems += spec_problems(data.get("spec"), root="spec")
+    raise SpecError(problems, source=source) from None
 
 
 # -- status (written by the operator; the CRD's status subresource) ------------------------
@@ -466,7 +853,7 @@ class SwitchRecord(_Status):
 
 
 class Condition(_Status):
-    type: Literal["Ready", "ForecastFresh", "Switching", "Degraded"]
+    type: Literal["Ready", "ForecastFresh", "Switching", "Degraded", "TrajectoryLimit"]
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
     message: str = ""

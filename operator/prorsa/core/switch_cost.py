@@ -36,7 +36,7 @@ PRIOR_SWITCH_SECONDS = 13.0
 PRIOR_ABORT_SHARE = 0.1
 EMA_WEIGHT = 0.3  # of a new measurement: a handful of switches sets the estimate
 # Before the trainer's events say otherwise: the share of a turn's prefill and decode time
-# spent decoding (see Controller.decode_share).
+# spent decoding (see prorsa.core.measure.decode_share).
 PRIOR_DECODE_SHARE = 0.5
 
 

@@ -7,9 +7,12 @@ an application the operator already runs in its own asyncio loop.
 Order of checks on a request, cheapest and least revealing first: token (401: a token
 of no served cluster, whether or not the cluster exists, so names cannot be probed), then
 cluster known (404), header sanity (400), ``X-Prorsa-Sent-At`` within the window of
-plausible times (422), declared size (413), the cluster's queue (429), body read within
-its deadline (408), the size limit (413) and the server-wide bytes in flight (429), parse
-and validate (400/422), event times within the window (422), then dedupe and apply.
+plausible times and ``X-Prorsa-Emitter`` well formed (422), declared size (413), the
+cluster's queue (429), body read within its deadline (408), the size limit (413) and the
+server-wide bytes in flight (429; events and snapshots each have a budget), parse and
+validate (400/422), event times within the window (422), then dedupe and apply, where
+events that would start trajectories past the cluster's ``maxLiveTrajectories`` are
+refused (429, the rest of the batch applied).
 
 Nothing is read into memory before the token is checked, and the bytes held at once
 across all requests are bounded, so memory stays bounded under any input. Bytes count
@@ -37,7 +40,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prorsa.clusters.auth import bearer_token
-from prorsa.clusters.registry import ClusterHandle, ClusterRegistry, IngestLimits, QueueFull
+from prorsa.clusters.registry import (
+    ClusterHandle,
+    ClusterRegistry,
+    IngestLimits,
+    QueueFull,
+    TrajectoryLimit,
+)
+from prorsa.core.forecast.table import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside
@@ -50,6 +60,7 @@ from prorsa.ingest.wire import (
     SnapshotReply,
 )
 from prorsa_contract.events import (
+    EMITTER_HEADER,
     BatchError,
     Event,
     FieldError,
@@ -57,6 +68,7 @@ from prorsa_contract.events import (
     parse_batch,
     parse_ndjson,
     parse_snapshot,
+    valid_emitter,
 )
 
 log = logging.getLogger("prorsa.ingest")
@@ -104,6 +116,7 @@ class Refusal(Exception):
             ]
         body = ErrorReply(
             error=self.message,
+            reason=self.reason,
             epoch=None if h is None else h.epoch,
             resync=None if h is None else h.resync,
             errors=details,
@@ -120,12 +133,23 @@ class Refusal(Exception):
         return response
 
 
+class _Budget:
+    """Body bytes held at once by all requests of one kind (events, or snapshots)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+
 class _Held:
-    """Body bytes one request holds against the server-wide in-flight budget."""
+    """Body bytes one request holds against its kind's in-flight budget."""
 
-    __slots__ = ("bytes",)
+    __slots__ = ("budget", "bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
         self.bytes = 0
 
 
@@ -160,12 +184,14 @@ class WebhookServer:
         self.limits: IngestLimits = self.registry.limits
         self.metrics = metrics if metrics is not None else WebhookMetrics()
         self.metrics.pending.set_function(self.registry.pending_events)
-        self._inflight_bytes = 0
+        self._events_budget = _Budget(self.limits.max_inflight_bytes)
+        self._snapshots_budget = _Budget(self.limits.max_inflight_snapshot_bytes)
 
     @property
     def inflight_bytes(self) -> int:
-        """Request body bytes held right now, server-wide (read, being parsed)."""
-        return self._inflight_bytes
+        """Request body bytes held right now, server-wide (read, being parsed, a snapshot
+        until it is loaded)."""
+        return self._events_budget.held + self._snapshots_budget.held
 
     # -- assembly ------------------------------------------------------------------------
 
@@ -298,23 +324,36 @@ class WebhookServer:
             )
         return value
 
+    def _emitter(self, request: web.Request, handle: ClusterHandle) -> str | None:
+        """The ``X-Prorsa-Emitter`` id the request names, if any (422 when malformed)."""
+        raw = request.headers.get(EMITTER_HEADER)
+        if raw is None:
+            return None
+        if not valid_emitter(raw):
+            raise _invalid_emitter(
+                handle, "1-128 letters, digits and _.:- starting with a letter or digit"
+            )
+        return raw
+
     @asynccontextmanager
-    async def _holding(self, request: web.Request, handle: ClusterHandle) -> AsyncIterator[_Held]:
-        """Count the body's bytes against the server-wide budget until the block ends.
+    async def _holding(
+        self, request: web.Request, handle: ClusterHandle, budget: _Budget
+    ) -> AsyncIterator[_Held]:
+        """Count the body's bytes against ``budget`` until the block ends.
 
         Bytes are counted as they arrive (:meth:`_read`), so a stalled client holds only
         what it sent. A body whose declared size cannot fit now is refused before reading.
         """
         declared = request.content_length
         plain = not request.headers.get("Content-Encoding")
-        inflight = self._inflight_bytes
-        if declared and plain and inflight and inflight + declared > self.limits.max_inflight_bytes:
+        inflight = budget.held
+        if declared and plain and inflight and inflight + declared > budget.limit:
             raise _busy(handle)
-        held = _Held()
+        held = _Held(budget)
         try:
             yield held
         finally:
-            self._inflight_bytes -= held.bytes
+            budget.held -= held.bytes
 
     async def _read(
         self, request: web.Request, handle: ClusterHandle, *, limit: int, held: _Held
@@ -326,7 +365,7 @@ class WebhookServer:
             raise Refusal(
                 413, "too_large", f"body of {declared} bytes exceeds {limit}", handle=handle
             )
-        budget = self.limits.max_inflight_bytes
+        budget = held.budget
         deadline = self.limits.body_timeout_seconds
         chunks: list[bytes] = []
         size = 0
@@ -340,9 +379,9 @@ class WebhookServer:
                             413, "too_large", f"body exceeds {limit} bytes", handle=handle
                         )
                     # Alone, a request may use the whole budget: a legal body always fits.
-                    if self._inflight_bytes + n > budget and self._inflight_bytes > held.bytes:
+                    if budget.held + n > budget.limit and budget.held > held.bytes:
                         raise _busy(handle)
-                    self._inflight_bytes += n
+                    budget.held += n
                     held.bytes += n
                     chunks.append(chunk)
         except TimeoutError:
@@ -386,6 +425,7 @@ class WebhookServer:
         received = handle.clock.monotonic()
         window = self._window(handle)
         sent_at = self._sent_at(request, handle, window)
+        emitter = self._emitter(request, handle)
         try:
             handle.check_capacity()
         except QueueFull as full:
@@ -400,13 +440,19 @@ class WebhookServer:
             return events
 
         limit = self.limits.max_batch_bytes
-        async with self._holding(request, handle) as held:
+        async with self._holding(request, handle, self._events_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             events: list[Event] = await self._parse(body, parse_in_window, handle)
         try:
-            outcome = await handle.apply(events, received=received, sent_at=sent_at)
+            outcome = await handle.apply(
+                events, received=received, sent_at=sent_at, emitter=emitter
+            )
         except QueueFull as full:
             raise _queue_full(full, handle) from None
+        except TooManyEmitters as exc:
+            raise _invalid_emitter(handle, str(exc)) from None
+        except TrajectoryLimit as capped:  # counted when the resent batch is accepted
+            raise _trajectory_limit(capped, handle) from None
         m = self.metrics
         if outcome.applied:
             m.count_events(map(_EVENT_TYPE, events))
@@ -416,7 +462,7 @@ class WebhookServer:
             m.superseded.inc(outcome.superseded)
         reply = BatchReply(
             epoch=handle.epoch,
-            resync=handle.resync,
+            resync=handle.resync_for(emitter),
             accepted=outcome.accepted,
             applied=outcome.applied,
             duplicates=outcome.duplicates,
@@ -431,6 +477,7 @@ class WebhookServer:
         received = handle.clock.monotonic()
         window = self._window(handle)
         sent_at = self._sent_at(request, handle, window)
+        emitter = self._emitter(request, handle)
 
         def parse_in_window(body: bytes) -> Snapshot:
             snapshot = parse_snapshot(body)
@@ -440,18 +487,30 @@ class WebhookServer:
             return snapshot
 
         limit = self.limits.max_snapshot_bytes
-        async with self._holding(request, handle) as held:
+        # Held until loaded: the parsed snapshot is the largest object a request makes.
+        async with self._holding(request, handle, self._snapshots_budget) as held:
             body = await self._read(request, handle, limit=limit, held=held)
             snapshot = await self._parse(body, parse_in_window, handle)
-        await handle.apply_snapshot(snapshot, received=received, sent_at=sent_at)
+            del body
+            try:
+                await handle.apply_snapshot(
+                    snapshot, received=received, sent_at=sent_at, emitter=emitter
+                )
+            except TooManyEmitters as exc:
+                raise _invalid_emitter(handle, str(exc)) from None
+            except TrajectoryLimit as capped:
+                raise _trajectory_limit(capped, handle) from None
         log.info(
-            "%s/%s: resync snapshot with %d live trajectories",
+            "%s/%s: resync snapshot with %d live trajectories%s",
             handle.namespace,
             handle.name,
             len(snapshot.trajectories),
+            "" if emitter is None else f" of emitter {emitter}",
         )
         reply = SnapshotReply(
-            epoch=handle.epoch, resync=handle.resync, trajectories=len(snapshot.trajectories)
+            epoch=handle.epoch,
+            resync=handle.resync_for(emitter),
+            trajectories=len(snapshot.trajectories),
         )
         return web.json_response(reply.wire())
 
@@ -488,6 +547,42 @@ def _unreadable(errors: list[FieldError]) -> bool:
         and errors[0].index is None
         and errors[0].field == "body"
         and errors[0].message.startswith("Invalid JSON")
+    )
+
+
+def _invalid_emitter(handle: ClusterHandle, why: str) -> Refusal:
+    return Refusal(
+        422,
+        "invalid",
+        f"{EMITTER_HEADER} refused; nothing was applied",
+        handle=handle,
+        errors=[FieldError(None, EMITTER_HEADER, why)],
+    )
+
+
+def _trajectory_limit(capped: TrajectoryLimit, handle: ClusterHandle) -> Refusal:
+    """429 with Retry-After at the cluster's live-trajectory limit; 422 for a snapshot
+    that lists more trajectories than the limit (no retry can fit it)."""
+    if capped.retry_after is None:
+        return Refusal(
+            422,
+            "trajectory_limit",
+            str(capped),
+            handle=handle,
+            errors=[
+                FieldError(
+                    None,
+                    "trajectories",
+                    f"{capped.deferred} listed; spec.trainer.maxLiveTrajectories is {capped.limit}",
+                )
+            ],
+        )
+    return Refusal(
+        429,
+        "trajectory_limit",
+        f"{capped}; retry after {capped.retry_after}s",
+        handle=handle,
+        retry_after=capped.retry_after,
     )
 
 

@@ -15,7 +15,7 @@ from prorsa import __version__
 from prorsa.clusters.registry import IngestLimits
 from prorsa.core.decision import Decision
 from prorsa.ingest.wire import BatchReply, ClusterStatus, ErrorReply, Health, SnapshotReply
-from prorsa_contract.events import EventBatch, Snapshot
+from prorsa_contract.events import EMITTER_HEADER, EMITTER_PATTERN, EventBatch, Snapshot
 
 CLUSTER_PATH = "/v1/namespaces/{namespace}/rolloutclusters/{name}"
 SENT_AT_HEADER = "X-Prorsa-Sent-At"
@@ -88,6 +88,20 @@ _SENT_AT_PARAM = {
     "schema": {"type": "number", "minimum": 0},
 }
 
+_EMITTER_PARAM = {
+    "name": EMITTER_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "Which of the trainer's emitters sends this (one per worker, for "
+    "trainers that run several): a stable id, such as the worker's rank. Each trajectory "
+    "belongs to the emitter that reported it last; a snapshot with this header replaces "
+    "that emitter's trajectories alone, and `resync` in a reply concerns the emitter that "
+    "asked. Without it nothing changes: a snapshot replaces every trajectory. At most "
+    "4096 distinct ids per cluster; malformed, or one too many: 422 naming "
+    f"`{EMITTER_HEADER}`.",
+    "schema": {"type": "string", "pattern": f"^{EMITTER_PATTERN}$"},
+}
+
 _UNAUTHORIZED = _error(
     "Missing or wrong bearer token. A token that no served cluster holds gets 401 whether "
     "or not the cluster exists.",
@@ -111,8 +125,11 @@ _BODY_ERRORS = {
         "`errors` names the index (null: the body or a header) and field of each."
     ),
     "429": _error(
-        "The cluster's queue is full, or the server holds too many request bodies; retry "
-        "after Retry-After seconds.",
+        "The cluster's queue is full, or the server holds too many request bodies; or the "
+        "cluster holds spec.trainer.maxLiveTrajectories live trajectories: the events that "
+        "would start new ones (and their trajectories' later events) were not applied, the "
+        "others were. Retry (the whole batch: event ids make it safe) after Retry-After "
+        "seconds.",
         **_RETRY_AFTER,
     ),
 }
@@ -143,7 +160,8 @@ def openapi_document() -> dict[str, Any]:
     events_op = {
         "operationId": "postEvents",
         "summary": "Post a batch of trajectory lifecycle events.",
-        "description": "The batch is validated whole and applied whole, or refused whole. "
+        "description": "The batch is validated whole and applied whole, or refused whole "
+        "(except at the cluster's live-trajectory limit: see 429). "
         'Send JSON `{"events": [...]}` or one event per line (NDJSON). Event ids are '
         "idempotency keys: a replayed id is counted in `duplicates` and not applied again. "
         "When the reply says `resync: true`, POST a snapshot before more events. "
@@ -152,7 +170,7 @@ def openapi_document() -> dict[str, Any]:
         "live trajectory: a weight update flushes every prefix cache, and the live contexts "
         f"re-prefill once it ends). {INTEGER_RULE} {WINDOW_RULE}",
         "security": secured,
-        "parameters": [_SENT_AT_PARAM],
+        "parameters": [_SENT_AT_PARAM, _EMITTER_PARAM],
         "requestBody": {
             "required": True,
             "content": {
@@ -178,17 +196,21 @@ def openapi_document() -> dict[str, Any]:
         "operationId": "postSnapshot",
         "summary": "Replace the server's view with every live trajectory (resync).",
         "description": "Events stamped before the snapshot's `ts` that arrive later are "
-        "counted as `superseded` and not applied: the snapshot already reflects them. "
+        "counted as `superseded` and not applied: the snapshot already reflects them. With "
+        f"`{EMITTER_HEADER}`, the snapshot lists that emitter's live trajectories and "
+        "replaces only the ones it reported last (and supersedes only its own earlier "
+        "trajectory events); a weight update it does not mention stays as known. "
         f"{INTEGER_RULE} {WINDOW_RULE}",
         "security": secured,
-        "parameters": [_SENT_AT_PARAM],
+        "parameters": [_SENT_AT_PARAM, _EMITTER_PARAM],
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": _ref("Snapshot")}},
         },
         "responses": {
             "200": {
-                "description": "Loaded; `resync` is now false.",
+                "description": "Loaded; `resync` is now false (for that emitter, with "
+                f"`{EMITTER_HEADER}`).",
                 "content": {"application/json": {"schema": _ref("SnapshotReply")}},
             },
             **_BODY_ERRORS,
@@ -246,7 +268,8 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": {
                 "get": {
                     "operationId": "getMetrics",
-                    "summary": "Prometheus metrics (prorsa_webhook_*).",
+                    "summary": "Prometheus metrics (prorsa_webhook_*); `prorsa ingest` only: "
+                    "the operator serves them on a port of its own (8788).",
                     "responses": {
                         "200": {
                             "description": "Prometheus text exposition format.",

@@ -23,6 +23,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "queue_full",  # 429: the cluster's Controller is behind
     "busy",  # 429: too many request bodies in flight on this server
     "timeout",  # 408: the body did not arrive within the body deadline
+    "trajectory_limit",  # 429/422: new trajectories past the cluster's maxLiveTrajectories
 )
 
 # Loopback batches of 500 take ~2-10 ms; the tail buckets show a stalled Controller.

@@ -52,6 +52,13 @@ class ErrorReply(_Reply):
     """Every refusal. ``errors`` lists each bad event and field on 422."""
 
     error: str
+    reason: str | None = Field(
+        None,
+        description="Why, as prorsa_webhook_rejects_total counts it: unreadable, invalid, "
+        "unauthorized, unknown_cluster, too_large, timeout, queue_full, busy or "
+        "trajectory_limit (429: events that would start trajectories past the cluster's "
+        "maxLiveTrajectories were not applied, the others were).",
+    )
     epoch: int | None = None
     resync: bool | None = None
     errors: list[ErrorDetail] | None = None
@@ -82,7 +89,8 @@ class ClusterStatus(_Reply):
     trainer_now: float = Field(alias="trainerNow", description="The present on the trainer clock.")
     clock_skew_seconds: float | None = Field(
         alias="clockSkewSeconds",
-        description="Estimated trainer clock minus server clock; null before any batch.",
+        description="Estimated trainer clock minus server clock; null until 5 batches have "
+        "shown it (the server then ticks at its own clock).",
     )
     pending_events: int = Field(alias="pendingEvents")
     batches: int

@@ -68,6 +68,15 @@ def agent_address(pod: dict[str, Any], *, port: int, ca: str | None) -> AgentAdd
     return AgentAddress(meta["name"], f"https://{host}:{port}", server_name=name, ca=ca or "")
 
 
+@dataclass(frozen=True, slots=True)
+class Unanswered:
+    """Why an agent gave no usable ``/v1/state``: ``cause`` is the Event reason (one Warning
+    Event per cause), ``detail`` the sentence for the status, the Event and the log."""
+
+    cause: str
+    detail: str
+
+
 class AgentClient:
     """httpx clients for every agent of every cluster: one for plain HTTP, one per CA
     (each trusting that CA alone); the token is per cluster."""
@@ -107,24 +116,53 @@ class AgentClient:
 
     async def state(self, address: AgentAddress) -> EngineState | None:
         """The agent's ``/v1/state``; None when it does not answer sensibly in time."""
+        answer = await self.poll(address)
+        return answer if isinstance(answer, EngineState) else None
+
+    async def poll(self, address: AgentAddress) -> EngineState | Unanswered:
+        """The agent's ``/v1/state``, or why there is none (what the status and the
+        Events then say about the pod)."""
+        url = f"{address.url}/v1/state"
         try:
             client, extensions = self._for(address)
-            reply = await client.get(
-                f"{address.url}/v1/state", timeout=STATE_TIMEOUT, extensions=extensions
-            )
+            reply = await client.get(url, timeout=STATE_TIMEOUT, extensions=extensions)
             reply.raise_for_status()
             state = EngineState.model_validate_json(reply.content)
-        except (httpx.HTTPError, ValidationError):
-            return None
+        except httpx.TimeoutException:
+            return Unanswered(
+                "AgentTimeout", f"its agent did not answer {url} within {STATE_TIMEOUT:g} s"
+            )
+        except httpx.HTTPStatusError as exc:
+            code = exc.response.status_code
+            return Unanswered("AgentError", f"its agent answered {url} with HTTP {code}")
+        except httpx.ConnectError as exc:
+            text = str(exc)
+            if (
+                isinstance(exc.__context__, ssl.SSLError)
+                or "CERTIFICATE" in text.upper()
+                or "no CA known" in text
+            ):
+                return Unanswered(
+                    "AgentUntrusted", f"its agent's certificate does not verify ({exc})"
+                )
+            return Unanswered("AgentUnreachable", f"cannot connect to its agent at {url} ({exc})")
+        except httpx.HTTPError as exc:
+            return Unanswered("AgentUnreachable", f"{url}: {type(exc).__name__}: {exc}")
+        except ValidationError:
+            return Unanswered("AgentError", f"its agent's {url} is not a /v1/state body")
         if state.instance != address.instance:
             # A pod IP reused by another pod: never act on the wrong engine.
-            return None
+            return Unanswered(
+                "AgentError", f"{url} answers as {state.instance!r}: the pod IP was reused"
+            )
         return state
 
-    async def states(self, addresses: Iterable[AgentAddress]) -> dict[str, EngineState | None]:
+    async def states(
+        self, addresses: Iterable[AgentAddress]
+    ) -> dict[str, EngineState | Unanswered]:
         """Poll every agent concurrently."""
         addresses = list(addresses)
-        results = await asyncio.gather(*(self.state(a) for a in addresses))
+        results = await asyncio.gather(*(self.poll(a) for a in addresses))
         return {a.instance: r for a, r in zip(addresses, results, strict=True)}
 
     async def set_role(

@@ -37,12 +37,24 @@ class Kube:
         # LeaderWorkerSets only, on an attribute of their own: the chart's RBAC test finds the
         # operator's API calls by attribute, and these are granted apart (rbac.yaml).
         self.lws = client.CustomObjectsApi(self.api)
+        self.coordination = client.CoordinationV1Api(self.api)  # the leader's Lease
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     def _plain(self, obj: Any) -> dict[str, Any]:
         return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
+
+    async def call(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Any other call of this client's APIs (``core``, ``apps``, ``custom``, ...), in a
+        worker thread; the object it answers as plain JSON data.
+
+        For the callers that share the client but are not the operator: the lab's fakes of
+        other Kubernetes components (kubelet, LeaderWorkerSet controller), the demo and
+        tests. The operator's own calls are the methods below, where the chart's RBAC test
+        finds them.
+        """
+        return self._plain(await self._call(fn, *args, **kwargs))
 
     # -- pods ---------------------------------------------------------------------------------
 
@@ -190,6 +202,40 @@ class Kube:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    # -- the leader's Lease (prorsa.k8s.leader) ---------------------------------------------------
+
+    async def read_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = await self._call(self.coordination.read_namespaced_lease, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return self._plain(found)
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create the Lease; False when one of that name exists already (someone was first)."""
+        try:
+            await self._call(self.coordination.create_namespaced_lease, namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
+
+    async def replace_lease(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Write the Lease if nobody wrote it since ``body``'s resourceVersion; else False."""
+        try:
+            await self._call(
+                self.coordination.replace_namespaced_lease,
+                body["metadata"]["name"], namespace, body,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return False
+        return True
 
     # -- the custom resource -----------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ docs/agent-api.md, defined in :mod:`prorsa_contract.labels`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
+from prorsa.core import pod_bounds
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa_contract.labels import (
     AGENT_COMMAND,
@@ -28,8 +29,14 @@ from prorsa_contract.labels import (
     engine_name,
 )
 
+T = TypeVar("T")
+
 ROUTER_PORT = 30000
 WEBHOOK_PORT = 8787
+METRICS_PORT = 8788
+"""The operator's /metrics: a port of its own, apart from the trainers' webhook."""
+LEADER_LABEL = "prorsa.io/leader"
+"""On the leading operator's pod (value ``"true"``): the webhook Service selects it."""
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
 AGENT_TLS_PATH = "/var/run/prorsa/agent-tls"
@@ -40,13 +47,15 @@ ENGINE_POD_SECURITY: dict[str, Any] = {
     "runAsNonRoot": True,
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-"""The engine pods' default securityContext: the engine image runs as UID 10001."""
+"""The engine pods' default securityContext (the engine image runs as UID 10001);
+spec.engine.podSecurityContext is merged over it, runAsNonRoot stays true."""
 ENGINE_CONTAINER_SECURITY: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
     # RDMA registers (pins) GPU and host buffers; IPC_LOCK lifts the locked-memory limit.
     "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
 }
-"""The engine container's default securityContext; spec.engine.securityContext replaces it."""
+"""The engine container's default securityContext; spec.engine.securityContext is merged
+over it, allowPrivilegeEscalation stays false."""
 
 
 def router_name(cluster: str) -> str:
@@ -115,14 +124,33 @@ def engine_pod(
         {"name": "dshm", "mountPath": "/dev/shm"},
         *e.volume_mounts,
     ]
+    # The spec's labels and annotations first: the contract's win (the spec's validation
+    # refuses the keys the operator owns anyway).
+    pod_labels = dict(e.pod_labels) | labels(cluster, "engine")
+    pod_labels |= {ROLE_LABEL: role, INDEX_LABEL: str(index)}
+    annotations = dict(e.pod_annotations) | {BOOTSTRAP_ANNOTATION: str(BOOTSTRAP_PORT)}
+    scheduling: dict[str, Any] = {
+        "nodeSelector": dict(e.node_selector),
+        "tolerations": _copy(e.tolerations),
+    }
+    if e.affinity:
+        scheduling["affinity"] = _copy(e.affinity)
+    if e.topology_spread_constraints:
+        scheduling["topologySpreadConstraints"] = _copy(e.topology_spread_constraints)
+    if e.scheduler_name:
+        scheduling["schedulerName"] = e.scheduler_name
+    if e.priority_class_name:
+        scheduling["priorityClassName"] = e.priority_class_name
+    if e.image_pull_secrets:
+        scheduling["imagePullSecrets"] = [{"name": ref.name} for ref in e.image_pull_secrets]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": labels(cluster, "engine") | {ROLE_LABEL: role, INDEX_LABEL: str(index)},
-            "annotations": {BOOTSTRAP_ANNOTATION: str(BOOTSTRAP_PORT)},
+            "labels": pod_labels,
+            "annotations": annotations,
         },
         "spec": {
             "restartPolicy": "Always",
@@ -130,11 +158,12 @@ def engine_pod(
             # agent certificate carries (the operator connects by IP and checks that name).
             **({"hostname": name, "subdomain": f"{cluster}-engines"} if len(name) <= 63 else {}),
             "terminationGracePeriodSeconds": 60,
+            # Engines never call the Kubernetes API: no ServiceAccount token in the pod.
+            "automountServiceAccountToken": False,
             "securityContext": _copy(
-                ENGINE_POD_SECURITY if e.pod_security_context is None else e.pod_security_context
+                ENGINE_POD_SECURITY | (e.pod_security_context or {}) | {"runAsNonRoot": True}
             ),
-            "nodeSelector": dict(e.node_selector),
-            "tolerations": list(e.tolerations),
+            **scheduling,
             "containers": [
                 {
                     "name": "engine",
@@ -152,8 +181,8 @@ def engine_pod(
                     "volumeMounts": mounts,
                     "securityContext": _copy(
                         ENGINE_CONTAINER_SECURITY
-                        if e.security_context is None
-                        else e.security_context
+                        | (e.security_context or {})
+                        | {"allowPrivilegeEscalation": False}
                     ),
                     # Loading a large model takes minutes: the startup probe covers it. An
                     # engine that crashed is restarted by the agent, so liveness asks only
@@ -168,10 +197,27 @@ def engine_pod(
     }
 
 
-def _copy(value: dict[str, Any]) -> dict[str, Any]:
+def _copy(value: T) -> T:
     """A deep copy, so a manifest never shares a dict with the spec or a default."""
-    copied: dict[str, Any] = json.loads(json.dumps(value))
+    copied: T = json.loads(json.dumps(value))
     return copied
+
+
+def own_secrets(cluster: str) -> frozenset[str]:
+    """The Secrets an engine pod of ``cluster`` mounts: the operator's own, none other."""
+    return frozenset(
+        name(cluster) for name in (agent_secret_name, engine_key_secret_name, agent_tls_secret_name)
+    )
+
+
+def pod_violations(pod: dict[str, Any], *, cluster: str, spec: RolloutClusterSpec) -> list[str]:
+    """Whether a rendered engine pod stays within the spec's bounds (the re-check the
+    operator makes before it creates a pod: :mod:`prorsa.core.pod_bounds`)."""
+    return pod_bounds.pod_violations(
+        pod,
+        secrets=own_secrets(cluster),
+        pull_secrets={ref.name for ref in spec.engine.image_pull_secrets},
+    )
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
@@ -359,8 +405,17 @@ def router_objects(
     ]
 
 
-def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str, Any]:
-    """The one webhook Service shared by every cluster (in the operator's namespace)."""
+def webhook_service(
+    *, namespace: str, name: str = "prorsa-webhook", leader: bool = True
+) -> dict[str, Any]:
+    """The one webhook Service shared by every cluster (in the operator's namespace).
+
+    With ``leader`` it selects the leading operator's pod alone, the one whose webhook holds
+    the clusters' state (the standby serves none); without, every operator pod.
+    """
+    selector = {"app.kubernetes.io/name": "prorsa", COMPONENT_LABEL: "operator"}
+    if leader:
+        selector[LEADER_LABEL] = "true"
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -370,7 +425,7 @@ def webhook_service(*, namespace: str, name: str = "prorsa-webhook") -> dict[str
             "labels": {MANAGED_BY: "prorsa", "app.kubernetes.io/name": "prorsa"},
         },
         "spec": {
-            "selector": {"app.kubernetes.io/name": "prorsa", COMPONENT_LABEL: "operator"},
+            "selector": selector,
             "ports": [{"name": "webhook", "port": WEBHOOK_PORT, "targetPort": WEBHOOK_PORT}],
         },
     }

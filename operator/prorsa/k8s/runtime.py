@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -30,7 +31,8 @@ from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import groups, lws
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agent_tls import issue_agent_cert
-from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
+from prorsa.k8s.agents import AgentClient, RouterClient, Unanswered, agent_address
+from prorsa.k8s.availability import Availability, DegradedReporter, assess
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
@@ -90,6 +92,11 @@ class ClusterRuntime:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
     _last_failure: str | None = None  # the failed tick last reported as an Event
+    _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
+    _last_refusal: str | None = None  # the pod refusal last reported as an Event
+    _unanswered: dict[str, Unanswered] = field(default_factory=dict)  # this tick's, by pod
+    _seen: set[str] = field(default_factory=set)  # uids of pods that answered healthy
+    _degraded: DegradedReporter = field(default_factory=DegradedReporter)
     group_manager: str = groups.OPERATOR_MANAGED
     engine_pods: int = 0
     _loop: asyncio.Task[None] | None = None
@@ -322,6 +329,7 @@ class ClusterRuntime:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
             self._last_advice = advice
+        await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
             await self._persist()
@@ -404,12 +412,16 @@ class ClusterRuntime:
             # New pods mount the certificate Secret: issue it again if it was deleted (a
             # rotation), and trust whatever CA it now holds.
             await self._ensure_agent_tls()
-        for index in range(n):
-            if index in by_index or index in view.hold or index in sets:
-                continue
-            pods_of = groups.group_pods(
+        missing = {
+            index: groups.group_pods(
                 cluster=self.name, namespace=ns, index=index, role="decode", spec=self.spec
             )
+            for index in range(n)
+            if index not in by_index and index not in view.hold and index not in sets
+        }
+        if not await self._within_bounds([p for group in missing.values() for p in group]):
+            missing = {}
+        for index, pods_of in missing.items():
             created = []
             if self.uses_lws:
                 manifest = lws.leader_worker_set(
@@ -425,6 +437,25 @@ class ClusterRuntime:
                 await self.post_event("Normal", "EngineCreated", ", ".join(created))
         return [p for _, p in sorted(by_index.items())]
 
+    async def _within_bounds(self, pods: list[dict[str, Any]]) -> bool:
+        """The operator's own check of the pods it is about to create (docs/security.md):
+        none is created when one is out of bounds; a Warning Event says why, once per cause."""
+        problems: dict[str, list[str]] = {}
+        for pod in pods:
+            for problem in obj.pod_violations(pod, cluster=self.name, spec=self.spec):
+                problems.setdefault(problem, []).append(pod["metadata"]["name"])
+        if not problems:
+            self._last_refusal = None  # a cause that comes back is reported again
+            return True
+        causes = "; ".join(problems)
+        names = sorted({n for found in problems.values() for n in found})
+        message = f"{', '.join(names)} not created, out of the pod security bounds: {causes}"
+        log.error("%s/%s: %s", self.namespace, self.name, message)
+        if causes != self._last_refusal:
+            self._last_refusal = causes
+            await self.post_event("Warning", "PodRefused", message[:1000])
+        return False
+
     async def _poll(self, pods: list[dict[str, Any]]) -> dict[str, EngineState]:
         """Agent states by instance; a pod mid-switch is reported as switching."""
         addresses = []
@@ -435,12 +466,15 @@ class ClusterRuntime:
         answers = await self.agents.states(addresses)
         busy = self.executor.busy() if self.executor else set()
         out: dict[str, EngineState] = {}
+        self._unanswered = {}
         for pod in pods:
             name = pod["metadata"]["name"]
             state = answers.get(name)
+            if isinstance(state, Unanswered):
+                self._unanswered[name] = state
+                self.metrics.agent_errors.labels(self.namespace, self.name).inc()
+                continue
             if state is None:
-                if name in answers:
-                    self.metrics.agent_errors.labels(self.namespace, self.name).inc()
                 continue
             annotations = pod["metadata"].get("annotations") or {}
             if name in busy or SWITCH_ANNOTATION in annotations:
@@ -529,6 +563,29 @@ class ClusterRuntime:
                 exc_info=True,
             )
 
+    async def _trajectory_limit(self) -> None:
+        """The TrajectoryLimit condition: True when the webhook refused new trajectories
+        at ``spec.trainer.maxLiveTrajectories`` since the previous tick; a Warning Event
+        when it turns True."""
+        hits = self.handle.limit_hits - self._limit_hits_seen
+        self._limit_hits_seen = self.handle.limit_hits
+        limit = self.spec.trainer.max_live_trajectories
+        live = len(self.handle.controller.table)
+        if not hits:
+            self._condition(
+                "TrajectoryLimit", "False", "BelowLimit", f"{live} of {limit} live trajectories"
+            )
+            return
+        was = (self._conditions.get("TrajectoryLimit") or {}).get("status") == "True"
+        message = (
+            f"{hits} request(s) refused new trajectories since the last tick: {live} live, at "
+            f"spec.trainer.maxLiveTrajectories ({limit}); the trainer resends them after "
+            "Retry-After, nothing accepted is lost"
+        )
+        self._condition("TrajectoryLimit", "True", "MaxLiveTrajectories", message)
+        if not was:
+            await self.post_event("Warning", "TrajectoryLimit", message)
+
     def _condition(self, kind: str, status: str, reason: str, message: str) -> None:
         old = self._conditions.get(kind)
         changed = old is None or old["status"] != status
@@ -540,6 +597,24 @@ class ClusterRuntime:
             "message": message,
             "lastTransitionTime": since,
         }
+
+    async def _assess(
+        self, pods: list[dict[str, Any]], states: dict[str, EngineState]
+    ) -> Availability:
+        """This tick's unavailable engines: logged and posted as Events once per change
+        (:mod:`prorsa.k8s.availability`)."""
+        found = assess(
+            pods,
+            states,
+            self._unanswered,
+            seen=self._seen,
+            now=datetime.datetime.now(datetime.UTC),
+        )
+        for warning, line in self._degraded.log_lines(found):
+            (log.warning if warning else log.info)("%s/%s: %s", self.namespace, self.name, line)
+        for kind, reason, message in self._degraded.events(found):
+            await self.post_event(kind, reason, message)
+        return found
 
     async def _write_status(
         self, decision: Decision, pods: list[dict[str, Any]], states: dict[str, EngineState]
@@ -602,23 +677,27 @@ class ClusterRuntime:
             "SwitchInProgress" if switching else "Idle",
             f"{roles['switching']} instance(s) switching" if switching else "",
         )
-        degraded = roles["unavailable"] > 0
+        found = await self._assess(pods, states)
+        degraded = bool(found.lost)
         self._condition(
             "Degraded",
             "True" if degraded else "False",
-            "EnginesUnavailable" if degraded else "AllEnginesAvailable",
-            f"{roles['unavailable']} of {expected} engine(s) unavailable" if degraded else "",
+            found.reason if degraded else "AllEnginesAvailable",
+            found.message(expected),
         )
-        ready = roles["prefill"] + roles["decode"] + roles["switching"] == expected
+        available = roles["prefill"] + roles["decode"] + roles["switching"]
+        ready = available == expected
+        not_ready = "EnginesUnavailable" if degraded else "EnginesStarting"
+        why = "EnginesReady" if ready else not_ready
+        starting = f"; starting: {', '.join(found.starting)}" if found.starting else ""
         self._condition(
             "Ready",
             "True" if ready else "False",
-            "EnginesReady" if ready else "EnginesStarting",
-            f"{expected - roles['unavailable']}/{expected} engines answering",
+            why,
+            f"{available}/{expected} engines answering{starting}"[:1000],
         )
         target = decision.target
-        available = roles["prefill"] + roles["decode"] + roles["switching"]
-        phase = "Running" if ready else ("Degraded" if available else "Pending")
+        phase = "Running" if ready else ("Degraded" if degraded else "Pending")
         status = {
             "phase": phase,
             "observedGeneration": self.generation,

@@ -114,6 +114,10 @@ class Monitor:
     accuracy: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     metrics: Metrics = field(default_factory=dict)
     event_rate: float = 0.0  # webhook events per second over the last interval
+    metrics_url: str = ""  # the operator's /metrics (its own port); empty: {webhook}/metrics
+    # Seconds the cluster's Degraded condition was True, between status reads.
+    degraded_seconds: float = 0.0
+    _degraded_since: float | None = None
     errors: int = 0
     _http: httpx.AsyncClient | None = None
     # The agents serve https with their cluster's CA (operator/prorsa/k8s/agent_tls.py):
@@ -172,7 +176,7 @@ class Monitor:
 
     async def _metrics(self) -> None:
         assert self._http is not None
-        reply = await self._http.get(f"{self.webhook}/metrics")
+        reply = await self._http.get(self.metrics_url or f"{self.webhook}/metrics")
         reply.raise_for_status()
         fresh = parse_metrics(reply.text)
         before = metric_sum(self.metrics, "prorsa_webhook_events_total")
@@ -190,6 +194,13 @@ class Monitor:
         reply.raise_for_status()
         self.status = reply.json().get("status") or {}
         now = self.clock()
+        degraded = any(
+            c.get("type") == "Degraded" and c.get("status") == "True"
+            for c in self.status.get("conditions") or []
+        )
+        if self._degraded_since is not None:
+            self.degraded_seconds += now - self._degraded_since
+        self._degraded_since = now if degraded else None
         if self.status.get("accuracy"):
             self.accuracy.append((now, self.status["accuracy"]))
         for entry in self.status.get("switchHistory") or []:

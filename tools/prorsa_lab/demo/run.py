@@ -292,6 +292,8 @@ class DemoSummary:
     pods: int = 0  # engine pods at the end: instances × nodes_per_instance when whole
     # The most KV the decode engines held at once, as their agents reported it.
     decode_kv_peak_tokens: int = 0
+    # How long the RolloutCluster's Degraded condition was True (engines unavailable).
+    degraded_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -314,6 +316,7 @@ class DemoSummary:
             f"{self.seconds:.0f} s of rollout "
             f"(+{self.finish_seconds:.0f} s for the last requests)",
             f"  switches      {self.switches} ({results}); {directions or 'no direction'}; {mean}",
+            f"  degraded      {self.degraded_seconds:.0f} s (engines unavailable, Degraded=True)",
             f"  forecast WAPE prefill {_fmt(self.prefill_wape)}, decode {_fmt(self.decode_wape)}"
             " (Controller, scored horizon windows)",
             f"  requests      {self.requests_sent} sent, {self.requests_completed} completed, "
@@ -516,14 +519,15 @@ async def _run(
         operator_started()
         await env.create_cluster(manifest)
         print(
-            f"  API server {env.server.url}, webhook and /metrics {env.webhook}, "
+            f"  API server {env.server.url}, webhook {env.webhook}, "
+            f"metrics {env.metrics_url}, "
             f"smg router {env.router_url}\n"
             "  While it runs, from another shell:\n"
             f"    export KUBECONFIG={kubeconfig}\n"
             "    kubectl get rolloutclusters -A\n"
             "    kubectl get pods -n rl -L prorsa.io/role -w\n"
             "    kubectl describe rolloutcluster -n rl demo   # status, then one Event per switch\n"
-            f"    curl -s {env.webhook}/metrics | grep ^prorsa_instances\n"
+            f"    curl -s {env.metrics_url} | grep ^prorsa_instances\n"
             "    # the latest Decision (the trainer's token opens the webhook's endpoints):\n"
             f"    curl -s -H 'Authorization: Bearer {env.token}' "
             f"{env.webhook}{env.cluster_path(CLUSTER)}/forecast\n"
@@ -575,6 +579,7 @@ async def _run(
                     token=env.token,
                     agent_port=env.kubelet.agent_port,
                     directory=directory,
+                    metrics_url=env.metrics_url,
                 )
             )
             trainer = DemoTrainer(
@@ -713,6 +718,7 @@ def _summarise(
         phase_changes=changes,
         prefill_backlog_at_phase_end=backlogs,
         decode_kv_peak_tokens=max((x.kv_used_decode for x in monitor.samples), default=0),
+        degraded_seconds=round(monitor.degraded_seconds, 1),
     )
 
 

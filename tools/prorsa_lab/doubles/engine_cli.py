@@ -68,6 +68,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("double: timing model and failure injection")
     d.add_argument("--double-prefill-tokens-per-second", type=float, default=200_000.0)
     d.add_argument("--double-prefill-overhead-ms", type=float, default=1.0)
+    d.add_argument(
+        "--double-prefill-cost-doubling-tokens",
+        type=float,
+        default=0.0,
+        help="prompt position where a token's prefill costs twice the first's (0: flat)",
+    )
     d.add_argument("--double-decode-step-ms", type=float, default=4.0)
     d.add_argument("--double-decode-step-ms-per-request", type=float, default=0.05)
     d.add_argument("--double-kv-transfer-ms", type=float, default=1.0)
@@ -114,6 +120,7 @@ def build(args: argparse.Namespace, argv: Sequence[str] = ()) -> EngineDouble:
     timing = TimingModel(
         prefill_tokens_per_second=args.double_prefill_tokens_per_second,
         prefill_overhead_seconds=args.double_prefill_overhead_ms / 1000,
+        prefill_cost_doubling_tokens=args.double_prefill_cost_doubling_tokens,
         max_prefill_tokens=args.chunked_prefill_size,
         decode_step_seconds=args.double_decode_step_ms / 1000,
         decode_step_seconds_per_request=args.double_decode_step_ms_per_request / 1000,

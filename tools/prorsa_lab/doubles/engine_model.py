@@ -69,10 +69,14 @@ class TimingModel:
 
     A prefill batch of ``n`` prompt tokens takes ``prefill_overhead + n / prefill_tps``; a
     decode step over ``b`` running requests takes ``decode_step + b * decode_step_per_request``.
+    With ``prefill_cost_doubling_tokens`` L > 0, attention makes the token at prompt position
+    p cost 1 + p/L times one at the start (the cost model of ``capacity.
+    prefillCostDoublingTokens``): a prompt of n tokens takes n·(1 + n/2L) / prefill_tps.
     """
 
     prefill_tokens_per_second: float = 200_000.0
     prefill_overhead_seconds: float = 0.001
+    prefill_cost_doubling_tokens: float = 0.0  # 0: every prompt token costs the same
     max_prefill_tokens: int = 16_384
     decode_step_seconds: float = 0.004
     decode_step_seconds_per_request: float = 0.00005
@@ -96,6 +100,12 @@ class TimingModel:
     def prefill_seconds(self, tokens: int) -> float:
         return self.prefill_overhead_seconds + tokens / self.prefill_tokens_per_second
 
+    def prefill_batch_seconds(self, prompts: Iterable[int]) -> float:
+        """One prefill batch of these uncached prompts, attention's growth included."""
+        doubling = self.prefill_cost_doubling_tokens
+        work = sum(n * (1.0 + n / (2.0 * doubling)) if doubling else n for n in prompts)
+        return self.prefill_overhead_seconds + work / self.prefill_tokens_per_second
+
     def decode_seconds(self, batch: int) -> float:
         return self.decode_step_seconds + batch * self.decode_step_seconds_per_request
 
@@ -116,6 +126,8 @@ class Faults:
     * ``unhealthy_after_switch``: the switch reports success but the engine no longer
       generates (``/health_generate`` times out with 503).
     * ``step_time_multiplier``: slows every prefill batch and decode step (a slow drain).
+    * ``hang_loads``: ``/v1/loads`` answers only once the fault is cleared (a scheduler
+      stuck in a collective: the agent's ``/v1/state`` then outlasts the operator's poll).
     """
 
     switch_failure: SwitchFailure | None = None
@@ -125,6 +137,7 @@ class Faults:
     hang_on_switch: bool = False
     unhealthy_after_switch: bool = False
     step_time_multiplier: float = 1.0
+    hang_loads: bool = False
 
     def update(self, values: dict[str, Any]) -> None:
         """Apply a partial update (the ``POST /_double/faults`` body); unknown keys fail."""
@@ -145,7 +158,7 @@ class Faults:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0")
-        for name in ("crash_on_switch", "hang_on_switch", "unhealthy_after_switch"):
+        for name in ("crash_on_switch", "hang_on_switch", "unhealthy_after_switch", "hang_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         mult = self.step_time_multiplier
@@ -357,6 +370,9 @@ class Rank:
         self.kv_reserved = 0
         self.total_prefill_tokens = 0
         self.total_prefill_busy_us = 0
+        # SGLang 0.5.23's decode step-time moment sums (scheduler.py _accumulate_decode_moment):
+        # steps, Σ batch, Σ step µs, Σ batch², Σ batch·step µs, Σ generated tokens.
+        self.decode_moments = [0.0] * 6
         self.wake = asyncio.Event()
         self.last_output_at = 0.0
         self._busy: deque[tuple[float, float, int]] = deque()  # (end, seconds, gen tokens)
@@ -417,7 +433,7 @@ class Rank:
             "utilization": round(min(1.0, busy / 5.0), 4),
             "total_prefill_uncached_tokens": self.total_prefill_tokens,
             "total_prefill_busy_us": self.total_prefill_busy_us,
-            "decode_moments": None,
+            "decode_moments": list(self.decode_moments) if self.decode_moments[0] else None,
             "memory": {
                 "weight_gb": core.config.weight_gb,
                 "kv_cache_gb": core.config.kv_cache_gb,
@@ -564,8 +580,9 @@ class Rank:
     async def _prefill(self, batch: list[Request]) -> None:
         tokens = sum(r.prompt_tokens for r in batch)
         mode = self.core.mode
+        timing = self.core.config.timing
         try:
-            elapsed = await self._work(self.core.config.timing.prefill_seconds(tokens))
+            elapsed = await self._work(timing.prefill_batch_seconds(r.prompt_tokens for r in batch))
         finally:
             self.prefilling = []
         now = time.monotonic()
@@ -610,6 +627,10 @@ class Rank:
                 self.core.finish(req, {"type": "length", "length": req.max_new_tokens})
         self._busy.append((now, elapsed, produced))
         self.core.metrics.inter_token(elapsed, produced)
+        if batch and produced:
+            b, t = float(len(batch)), float(int(elapsed * 1e6))
+            for i, value in enumerate((1.0, b, t, b * b, b * t, float(produced))):
+                self.decode_moments[i] += value
 
     # ---------------------------------------------------------------- removal
     def remove(self, req: Request) -> None:

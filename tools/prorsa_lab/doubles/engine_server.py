@@ -639,6 +639,8 @@ class EngineDouble:
 
     async def _loads(self, request: web.Request) -> web.Response:
         core = self._core()
+        while core.faults.hang_loads:
+            await asyncio.sleep(0.05)
         q = request.query
         include = {s.strip() for s in q["include"].split(",")} if q.get("include") else None
         if include is not None and "all" not in include and not include <= VALID_SECTIONS:

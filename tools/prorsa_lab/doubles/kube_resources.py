@@ -10,6 +10,7 @@ custom resources the structural schema (pruning and defaults).
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,6 +186,7 @@ BUILTIN_RESOURCES: tuple[ResourceSpec, ...] = (
         "rbac.authorization.k8s.io", "clusterrolebindings", "ClusterRoleBinding", namespaced=False
     ),
     _builtin("coordination.k8s.io", "leases", "Lease"),
+    _builtin("networking.k8s.io", "networkpolicies", "NetworkPolicy", short=["netpol"]),
     _builtin(
         "apiextensions.k8s.io",
         "customresourcedefinitions",
@@ -337,23 +339,47 @@ def _age(timestamp: str | None, now: datetime.datetime) -> str:
     return human_age(timestamp, now)
 
 
+_PATH_STEP = re.compile(
+    r"""\.(?P<key>[^.\[]+)"""
+    r"""|\[(?P<index>-?\d+)\]"""
+    r"""|\[\?\(@\.(?P<field>[\w.-]+)\s*==\s*(?P<quote>["'])(?P<value>.*?)(?P=quote)\)\]"""
+)
+
+
 def _json_path(obj: Any, path: str) -> Any:
-    """The simple ``.a.b[0].c`` JSONPaths printer columns use; None where absent."""
+    """The JSONPaths printer columns use: ``.a.b[0].c`` and filters such as
+    ``.status.conditions[?(@.type=="Ready")].status``. Like the real server's table
+    convertor, a filter yields its first match; None where nothing matches."""
+    text = path.strip()
     node = obj
-    for part in path.strip().lstrip(".").replace("[", ".[").split("."):
-        if not part:
-            continue
-        if part.startswith("[") and part.endswith("]"):
+    at = 0
+    while at < len(text):
+        step = _PATH_STEP.match(text, at)
+        if step is None:
+            return None  # a path this printer does not follow: the cell stays empty
+        at = step.end()
+        if step["key"] is not None:
+            if not isinstance(node, Mapping):
+                return None
+            node = node.get(step["key"])
+        elif step["index"] is not None:
             if not isinstance(node, list):
                 return None
             try:
-                node = node[int(part[1:-1])]
-            except (ValueError, IndexError):
+                node = node[int(step["index"])]
+            except IndexError:
                 return None
-        elif isinstance(node, Mapping):
-            node = node.get(part)
         else:
-            return None
+            if not isinstance(node, list):
+                return None
+            node = next(
+                (
+                    item
+                    for item in node
+                    if str(_json_path(item, "." + step["field"])) == step["value"]
+                ),
+                None,
+            )
         if node is None:
             return None
     return node

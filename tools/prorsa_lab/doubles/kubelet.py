@@ -427,7 +427,7 @@ class FakeKubelet:
         keep the list entries of an earlier status. A pod deleted meanwhile (a group's keeper
         recreating it as the engine died) has no status left to write."""
         try:
-            await self.kube._call(
+            await self.kube.call(
                 self.kube.core.patch_namespaced_pod_status,
                 name,
                 self.namespace,
@@ -459,12 +459,11 @@ class FakeKubelet:
 
     async def _sync_routers(self) -> None:
         selector = f"{MANAGED_BY}=prorsa,{COMPONENT_LABEL}=router"
-        listed = await self.kube._call(
+        listed = await self.kube.call(
             self.kube.apps.list_namespaced_deployment, self.namespace, label_selector=selector
         )
         seen = set()
-        for item in listed.items:
-            d = self.kube._plain(item)
+        for d in listed.get("items") or []:
             name, uid = d["metadata"]["name"], d["metadata"].get("uid", "")
             seen.add(name)
             current = self.routers.get(name)

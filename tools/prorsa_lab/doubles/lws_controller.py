@@ -184,10 +184,9 @@ class FakeLwsController:
     async def sync(self) -> None:
         """One pass over every set: create what is missing, recreate what broke."""
         api = self.kube.custom
-        found_sets = await self.kube._call(
+        listed = await self.kube.call(
             api.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL
         )
-        listed = self.kube._plain(found_sets)
         found = await self.kube.list_pods(self.namespace, NAME_LABEL)
         pods = {p["metadata"]["name"]: p for p in found}
         for lws in listed.get("items") or []:
@@ -262,8 +261,7 @@ class FakeLwsController:
         self, lws: dict[str, Any], group: int, worker: int, leader: dict[str, Any] | None
     ) -> dict[str, Any]:
         body = self.pod(lws, group, worker, leader)
-        created = await self.kube._call(self.kube.core.create_namespaced_pod, self.namespace, body)
-        pod = self.kube._plain(created)
+        pod = await self.kube.call(self.kube.core.create_namespaced_pod, self.namespace, body)
         if leader is not None:
             self._workers.setdefault(leader["metadata"]["uid"], set()).add(pod["metadata"]["name"])
         return pod
@@ -348,4 +346,4 @@ class FakeLwsController:
             "count": 1,
         }
         with contextlib.suppress(Exception):
-            await self.kube._call(self.kube.core.create_namespaced_event, self.namespace, body)
+            await self.kube.call(self.kube.core.create_namespaced_event, self.namespace, body)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import copy
 import ssl
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,14 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import kopf
 import kubernetes
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s import crd_manifest as crd
 from prorsa.k8s.kube import Kube
+from prorsa.k8s.leader import LeadershipLost
 from prorsa.k8s.runtime import OperatorOptions
-from prorsa.kopf_handlers import OperatorConfig, build_registry
+from prorsa.kopf_handlers import LeaderElection, OperatorConfig
+from prorsa.operator_process import OperatorProcess
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
 from prorsa_lab.doubles.kube_emulator import KubeEmulatorServer
@@ -114,6 +116,7 @@ class Stack:
     server: KubeEmulatorServer
     kubelet: FakeKubelet
     webhook_port: int
+    metrics_port: int
     kubeconfig: str
     operator_kubeconfig: str
     namespace: str = NAMESPACE
@@ -126,22 +129,34 @@ class Stack:
     router_url: str | None = None  # the smg the kubelet runs; None: the default template
     webhook_tls_dir: str | None = None
     """tls.crt, tls.key and ca.crt of the webhook's certificate (None: plain HTTP)."""
+    leader_election: LeaderElection | None = None
+    """Replicas elect a leader on a Lease in ``operator_namespace`` (None: one acts alone)."""
+    operator_pod: str | None = None
+    """The pod the in-process operator runs as (labelled while it leads)."""
     operator_task: asyncio.Task[None] | None = None
     stop_flag: asyncio.Event | None = None
+    process: OperatorProcess | None = None
     _ids: int = 0
 
     # -- the operator -------------------------------------------------------------------------
 
-    async def start_operator(self) -> None:
-        """Run kopf with the operator's handlers in this loop; return once it serves."""
+    def operator_config(
+        self, *, pod_name: str | None = None, metrics_port: int | None = None
+    ) -> OperatorConfig:
+        """How this stack runs ``prorsa operator`` (in this process, or as a subprocess)."""
         config = OperatorConfig(
             listen_host="127.0.0.1",
             listen_port=self.webhook_port,
+            metrics_host="127.0.0.1",
+            metrics_port=metrics_port or self.metrics_port,
             webhook_tls_dir=self.webhook_tls_dir,
             login_kubeconfig=self.operator_kubeconfig,
             watch_timeout=self.watch_timeout,
             namespaced=bool(self.watch_namespaces),
+            namespaces=self.watch_namespaces,
             operator_namespace=self.operator_namespace,
+            leader_election=self.leader_election,
+            pod_name=pod_name,
             options=OperatorOptions(
                 agent_port=self.kubelet.agent_port,
                 tick_seconds=self.tick_seconds,
@@ -150,28 +165,94 @@ class Stack:
         )
         if self.router_url:
             config.options.router_url_template = self.router_url
-        self.stop_flag = asyncio.Event()
-        ready = asyncio.Event()
-        self.operator_task = asyncio.create_task(
-            kopf.operator(
-                registry=build_registry(config),
-                clusterwide=not self.watch_namespaces,
-                namespaces=list(self.watch_namespaces),
-                standalone=True,
-                stop_flag=self.stop_flag,
-                ready_flag=ready,
+        return config
+
+    async def start_operator(
+        self, *, pod_name: str | None = None, metrics_port: int | None = None
+    ) -> OperatorProcess:
+        """Run the operator process in this loop; return once its webhook serves, or once it
+        stands by while another replica leads (``leader_election``)."""
+        process = OperatorProcess(
+            config=self.operator_config(
+                pod_name=pod_name or self.operator_pod, metrics_port=metrics_port
             )
         )
-        await asyncio.wait_for(ready.wait(), PATIENCE)
-        await self.wait_for(self._webhook_up, what="the webhook listener")
+        self.process = process
+        self.stop_flag = asyncio.Event()
+        self.operator_task = asyncio.create_task(process.run(stop=self.stop_flag))
+        serving = asyncio.ensure_future(process.serving.wait())
+        standing_by = asyncio.ensure_future(process.standing_by.wait())
+        waiting = {serving, standing_by, self.operator_task}
+        done, _ = await asyncio.wait(waiting, timeout=PATIENCE, return_when=asyncio.FIRST_COMPLETED)
+        for task in (serving, standing_by):
+            task.cancel()
+        if self.operator_task in done:
+            self.operator_task.result()  # raises what stopped it
+            raise AssertionError("the operator stopped as it started")
+        if not done:
+            raise AssertionError(f"the operator neither served nor stood by in {PATIENCE}s")
+        if process.serving.is_set():
+            await self.wait_for(self._webhook_up, what="the webhook listener")
+        return process
 
     async def stop_operator(self) -> None:
         if self.operator_task is None or self.stop_flag is None:
             return
         self.stop_flag.set()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, LeadershipLost):
             await asyncio.wait_for(self.operator_task, 2 * PATIENCE)
         self.operator_task = None
+
+    async def create_operator_pod(self, name: str) -> None:
+        """An operator replica's pod as the chart's Deployment makes it (the process labels
+        it while it leads); no kubelet runs it here."""
+        assert self.operator_namespace is not None
+        await self.kube._call(
+            self.kube.core.create_namespaced_pod,
+            self.operator_namespace,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "app.kubernetes.io/name": "prorsa",
+                        COMPONENT_LABEL: "operator",
+                    },
+                },
+                "spec": {"containers": [{"name": "operator", "image": "prorsa/operator:test"}]},
+            },
+        )
+
+    def operator_argv(self, *, pod_name: str, metrics_port: int, liveness_port: int) -> list[str]:
+        """``prorsa operator`` with this stack's settings, to run as a process of its own."""
+        config = self.operator_config(pod_name=pod_name, metrics_port=metrics_port)
+        argv = [sys.executable, "-m", "prorsa.cli", "operator"]
+        argv += [f"--namespace={n}" for n in config.namespaces] or ["--all-namespaces"]
+        argv += [
+            f"--kubeconfig={config.login_kubeconfig}",
+            f"--listen=127.0.0.1:{config.listen_port}",
+            f"--metrics-listen=127.0.0.1:{metrics_port}",
+            f"--liveness=http://127.0.0.1:{liveness_port}/healthz",
+            f"--agent-port={config.options.agent_port}",
+            f"--pod-name={pod_name}",
+        ]
+        if config.operator_namespace:
+            argv.append(f"--operator-namespace={config.operator_namespace}")
+        if config.options.tick_seconds:
+            argv.append(f"--tick-seconds={config.options.tick_seconds}")
+        if config.webhook_tls_dir:
+            argv.append(f"--webhook-tls-dir={config.webhook_tls_dir}")
+        election = config.leader_election
+        if election is not None:
+            argv += [
+                "--leader-elect",
+                f"--leader-elect-resource-name={election.lease_name}",
+                f"--leader-elect-lease-duration={election.lease_duration}",
+                f"--leader-elect-renew-deadline={election.renew_deadline}",
+                f"--leader-elect-retry-period={election.retry_period}",
+            ]
+        return argv
 
     @property
     def webhook_ca(self) -> str | None:
@@ -197,6 +278,12 @@ class Stack:
         scheme = "https" if self.webhook_tls_dir else "http"
         return f"{scheme}://127.0.0.1:{self.webhook_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """The operator's /metrics, on its own port (https with the webhook's certificate)."""
+        scheme = "https" if self.webhook_tls_dir else "http"
+        return f"{scheme}://127.0.0.1:{self.metrics_port}/metrics"
+
     def cluster_path(self, cluster: str = "demo") -> str:
         """The webhook path prefix of one RolloutCluster (``.../events``, ``/forecast``)."""
         return f"/v1/namespaces/{self.namespace}/rolloutclusters/{cluster}"
@@ -204,21 +291,19 @@ class Stack:
     # -- the API -----------------------------------------------------------------------------
 
     async def create_cluster(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        created = await self.kube._call(
+        return await self.kube.call(
             self.kube.custom.create_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, copy.deepcopy(manifest),
         )  # fmt: skip
-        return self.kube._plain(created)
 
     async def get_cluster(self, name: str = "demo") -> dict[str, Any]:
-        found = await self.kube._call(
+        return await self.kube.call(
             self.kube.custom.get_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, name,
         )  # fmt: skip
-        return self.kube._plain(found)
 
     async def patch_cluster(self, name: str, patch: dict[str, Any]) -> None:
-        await self.kube._call(
+        await self.kube.call(
             self.kube.custom.patch_namespaced_custom_object,
             GROUP, VERSION, self.namespace, PLURAL, name, patch,
         )  # fmt: skip
@@ -257,8 +342,8 @@ class Stack:
         return counts
 
     async def events(self) -> list[dict[str, Any]]:
-        result = await self.kube._call(self.kube.core.list_namespaced_event, self.namespace)
-        return [self.kube._plain(e) for e in result.items]
+        listed = await self.kube.call(self.kube.core.list_namespaced_event, self.namespace)
+        return list(listed.get("items") or [])
 
     async def wait_for(
         self,
@@ -314,7 +399,7 @@ class Stack:
 
     async def metrics(self) -> str:
         async with self.http() as client:
-            return (await client.get(f"{self.webhook}/metrics", timeout=5)).text
+            return (await client.get(self.metrics_url, timeout=5)).text
 
 
 def write_webhook_cert(directory: str) -> None:
@@ -353,6 +438,9 @@ async def stack(
     log_dir: Path | None = None,
     webhook_tls: bool = False,
     leader_worker_set: bool = False,
+    leader_election: LeaderElection | None = None,
+    operator_pod: str | None = None,
+    start_operator: bool = True,
     real_engines: CpuEngineEnv | None = None,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
@@ -368,6 +456,9 @@ async def stack(
     ``webhook_tls`` serves the webhook over HTTPS with a throwaway CA (``env.webhook_ca``).
     ``leader_worker_set`` installs the LeaderWorkerSet CRD before the operator starts (so its
     discovery finds the API) and runs a fake LWS controller (:mod:`.lws_controller`).
+    ``leader_election`` makes the operator a replica that elects its leader on a Lease in
+    ``operator_namespace``; ``operator_pod`` creates its pod there (the replica labels it
+    while it leads); ``start_operator=False`` leaves starting replicas to the caller.
     ``real_engines`` runs the real SGLang on this CPU in every engine pod instead of a double
     (:mod:`prorsa_lab.sglang_cpu`; give ``agent_timeouts`` for it, e.g. ``CPU_TIMEOUTS``).
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
@@ -390,11 +481,11 @@ async def stack(
         for name in dict.fromkeys((namespace, *watch_namespaces, operator_namespace)):
             if name is None or name == "default":
                 continue
-            await kube._call(
+            await kube.call(
                 kube.core.create_namespace,
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
             )
-        await kube._call(
+        await kube.call(
             kube.core.create_namespaced_secret,
             namespace,
             {
@@ -422,6 +513,7 @@ async def stack(
                     server=server,
                     kubelet=kubelet,
                     webhook_port=webhook_port or free_port(),
+                    metrics_port=free_port(),
                     kubeconfig=kubeconfig,
                     operator_kubeconfig=operator_kubeconfig,
                     namespace=namespace,
@@ -433,8 +525,13 @@ async def stack(
                     router_settle_timeout=router_settle_timeout,
                     router_url=f"http://127.0.0.1:{kubelet.router_port}" if run_router else None,
                     webhook_tls_dir=tls_dir,
+                    leader_election=leader_election,
+                    operator_pod=operator_pod,
                 )
-                await env.start_operator()
+                if operator_pod is not None:
+                    await env.create_operator_pod(operator_pod)
+                if start_operator:
+                    await env.start_operator()
                 try:
                     yield env
                 finally:

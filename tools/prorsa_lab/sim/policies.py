@@ -21,8 +21,10 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from prorsa.core.controller import CACHE_FILL, Controller, Demand, DemandInputs
+from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
+from prorsa.core.measure import CACHE_FILL
+from prorsa.core.types import Demand, DemandInputs
 from prorsa_lab.sim.sim_engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
@@ -276,7 +278,7 @@ class Oracle(Prorsa):
         self.kv_capacity = sim.spec.capacity.decode_kv_tokens or sim.profile.kv_capacity
         self.controller.demand_source = self.true_demand
 
-    def true_demand(self, controller: Controller, inputs: DemandInputs) -> Demand:
+    def true_demand(self, inputs: DemandInputs) -> Demand:
         a, b, w_p, adm, (queued, burst), decoding = self.demand(inputs.now)
         forecast = Forecast(
             prefill_tokens=round(w_p), decode_admission_tokens=round(adm), decode_kv_tokens=0

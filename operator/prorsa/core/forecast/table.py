@@ -12,6 +12,10 @@ instead of crashing the controller.
 
 Cluster events (weight updates) touch no slot: they flush every cached prefix at once and
 leave a :class:`WeightUpdate` view that the forecast reads.
+
+Trainers that run one emitter per worker name it (``X-Prorsa-Emitter``): each trajectory
+belongs to the emitter that reported it last, and a snapshot from a named emitter replaces
+that emitter's trajectories alone (:meth:`TrajectoryTable.emitting`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -212,6 +217,7 @@ class Columns:
     turn: array[int] = _column("i", np.int32, 0)
     tool_load: array[int] = _column("b", np.int8, 0)
     inferred: array[int] = _column("b", np.int8, 0)  # in decode by infer_admitted, not an event
+    emitter: array[int] = _column("i", np.int32, 0)  # who reported it last (0: none named)
 
     def buffers(self) -> Iterator[tuple[str, array[Any], Field[Any]]]:
         """Each column's name, buffer and field (its metadata: code, dtype, fill)."""
@@ -239,6 +245,12 @@ class Columns:
 
 # How many of the latest decodes tell whether the trainer reports prefills at all.
 BLIND_DECODES = 64
+# Distinct emitter ids one table tells apart (workers of one trainer; ids must be stable).
+MAX_EMITTERS = 4096
+
+
+class TooManyEmitters(ValueError):
+    """A new emitter id past :data:`MAX_EMITTERS`: its trajectories could not be told apart."""
 
 
 class TrajectoryTable:
@@ -272,6 +284,11 @@ class TrajectoryTable:
         self.images = Interner()
         self.nodes = Interner()
         self.instances = Interner(cap=4096)
+        # Emitter ids; code 0 ("") is a trainer that names none. ``_emitter`` is the one
+        # whose events apply now (None: unnamed), ``_scoped`` whether any was ever named.
+        self.emitters = Interner(cap=MAX_EMITTERS + 1)
+        self._emitter: int | None = None
+        self._scoped = False
         self.groups: dict[str, int] = {}
         self._group_names: list[str | None] = []
         self._group_live: list[int] = []
@@ -339,7 +356,7 @@ class TrajectoryTable:
         self._slots[trajectory] = slot
         return slot
 
-    def _release(self, trajectory: str, slot: int) -> None:
+    def _release(self, trajectory: str, slot: int, *, ended: bool = True) -> None:
         self.counts[int(self._c.state[slot])] -= 1
         self._c.state[slot] = FREE
         g = int(self._c.group[slot])
@@ -353,9 +370,17 @@ class TrajectoryTable:
                 self._group_free.append(g)
         del self._slots[trajectory]
         self._free.append(slot)
-        self._finished[trajectory] = None
-        if len(self._finished) > self._finished_window:
-            self._finished.popitem(last=False)
+        if ended:
+            self._tombstone(trajectory)
+
+    def _tombstone(self, trajectory: str) -> None:
+        """Remember that ``trajectory`` ended (the newest ``finished_window`` of them), so
+        its late or out-of-order events cannot bring it back."""
+        finished = self._finished
+        finished[trajectory] = None
+        finished.move_to_end(trajectory)
+        if len(finished) > self._finished_window:
+            finished.popitem(last=False)
 
     def _join_group(self, slot: int, name: str | None) -> None:
         if name is None or self._c.group[slot] >= 0:
@@ -453,6 +478,8 @@ class TrajectoryTable:
                 # the failure were never seen, so a retry applies them.
                 window.forget(e.id for e in events[applied:])  # type: ignore[index]
             raise
+        if self._scoped:
+            self._own(events, self._emitter or 0)
         self.anomalies["duplicate"] += duplicates
         self.anomalies["stale"] += stale
         if applied and (self.last_event_ts is None or latest > self.last_event_ts):
@@ -460,6 +487,104 @@ class TrajectoryTable:
         self.events_applied += applied
         anomalies = sum(self.anomalies.values()) - before - duplicates
         return ApplyResult(applied=applied, duplicates=duplicates, anomalies=anomalies)
+
+    # -- emitters -----------------------------------------------------------------------
+
+    @contextmanager
+    def emitting(self, emitter: str | None) -> Iterator[None]:
+        """Events applied and snapshots loaded in this block come from ``emitter``.
+
+        Each trajectory belongs to the emitter that reported it last, so a trainer with one
+        emitter per worker (verl's agent-loop workers) can resync one worker: a snapshot
+        loaded under a named emitter replaces that emitter's trajectories alone. None is a
+        trainer that names no emitter: its events belong to the unnamed one, and its
+        snapshot replaces every trajectory, as it always has. Raises
+        :class:`TooManyEmitters` for a new id past :data:`MAX_EMITTERS`.
+        """
+        code: int | None = None
+        if emitter is not None:
+            known = self.emitters.get(emitter)
+            if known is None and len(self.emitters.names) > MAX_EMITTERS:
+                raise TooManyEmitters(
+                    f"more than {MAX_EMITTERS} emitter ids: give each worker a stable one"
+                )
+            code = known if known is not None else self.emitters.code(emitter)
+            self._scoped = True
+        previous, self._emitter = self._emitter, code
+        try:
+            yield
+        finally:
+            self._emitter = previous
+
+    def _own(self, events: Iterable[ev.Event], code: int) -> None:
+        """Each live trajectory of ``events`` now belongs to emitter ``code``."""
+        slots = self._slots
+        owner = self._c.emitter
+        for event in events:
+            if not isinstance(event, _CLUSTER):
+                slot = slots.get(event.trajectory)
+                if slot is not None:
+                    owner[slot] = code
+
+    def split_at_limit(
+        self, events: list[ev.Event], limit: int
+    ) -> tuple[list[ev.Event], list[ev.Event]]:
+        """``events`` that fit under ``limit`` live trajectories, and the rest: those that
+        would start a trajectory past it, with every later event of that trajectory.
+
+        Events of live trajectories always fit (a trajectory that ends frees its slot, so
+        refusing those would keep the table full for good), as do ends of unknown ones.
+        What is refused is left out whole per trajectory, so a resent batch applies it in
+        order. A batch that cannot reach the limit is not looked at.
+        """
+        slots = self._slots
+        room = limit - len(slots)
+        if len(events) <= room:
+            return events, []
+        finished = self._finished
+        fits: list[ev.Event] = []
+        left: list[ev.Event] = []
+        started: set[str] = set()
+        refused: set[str] = set()
+        for event in events:
+            if isinstance(event, _CLUSTER):
+                fits.append(event)
+                continue
+            t = event.trajectory
+            if t in refused:
+                left.append(event)
+            elif t in slots or t in started or event.type in _REMOVALS or t in finished:
+                fits.append(event)
+            elif room > 0:
+                room -= 1
+                started.add(t)
+                fits.append(event)
+            else:
+                refused.add(t)
+                left.append(event)
+        return fits, left
+
+    def live_of(self, emitter: str | None) -> int:
+        """Live trajectories a snapshot from ``emitter`` replaces (None: all of them)."""
+        if emitter is None:
+            return len(self._slots)
+        code = self.emitters.get(emitter)
+        if code is None:
+            return 0
+        n = self._hwm
+        cols = self.cols
+        return int(np.count_nonzero((cols["state"][:n] != FREE) & (cols["emitter"][:n] == code)))
+
+    def emitter_counts(self) -> dict[str, int]:
+        """Live trajectories by the emitter that reported them last ("": none named).
+
+        Reads the columns: call it where no batch can apply meanwhile (the handle's lock).
+        """
+        n = self._hwm
+        cols = self.cols
+        codes = cols["emitter"][:n][cols["state"][:n] != FREE]
+        counts = np.bincount(codes, minlength=1)
+        return {self.emitters.names[c]: int(counts[c]) for c in np.flatnonzero(counts)}
 
     def _note_abort(self, ts: float) -> None:
         """Forget every cached prefix when aborts look like a weight update.
@@ -736,6 +861,7 @@ class TrajectoryTable:
     def _reward_finished(self, e: ev.RewardFinished, slot: int | None) -> None:
         if slot is None:
             self._gone(e)
+            self._tombstone(e.trajectory)
             return
         if self._c.state[slot] == REWARD and e.ts >= self._c.since[slot]:
             self._obs.on_reward(
@@ -747,7 +873,10 @@ class TrajectoryTable:
 
     def _trajectory_dropped(self, e: ev.TrajectoryDropped, slot: int | None) -> None:
         if slot is None:
+            # Heard before any other event of its trajectory (events out of order across
+            # emitters or retries): the earlier ones still to come must not create it.
             self._gone(e)
+            self._tombstone(e.trajectory)
             return
         self._release(e.trajectory, slot)
 
@@ -873,15 +1002,32 @@ class TrajectoryTable:
     # -- snapshot and housekeeping -------------------------------------------------------
 
     def load_snapshot(self, snapshot: ev.Snapshot) -> None:
-        """Replace the table with the trainer's view (resync after an operator restart)."""
-        for trajectory, slot in list(self._slots.items()):
-            self._release(trajectory, slot)
-        self._finished.clear()
-        self._busy.clear()
+        """Replace the table with the trainer's view (resync after an operator restart).
+
+        Under :meth:`emitting` a named emitter, only that emitter's trajectories are
+        replaced: the others, the ended ones remembered and the prefill busy intervals in
+        progress stay, and a snapshot without a weight update leaves the one known alone
+        (another emitter may have announced it).
+        """
+        code = self._emitter
+        if code is None:
+            for trajectory, slot in list(self._slots.items()):
+                self._release(trajectory, slot)
+            self._finished.clear()
+            self._busy.clear()
+        else:
+            self._release_emitter(code)
+            for t in snapshot.trajectories:
+                self._finished.pop(t.trajectory, None)
         for t in snapshot.trajectories:
-            if t.trajectory in self._slots:
-                continue
+            held = self._slots.get(t.trajectory)
+            if held is not None:
+                if code is None or self._c.emitter[held] == code:
+                    continue  # listed twice: the first row stands
+                # Another emitter reported it last: the snapshot's word is the newer.
+                self._release(t.trajectory, held, ended=False)
             slot = self._alloc(t.trajectory, STATE_CODE[t.state], t.since)
+            self._c.emitter[slot] = code or 0
             self._c.x[slot] = t.context_tokens
             self._c.task[slot] = self.tasks.code(t.task)
             self._c.turn[slot] = t.turn
@@ -899,9 +1045,23 @@ class TrajectoryTable:
                 self._c.tool[slot] = self.tools.code(t.tool)
             if t.state == "tool":
                 self._c.tool_load[slot] = load_bucket(self.counts[TOOL])
-        self._load_weight_update(snapshot.weight_update)
+        if code is None or snapshot.weight_update is not None:
+            self._load_weight_update(snapshot.weight_update)
         if self.last_event_ts is None or snapshot.ts > self.last_event_ts:
             self.last_event_ts = snapshot.ts
+
+    def _release_emitter(self, code: int) -> None:
+        """Drop the live trajectories emitter ``code`` reported last (they are not ended:
+        nothing is remembered of them)."""
+        n = self._hwm
+        cols = self.cols
+        mine = np.flatnonzero((cols["state"][:n] != FREE) & (cols["emitter"][:n] == code))
+        del cols
+        if not len(mine):
+            return
+        wanted = set(mine.tolist())
+        for trajectory, slot in [(t, s) for t, s in self._slots.items() if s in wanted]:
+            self._release(trajectory, slot, ended=False)
 
     def _load_weight_update(self, update: ev.SnapshotWeightUpdate | None) -> None:
         """The trainer's word on an update under way replaces ours; none means none."""

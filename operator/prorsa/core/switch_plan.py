@@ -1,0 +1,236 @@
+"""The switch plan of a tick: hold rules, then Appendix C step 1, priced.
+
+Eq. 1 says which split fits the demand best; this says which switches toward it are worth
+making now. The hold rules keep the current split while it is good enough; each move
+toward the target is then one instance, priced in seconds of wall time against what it
+saves over the payoff horizon (:mod:`prorsa.core.switch_cost`), and made while it pays.
+The plan's memory, how long demand keeps leaning one way (:class:`Persistence`) and what
+holding has cost so far (:class:`Regret`), is passed in and updated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from prorsa.core.allocate import Allocation, keep_split
+from prorsa.core.decision import Switch, Target
+from prorsa.core.measure import CACHE_FILL
+from prorsa.core.spec import SwitchingSpec
+from prorsa.core.switch_cost import (
+    Load,
+    Move,
+    Persistence,
+    Regret,
+    price_move,
+    slowdown,
+    window_demand,
+)
+from prorsa.core.types import Plan, PlanInputs
+from prorsa_contract.agent_api import EngineState, Role
+
+
+def plan_switches(inputs: PlanInputs, *, persistence: Persistence, regret: Regret) -> Plan:
+    """Where the split goes this tick and the switches that take it there."""
+    sized = inputs.sizing
+    cur_p, cur_d = inputs.current
+    target, held = hold(
+        sized.best,
+        inputs.current,
+        sized.a,
+        sized.b,
+        min_prefill=sized.min_prefill,
+        min_decode=sized.min_decode,
+        switching=inputs.switching,
+    )
+    forced = cur_p < sized.min_prefill or cur_d < sized.min_decode
+    # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
+    best = sized.best
+    lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
+    payoff = min(persistence.update(inputs.now, toward=lean), inputs.switching.payoff_seconds)
+    load = window_demand(
+        backlog=sized.backlog,
+        queued=sized.queued,
+        prefill_instances=cur_p,
+        now=sized.now_demand,
+        ahead=sized.ahead,
+        horizon=inputs.horizon,
+        seconds=payoff,
+        knees=sized.knees,
+        decode_share=sized.decode_share,
+    )
+    step = (target.prefill > cur_p) - (target.prefill < cur_p)
+    toward = {1: "prefill", -1: "decode"}.get(step)
+    rate = 1.0 - slowdown(cur_p + step, cur_d - step, load) / slowdown(cur_p, cur_d, load)
+    lost = regret.update(inputs.now, toward=toward, rate=rate if toward else 0.0)
+    switches, moves = _priced_moves(
+        inputs, target, demand=load, forced=forced, regret=lost, payoff=payoff
+    )
+    made = [m for m in moves if m.worth_it or forced]
+    notes = []
+    if made:
+        regret.reset()
+        notes.append("switching: " + "; ".join(m.describe() for m in made))
+    if len(made) < len(moves):
+        # The next move does not pay for itself: aim where the made ones lead.
+        notes.append("holding: " + moves[len(made)].describe())
+        reached = cur_p + step * len(made)
+        target = Target(prefill=reached, decode=cur_p + cur_d - reached)
+    return Plan(
+        target=target,
+        switches=tuple(switches),
+        moves=tuple(moves),
+        held=held,
+        notes=tuple(notes),
+    )
+
+
+def hold(
+    best: Allocation,
+    current: tuple[int, int],
+    a: float,
+    b: float,
+    *,
+    min_prefill: int,
+    min_decode: int,
+    switching: SwitchingSpec,
+) -> tuple[Target, str]:
+    """Keep the current split unless the best one is clearly better (no flapping).
+
+    Returns the target and why the current split is kept ("" when it is not).
+    """
+    cur_p, cur_d = current
+    if (best.prefill, best.decode) == (cur_p, cur_d):
+        return Target(prefill=cur_p, decode=cur_d), ""
+    if cur_p < min_prefill or cur_d < min_decode:
+        return Target(prefill=best.prefill, decode=best.decode), "restoring role minimums"
+    if a <= 0 and b <= 0:
+        return Target(prefill=cur_p, decode=cur_d), "no demand: holding the current split"
+    why = keep_split(
+        best,
+        (cur_p, cur_d),
+        a,
+        b,
+        hysteresis=switching.hysteresis,
+        hold_margin=switching.hold_margin,
+    )
+    if why:
+        return Target(prefill=cur_p, decode=cur_d), why
+    return Target(prefill=best.prefill, decode=best.decode), ""
+
+
+def _priced_moves(
+    inputs: PlanInputs,
+    target: Target,
+    *,
+    demand: Load,
+    forced: bool,
+    regret: float,
+    payoff: float,
+) -> tuple[list[Switch], list[Move]]:
+    """Appendix C step 1, priced: the cheapest eligible instances, while worth it.
+
+    Each move toward the target is one instance; it is made when what it saves over the
+    payoff horizon exceeds what the switch costs (see :mod:`prorsa.core.switch_cost`).
+    Restoring a role minimum is never priced.
+    """
+    current = inputs.current
+    need = target.prefill - current[0]
+    if not need or not inputs.engines:
+        return [], []
+    in_progress = sum(1 for s in inputs.engines if s.switching)
+    slots = inputs.switching.max_concurrent - in_progress
+    if slots <= 0:
+        return [], []
+    src: Role = "decode" if need > 0 else "prefill"
+    dst: Role = "prefill" if need > 0 else "decode"
+    eligible = [
+        s
+        for s in inputs.engines
+        if s.role == src
+        and s.healthy
+        and not s.switching
+        and inputs.cooldown_until.get(s.instance, -math.inf) <= inputs.now
+    ]
+    contexts = inputs.contexts()
+
+    def lost_by(s: EngineState) -> float:
+        return lost_tokens(
+            s,
+            contexts=contexts,
+            abort_share=inputs.abort_share,
+            cache_tokens=inputs.capacity.prefill_cache_tokens,
+            cache_scale=inputs.cache_scale,
+        )
+
+    lost = {s.instance: lost_by(s) for s in eligible}
+    # A move back later would throw away what a typical instance of the other role holds.
+    others = [lost_by(s) for s in inputs.engines if s.role == dst]
+    back = sum(others) / len(others) if others else 0.0
+    if src == "decode":
+        eligible.sort(
+            key=lambda s: (
+                lost[s.instance],
+                s.running_requests + s.waiting_requests,
+                s.instance,
+            )
+        )
+    else:
+        eligible.sort(
+            key=lambda s: (
+                lost[s.instance],
+                s.waiting_tokens,
+                s.running_requests + s.waiting_requests,
+                s.instance,
+            )
+        )
+    per_token = (inputs.calibration or 1.0) / inputs.capacity.prefill_tokens_per_second
+    switches: list[Switch] = []
+    moves: list[Move] = []
+    split = current
+    for s in eligible[: min(abs(need), slots)]:
+        move = price_move(
+            instance=s.instance,
+            src=src,
+            current=split,
+            demand=demand,
+            payoff_seconds=payoff,
+            switch_seconds=inputs.switch_seconds,
+            lost_tokens=lost[s.instance],
+            return_tokens=back,
+            prefill_seconds_per_token=per_token,
+            regret=regret if not moves else 0.0,
+        )
+        moves.append(move)
+        if not (forced or move.worth_it):
+            break
+        switches.append(Switch(instance=s.instance, from_=src, to=dst))
+        step = 1 if src == "decode" else -1
+        split = (split[0] + step, split[1] - step)
+    return switches, moves
+
+
+def lost_tokens(
+    s: EngineState,
+    *,
+    contexts: Mapping[str, float],
+    abort_share: float,
+    cache_tokens: int | None,
+    cache_scale: float,
+) -> float:
+    """Prefill tokens a switch of this instance throws away.
+
+    A prefill instance's prefix cache is flushed: the live trajectories whose last
+    prefill ran there (``contexts``, by instance) recompute their contexts, up to what its
+    cache can hold (``cache_tokens``, ``capacity.prefillCacheTokens``; unset, its KV
+    capacity times ``cache_scale``). A decode instance aborts what still runs at the drain
+    timeout (``abort_share`` of its KV), and those requests prefill their contexts again.
+    """
+    if s.role == "decode":
+        return s.kv_used_tokens * abort_share
+    held = contexts.get(s.instance, 0.0)
+    per = cache_tokens
+    if per is None:
+        per = int(s.kv_capacity_tokens * cache_scale)
+    # No prefix cache (0), e.g. engines without a radix cache: nothing to flush.
+    return min(held, CACHE_FILL * per) if per > 0 else 0.0
