@@ -240,6 +240,75 @@ DEPLOYMENTS = [
         source="role-switch-capable DeepSeek (TP16 over 2 nodes, chunk 512 as paper §5.1)",
         role_switch_capable=True,
     ),
+    # ---- Attention data parallel over a tensor-parallel MoE (role-switch-capable) ------
+    # SGLang 0.5.23 allows DP attention with --enable-pd-role-switch (only EP, MoE
+    # all-to-all, PP, DCP, speculative decoding and DP-attention local control broadcast
+    # are refused: pd_disaggregation_hook.handle_pd_disaggregation). Each attention-DP rank
+    # runs its own requests and all ranks meet in the MoE layer, the shape where colocated
+    # prefill stalls every decoding rank (paper §3.2). Chunk per rank: SGLang's H200
+    # default --chunked-prefill-size 8192 (memory_hook._handle_gpu_memory_settings),
+    # divided by the attention-DP size (parallel_hook._handle_data_parallelism).
+    #
+    # SGLang's DeepSeek recipe on one 8-GPU node: --tp 8 --dp 8 --enable-dp-attention,
+    # no EP, so the MoE runs TP8 (2048-wide experts / 8 = 256 columns = two FP8 blocks).
+    # Attention TP1: each rank keeps its own MLA latent (61 x 576 bytes, FP8), unreplicated.
+    Deployment(
+        name="deepseek-v3-dp8",
+        model_path="deepseek-ai/DeepSeek-V3",
+        title="DeepSeek-V3, 8xH200, attention DP8 (TP1 each), MoE TP8 (EP1), FP8; "
+        "role-switch-capable",
+        gpus=8,
+        tp=1,
+        dp=8,
+        moe_tp=8,
+        moe_ep=1,
+        chunk=1024,
+        max_context=131072,
+        kv_bytes_per_token=61 * 576 * 1,
+        source="SGLang's one-node DeepSeek recipe (--tp 8 --dp 8 --enable-dp-attention), "
+        "MoE TP8, chunk 8192/8",
+        role_switch_capable=True,
+    ),
+    # Qwen3-235B-A22B with attention DP8 over MoE TP8: the BF16 checkpoint (the FP8 one's
+    # 1536-wide experts / 8 = 192 columns do not divide into 128-wide blocks; aiconfigurator
+    # refuses it, "Invalid quantized MoE configuration"), FP8 KV cache as the other BF16
+    # Qwen3 tables. Attention TP1: each rank holds all 4 KV heads once (96,256 B/token).
+    Deployment(
+        name="qwen3-235b-bf16-dp8",
+        model_path="Qwen/Qwen3-235B-A22B",
+        title="Qwen3-235B-A22B (BF16 weights), 8xH200, attention DP8 (TP1 each), MoE TP8 "
+        "(EP1), FP8 KV; role-switch-capable",
+        gpus=8,
+        tp=1,
+        dp=8,
+        moe_tp=8,
+        moe_ep=1,
+        chunk=1024,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="attention DP8 over MoE TP8 (BF16: FP8 blocks do not divide 1536/8), chunk 8192/8",
+        role_switch_capable=True,
+        extra=BF16_WEIGHTS_FP8_KV,
+    ),
+    # The paper's Qwen3 attention shape (TP2 x DP4) with the MoE tensor parallel over the
+    # node instead of EP8, so SGLang can flip it; BF16 for the same reason as DP8.
+    Deployment(
+        name="qwen3-235b-bf16-dp4",
+        model_path="Qwen/Qwen3-235B-A22B",
+        title="Qwen3-235B-A22B (BF16 weights), 8xH200, attention TP2 x DP4, MoE TP8 (EP1), "
+        "FP8 KV; role-switch-capable",
+        gpus=8,
+        tp=2,
+        dp=4,
+        moe_tp=8,
+        moe_ep=1,
+        chunk=2048,
+        max_context=131072,
+        kv_bytes_per_token=94 * 4 * 128 * 2 * 1,
+        source="paper §5.1's attention TP2 x DP4 with MoE TP8 instead of EP8 (BF16), chunk 8192/4",
+        role_switch_capable=True,
+        extra=BF16_WEIGHTS_FP8_KV,
+    ),
 ]
 
 
@@ -307,6 +376,8 @@ def build(dep: Deployment) -> dict[str, Any]:
         "title": dep.title,
         "model": dep.model_path,
         "system": "h200_sxm",
+        # The system file aiconfigurator read (GPU, NVLink, NIC figures) and its data set.
+        "systemFile": "aiconfigurator_core/systems/h200_sxm.yaml",
         "backend": "sglang",
         "backendVersion": version,
         "aiconfiguratorVersion": aiconfigurator.__version__

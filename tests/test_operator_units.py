@@ -123,6 +123,24 @@ def test_engine_pods_run_unprivileged_and_the_spec_adds_within_bounds() -> None:
     assert obj.ENGINE_CONTAINER_SECURITY["capabilities"]["add"] == ["IPC_LOCK"]
 
 
+@pytest.mark.parametrize(
+    ("extra", "dp_aware"),
+    [
+        ([], False),
+        (["--enable-dp-attention", "--dp-size", "8"], True),
+        (["--attn-dp-size", "4"], True),
+        (["--dp-size", "2"], False),  # replicas, not attention DP: smg's worker is the pod
+    ],
+)
+def test_the_router_places_requests_on_attention_dp_ranks(extra: list[str], dp_aware: bool) -> None:
+    # With attention DP smg picks the rank by prefix (--dp-aware); SGLang's own DP
+    # controller would round-robin it. No sticky sessions: cache_aware follows the prefix.
+    spec = parse_cluster(cluster_manifest(router={"enabled": True}, engine={"extraArgs": extra}))
+    args = obj.router_args(cluster="demo", namespace="rl", spec=spec.spec)
+    assert ("--dp-aware" in args) is dp_aware
+    assert "--sticky-sessions" not in args and "--routing-key-override" not in args
+
+
 def test_router_selects_roles_so_draining_matches_neither() -> None:
     spec = parse_cluster(cluster_manifest(router={"enabled": True})).spec
     args = obj.router_args(cluster="demo", namespace="rl", spec=spec)
@@ -156,6 +174,8 @@ def test_switch_intent_round_trip() -> None:
         (["--enable-dp-attention", "--dp=4"], 4),
         (["--tp", "8", "--enable-dp-attention", "--data-parallel-size", "2"], 2),
         (["--enable-dp-attention", "--dp-size"], 1),  # no value: nothing to go by
+        (["--tp-size", "8", "--attn-dp-size", "8"], 8),  # SGLang 0.5.23's own spelling
+        (["--attention-data-parallel-size=4"], 4),
     ],
 )
 def test_attention_dp_size_is_read_from_the_engine_args(args: list[str], ranks: int) -> None:

@@ -197,6 +197,7 @@ def test_the_router_sets_the_pace_of_a_switch_of_an_idle_instance() -> None:
     # role a little after the flip: an idle instance still takes 6 + 5 + 2 s to serve.
     loop, cluster, _rec = make(
         [PREFILL, DECODE, DECODE],
+        profile=load_profile("qwen3-tp8"),  # one rank per instance: smg's worker is the pod
         switch_seconds=5.0,
         router_drain_seconds=6.0,
         router_register_seconds=2.0,
@@ -272,3 +273,45 @@ def test_a_host_tier_hit_is_loaded_back_not_recomputed_and_a_flip_wipes_it() -> 
     run_until(loop, 60.0, cluster)
     assert home.inst.role == DECODE
     assert not home.host and not home.cache, "SGLang's flip resets the radix tree and host pool"
+
+
+def test_without_dp_aware_routing_the_engine_round_robins_its_ranks() -> None:
+    # smg without --dp-aware sees whole engines; SGLang's DP controller, resolved to round
+    # robin for an engine launched as decode, deals requests to ranks in turn, colocated
+    # or prefill alike, and the decode side does the same with what it admits.
+    for role in (COLOCATED, PREFILL):
+        loop, cluster, _rec = make([role, DECODE], dp_aware=False)
+        for i in range(8):
+            cluster.submit(req(f"r{i}", 2_000, 5))
+        assert [len(r.pq) for r in cluster.instances[0].ranks] == [2, 2, 2, 2]
+    loop, cluster, _rec = make([PREFILL, DECODE], dp_aware=False)
+    for i in range(4):
+        cluster.submit(req(f"r{i}", 2_000, 500))
+    run_until(loop, 5, cluster)
+    assert [r.n_run for r in cluster.instances[1].ranks] == [1, 1, 1, 1]
+
+
+def test_a_returning_turn_finds_its_prefix_only_where_the_router_places_it() -> None:
+    """--dp-aware: the rank holding the prefix; round robin: the next rank in turn."""
+    p = load_profile("qwen3-235b")  # 4 attention-DP ranks per instance
+    for dp_aware, cached in ((True, 8_000), (False, 0)):
+        loop, cluster, rec = make([PREFILL, DECODE], dp_aware=dp_aware)
+        cluster.submit(req("t0", 8_000, 20, traj="a"))
+        run_until(loop, 30, cluster)
+        home = cluster.home["a"]
+        start = loop.now
+        cluster.submit(req("t1", 9_000, 20, traj="a", turn=1))
+        assert (cluster.instances[0].ranks.index(rank_of("t1", cluster)) == home.idx) is dp_aware
+        run_until(loop, 60, cluster)
+        first = next(t for k, r, t in rec.log if k == "prefill_finished" and r == "t1")
+        # What is not cached is prefilled in chunks, each attending to what came before.
+        steps, done = 0.0, cached
+        while done < 9_000:
+            take = min(p.chunk, 9_000 - done)
+            steps += StepTimes(p).prefill(take, done)
+            done += take
+        assert first - start == pytest.approx(steps, rel=1e-6)
+
+
+def rank_of(rid: str, cluster: Cluster) -> Any:
+    return next(r for i in cluster.instances for r in i.ranks for q in r.pq if q.rid == rid)

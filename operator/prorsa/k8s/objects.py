@@ -309,9 +309,21 @@ def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> li
 
     With multi-node instances only leaders (node rank 0) are workers of the router: the
     other ranks carry the same role label but serve no HTTP API.
+
+    With attention data parallelism (``--enable-dp-attention --dp-size N`` in the engine
+    args) smg runs ``--dp-aware``: it reads each engine's ``dp_size`` from ``/server_info``,
+    makes every rank a worker of its own and sends the chosen rank with the request
+    (``routed_dp_rank``), so cache_aware places a trajectory's next turn on the rank that
+    holds its prefix. Without it SGLang's DP controller round-robins the ranks of an
+    engine launched as decode (every Prorsa engine), whatever its role, and a returning
+    turn finds its prefix on 1 rank in N; SGLang itself warns that the decode radix cache
+    with DP attention "requires prefix-aware DP rank routing" (pd_disaggregation_hook.py).
+    No ``--sticky-sessions``: cache_aware already follows the prefix, and stays free to
+    balance load, where a sticky key would pin a trajectory to a worker however busy.
     """
     base = f"{CLUSTER_LABEL}={cluster}"
     leaders = [f"{NODE_RANK_LABEL}=0"] if spec.engine.nodes_per_instance > 1 else []
+    dp_aware = ["--dp-aware"] if spec.engine.attention_dp_size > 1 else []
     return [
         "launch",
         "--host",
@@ -334,6 +346,7 @@ def router_args(*, cluster: str, namespace: str, spec: RolloutClusterSpec) -> li
         *leaders,
         "--policy",
         spec.router.policy,
+        *dp_aware,
     ]
 
 

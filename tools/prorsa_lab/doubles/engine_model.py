@@ -779,6 +779,7 @@ class EngineCore:
         stream: bool = False,
         health: bool = False,
         bootstrap: Bootstrap | None = None,
+        dp_rank: int | None = None,
     ) -> Request:
         if self.crashed:
             raise EngineCrashed("engine crashed")
@@ -797,8 +798,7 @@ class EngineCore:
                 f"tokens: {prompt_tokens} tokens from the input messages and "
                 f"{max_new_tokens} tokens for the completion."
             )
-        rank = self.ranks[self._next_rank % len(self.ranks)]
-        self._next_rank += 1
+        rank = self._pick_dp_rank(dp_rank)
         req = Request(
             rid=rid,
             prompt_tokens=prompt_tokens,
@@ -815,6 +815,17 @@ class EngineCore:
             self._count(requests_received=1)
         rank.notify()
         return req
+
+    def _pick_dp_rank(self, routed: int | None) -> Rank:
+        """SGLang's DP controller: the router's rank when it sent one
+        (``maybe_external_dp_rank_routing``, which leaves the round-robin counter alone),
+        else round robin, the method every engine launched as decode resolves to and keeps
+        after a flip (``handle_load_balance_method``; ``round_robin_scheduler``)."""
+        if routed is not None:
+            return self.ranks[routed]
+        rank = self.ranks[self._next_rank % len(self.ranks)]
+        self._next_rank += 1
+        return rank
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
         if req.finish_reason is not None:

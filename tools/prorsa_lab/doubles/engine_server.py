@@ -139,6 +139,30 @@ def _max_new_tokens(params: Any) -> int:
     return value
 
 
+def routed_dp_rank(body: dict[str, Any], dp_size: int) -> int | None:
+    """The DP rank a router chose for this request, as SGLang 0.5.23 reads it.
+
+    smg ``--dp-aware`` sends ``routed_dp_rank`` (older gateways ``data_parallel_rank``, the
+    deprecated alias ``GenerateReqInput`` still maps onto it, ``io_struct.py``). The
+    tokenizer manager refuses a rank outside the engine's DP ranks and ignores rank 0 of
+    a single-rank engine (``tokenizer_manager.py``, before the request is queued); the DP
+    controller then sends it to that rank instead of its own choice
+    (``data_parallel_controller.py`` ``maybe_external_dp_rank_routing``).
+    """
+    value = body.get("routed_dp_rank")
+    if value is None:
+        value = body.get("data_parallel_rank")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GenerateError("routed_dp_rank must be an integer")
+    if dp_size <= 1 and value == 0:
+        return None
+    if not 0 <= value < dp_size:
+        raise GenerateError(f"routed_dp_rank={value} out of range [0, {dp_size})")
+    return value
+
+
 def parse_generate(body: dict[str, Any]) -> tuple[list[tuple[str | None, int, int]], bool]:
     """``(rid, prompt_tokens, max_new_tokens)`` per prompt, and whether it is a batch."""
     if body.get("input_ids") is not None:
@@ -689,6 +713,7 @@ class EngineDouble:
                 raise GenerateError("the engine double does not stream batched requests")
             reqs: list[Request] = []
             bootstrap = None if batch else Bootstrap.from_body(body)
+            dp_rank = routed_dp_rank(body, len(core.ranks))
             try:
                 for rid, prompt, max_new in specs:
                     reqs.append(
@@ -698,6 +723,7 @@ class EngineDouble:
                             max_new_tokens=max_new,
                             stream=stream,
                             bootstrap=bootstrap,
+                            dp_rank=dp_rank,
                         )
                     )
             except GenerateError:

@@ -207,7 +207,7 @@ class Stack:
         """An operator replica's pod as the chart's Deployment makes it (the process labels
         it while it leads); no kubelet runs it here."""
         assert self.operator_namespace is not None
-        await self.kube._call(
+        await self.kube.call(
             self.kube.core.create_namespaced_pod,
             self.operator_namespace,
             {

@@ -27,7 +27,12 @@ MODELS: dict[str, str] = {
     "qwen3-235b": "qwen3-235b-a22b",
     "deepseek-v3": "deepseek-v3",
     "qwen3-235b-tp8": "qwen3-235b-a22b-tp8",  # BF16 reference with MoE EP8 (notes' anchors)
-    # Role-switch-capable deployments (MoE tensor parallel, EP 1; docs/deployments.md):
+    # Role-switch-capable deployments (MoE tensor parallel, EP 1; docs/deployments.md).
+    # Attention data parallel over the MoE (the case where PD pays):
+    "deepseek-v3-dp8": "deepseek-v3-dp8",
+    "qwen3-dp8": "qwen3-235b-bf16-dp8",
+    "qwen3-dp4": "qwen3-235b-bf16-dp4",
+    # Attention tensor parallel (colocation wins; the product advises it):
     "qwen3-tp8": "qwen3-235b-bf16-tp8",
     "qwen3-dp2": "qwen3-235b-bf16-dp2",
     "qwen3-fp8-tp4": "qwen3-235b-fp8-tp4",

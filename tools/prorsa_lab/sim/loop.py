@@ -1,9 +1,13 @@
-"""A discrete-event loop in virtual time: callbacks ordered by (time, insertion order)."""
+"""A discrete-event loop in virtual time: callbacks ordered by (time, insertion order).
+
+Everything the loop holds is plain data and bound methods (no closures), so a running
+simulation can be copied with :mod:`pickle` and both copies go on identically: the
+foresight reference (:mod:`prorsa_lab.sim.reference`) forks the simulator that way.
+"""
 
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,13 +16,31 @@ class SimulationError(RuntimeError):
     """The simulation cannot go on (for instance it ran past its time limit)."""
 
 
+class _Every:
+    """``fn(now)`` every ``interval`` seconds while the loop runs (see :meth:`Loop.every`)."""
+
+    __slots__ = ("fn", "interval", "loop")
+
+    def __init__(self, loop: Loop, interval: float, fn: Callable[[float], Any]) -> None:
+        self.loop = loop
+        self.interval = interval
+        self.fn = fn
+
+    def __call__(self) -> None:
+        loop = self.loop
+        if loop.stopped:
+            return
+        self.fn(loop.now)
+        loop.at(loop.now + self.interval, self)
+
+
 class Loop:
     """Runs callbacks in virtual time; nothing here reads a wall clock."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
-        self._seq = itertools.count()
+        self._seq = 0  # insertion order: the tie-break of equal times (reproducible)
         self.stopped = False
         self.processed = 0
 
@@ -26,7 +48,8 @@ class Loop:
         """Call ``fn(*args)`` at virtual time ``when`` (never earlier than now)."""
         if when < self.now:
             when = self.now
-        heapq.heappush(self._heap, (when, next(self._seq), fn, args))
+        self._seq += 1
+        heapq.heappush(self._heap, (when, self._seq, fn, args))
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + max(delay, 0.0), fn, *args)
@@ -35,14 +58,7 @@ class Loop:
         """Call ``fn(now)`` at ``start`` and then every ``interval`` until the loop stops."""
         if interval <= 0:
             raise ValueError("interval must be positive")
-
-        def fire() -> None:
-            if self.stopped:
-                return
-            fn(self.now)
-            self.at(self.now + interval, fire)
-
-        self.at(start, fire)
+        self.at(start, _Every(self, interval, fn))
 
     def stop(self) -> None:
         self.stopped = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prorsa.core.controller import Controller
@@ -200,10 +201,10 @@ class _Planned(ABC):
     """Shared by Prorsa's executor and the oracle: execute switches, keep cooldowns."""
 
     def _execute(self, sim: Simulation, name: str, to: str) -> bool:
-        def done(ok: bool, at: float) -> None:
-            self._switched(name, to, at, ok)
+        return sim.cluster.start_switch(name, to, on_done=partial(self._done, name, to))
 
-        return sim.cluster.start_switch(name, to, on_done=done)
+    def _done(self, name: str, to: str, ok: bool, at: float) -> None:
+        self._switched(name, to, at, ok)
 
     @abstractmethod
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None: ...
@@ -228,7 +229,10 @@ class Prorsa(_Planned):
         if sim.trainer.weight_update_events:
             # The operator ticks when the event comes in (the runtime is woken), not at the
             # end of its period: the update is the lead time a switch can use.
-            sim.trainer.on_update_started.append(lambda now: self.tick(now, scheduled=False))
+            sim.trainer.on_update_started.append(self._on_update)
+
+    def _on_update(self, now: float) -> None:
+        self.tick(now, scheduled=False)
 
     def tick(self, now: float, *, scheduled: bool = True) -> None:
         sim = self.sim

@@ -24,7 +24,6 @@ length are one event. Arrivals cut a bulk segment at the next step boundary.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -143,6 +142,7 @@ class Rank:
         "plan",
         "pq",
         "pq_tokens",
+        "processed",
         "running",
         "step_time",
         "tx_free",
@@ -155,6 +155,7 @@ class Rank:
         self.idx = idx
         self.pq: deque[Request] = deque()  # waiting for or in prefill (FIFO)
         self.pq_tokens = 0  # prompt tokens not yet prefilled in pq (routing load)
+        self.processed = 0  # requests smg sent it as a worker (--dp-aware): a tie-break
         self.kv_prefill = 0  # KV held by prompts being prefilled
         self.wait: deque[Request] = deque()  # decode admission queue
         self.wait_tokens = 0
@@ -217,6 +218,8 @@ class Instance:
         self.seg_prefill_max = 0.0
         self.kv_est = 0  # KV used + waiting, refreshed at every step plan (router signal)
         self.transfers_in = 0
+        self.rr = 0  # SGLang DataParallelController.round_robin_counter
+        self.processed = 0  # requests smg sent it as a worker: cache_aware's tie-break
         self.nreq = 0  # requests queued, in prefill or decoding: the router's load metric
         # Counters for /v1/state and the benchmark.
         self.prefill_busy_seconds = 0.0
@@ -254,6 +257,21 @@ class Instance:
 
     def load_tokens(self) -> int:
         return sum(r.pq_tokens for r in self.ranks)
+
+    def next_rank(self) -> int:
+        """The rank SGLang's DP controller gives a request the router did not place.
+
+        Every engine Prorsa runs is launched as decode, for which SGLang 0.5.23 resolves
+        ``--load-balance-method auto`` to ``round_robin`` (``serving_hook.py``
+        ``handle_load_balance_method``); the DP controller reads it once at start-up, so it
+        stays round robin after a flip to prefill (``data_parallel_controller.py``
+        ``round_robin_scheduler``), and a colocated (non-PD) engine resolves to round robin
+        too. (An engine *launched* as prefill would follow the bootstrap room instead.)
+        """
+        n = len(self.ranks)
+        i = self.rr % n
+        self.rr = (self.rr + 1) % n
+        return i
 
     def kv_load(self) -> float:
         """(KV in use + KV waiting for admission) / capacity, as of the last step plan."""
@@ -507,7 +525,9 @@ class Instance:
         if req.finish_counter <= r.counter:
             self._complete(r, req, now)
             return
-        heapq.heappush(r.heap, (req.finish_counter, next(self.cluster.seq), req))
+        cluster = self.cluster
+        cluster.seq += 1
+        heapq.heappush(r.heap, (req.finish_counter, cluster.seq, req))
 
     def _take_off(self, r: Rank, req: Request) -> None:
         """Remove a running request from its rank's batch (KV freed)."""
@@ -568,14 +588,15 @@ class Instance:
                 bw = HOST_BYTES_PER_SECOND_PER_GPU * cluster.gpus_per_rank
                 delay = 2 * req.context() * cluster.profile.kv_wire_bytes_per_token / bw
                 self.transfers_in += 1
-                cluster.loop.after(delay, self._reload, req)
+                cluster.loop.after(delay, self._reload, req, r)
 
-    def _reload(self, req: Request) -> None:
+    def _reload(self, req: Request, rank: Rank) -> None:
         self.transfers_in -= 1
         self.cluster.transferring.pop(req, None)
         if req.where != TRANSFER:
             return
-        self.cluster.arrive_decode(req, self)
+        # A retracted request waits in its own rank's queue (SGLang retracts per scheduler).
+        self.cluster.arrive_decode(req, self, rank=rank)
 
     # -- draining and role switches -------------------------------------------------------
 
@@ -598,9 +619,11 @@ class Instance:
         cl = self.cluster
         now = cl.loop.now
         self.role = job.to
+        self.processed = 0  # smg registers the pod anew, as a worker of the new type
         for r in self.ranks:
             # SGLang 0.5.23's flip resets the radix tree and the HiCache host pool.
             _clear_caches(r)
+            r.processed = 0
         self.switch = None
         # The router lists it with its new role a little later (smg's discovery).
         self.accepting = cl.router_register_seconds <= 0
@@ -637,9 +660,13 @@ class Cluster:
         hicache_ratio: float = 0.0,
         router_drain_seconds: float = 0.0,
         router_register_seconds: float = 0.0,
+        dp_aware: bool = True,
         prefix: str = "sim",
     ) -> None:
         self.loop = loop
+        # Who picks an instance's attention-DP rank: the router (smg --dp-aware) or
+        # SGLang's DP controller (round robin); see _route_prefill.
+        self.dp_aware = dp_aware
         self.profile = profile
         self.listener: Listener = listener if listener is not None else _Detached()
         self.switch_seconds = switch_seconds
@@ -660,7 +687,7 @@ class Cluster:
         self.pending_decode: deque[Request] = deque()
         # KV on the wire or reloading from host (a dict: insertion order keeps runs reproducible)
         self.transferring: dict[Request, None] = {}
-        self.seq = itertools.count()  # tie-breaks in heaps: never object ids (reproducible)
+        self.seq = 0  # tie-breaks in heaps: never object ids (reproducible); a plain int pickles
         # Ground truth for measurement: prompt tokens queued or in prefill right now.
         self.backlog_tokens = 0
         self.switches_done = 0
@@ -728,35 +755,26 @@ class Cluster:
         self._route_prefill(req)
 
     def _route_prefill(self, req: Request) -> None:
-        """smg ``cache_aware`` at its defaults, workers being instances (DP-rank aware).
+        """smg ``cache_aware`` at its defaults; the rank as the deployment's router picks it.
 
-        An instance's load is its request count. When the busiest instance has more than
+        A worker's load is its request count. When the busiest worker has more than
         ``BALANCE_ABS`` requests over the idlest and ``BALANCE_REL`` times as many, the idlest
-        wins; otherwise the rank holding the trajectory's prefix wins when the match covers
-        ``CACHE_THRESHOLD`` of the prompt; else the idlest instance's idlest rank.
+        wins; otherwise the worker holding the trajectory's prefix wins when the match covers
+        ``CACHE_THRESHOLD`` of the prompt; else the idlest worker, ties going to the one
+        that was sent the fewest requests since smg registered it (smg's ``(load,
+        processed, index)`` key).
+
+        With ``dp_aware`` (smg ``--dp-aware``) smg registers every attention-DP rank as a
+        worker of its own and sends the rank it chose with the request (``routed_dp_rank``,
+        which SGLang's DP controller honours: ``maybe_external_dp_rank_routing``), so the
+        policy above runs over ranks. Without it the workers are instances and SGLang's DP
+        controller picks the rank: round robin (:meth:`Instance.next_rank`).
         """
-        best: Instance | None = None
-        lo, hi = math.inf, -math.inf
-        for inst in self._prefill_insts:
-            load = inst.nreq
-            if load < lo:
-                lo, best = load, inst
-            if load > hi:
-                hi = load
-        if best is None:
+        if not self._prefill_insts:
             req.where = QUEUED
             self.pending_prefill.append(req)
             return
-        traj = req.traj
-        target: Rank | None = None
-        home = self.home.get(traj)
-        if home is not None and home.inst.accepting and home.inst.role != DECODE:
-            hit = home.cache.get(traj, 0) or home.host.get(traj, 0)
-            skewed = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
-            if hit and hit >= CACHE_THRESHOLD * req.prompt and not skewed:
-                target = home
-        if target is None:
-            target = min(best.ranks, key=lambda r: (len(r.pq) + r.n_run, r.pq_tokens))
+        target = self._pick_rank(req) if self.dp_aware else self._pick_instance(req)
         req.where = QUEUED
         req.started = False
         req.done = 0
@@ -765,6 +783,59 @@ class Cluster:
         target.inst.nreq += 1
         target.pq_tokens += req.prompt
         target.inst.poke()
+
+    def _prefix_home(self, req: Request) -> Rank | None:
+        """The rank that cached the trajectory's prefix last, if it still serves prefill
+        and holds enough of it for cache_aware's match threshold."""
+        traj = req.traj
+        home = self.home.get(traj)
+        if home is None or not home.inst.accepting or home.inst.role == DECODE:
+            return None
+        hit = home.cache.get(traj, 0) or home.host.get(traj, 0)
+        return home if hit and hit >= CACHE_THRESHOLD * req.prompt else None
+
+    def _pick_rank(self, req: Request) -> Rank:
+        """cache_aware over attention-DP ranks as workers (smg ``--dp-aware``)."""
+        best: Rank | None = None
+        best_key: tuple[float, float] = (math.inf, math.inf)
+        lo, hi = math.inf, -math.inf
+        for inst in self._prefill_insts:
+            for r in inst.ranks:
+                load = len(r.pq) + r.n_run
+                if load > hi:
+                    hi = load
+                if load < lo:
+                    lo = load
+                key = (load, r.processed)
+                if key < best_key:
+                    best, best_key = r, key
+        assert best is not None
+        home = self._prefix_home(req)
+        skewed = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
+        target = home if home is not None and not skewed else best
+        target.processed += 1
+        return target
+
+    def _pick_instance(self, req: Request) -> Rank:
+        """cache_aware over instances as workers; SGLang's DP controller picks the rank."""
+        best: Instance | None = None
+        best_key: tuple[float, float] = (math.inf, math.inf)
+        lo, hi = math.inf, -math.inf
+        for inst in self._prefill_insts:
+            load = inst.nreq
+            if load < lo:
+                lo = load
+            if load > hi:
+                hi = load
+            key = (load, inst.processed)
+            if key < best_key:
+                best, best_key = inst, key
+        assert best is not None
+        home = self._prefix_home(req)
+        skewed = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
+        inst = home.inst if home is not None and not skewed else best
+        inst.processed += 1
+        return inst.ranks[inst.next_rank()]
 
     def on_prefill_done(self, req: Request, now: float) -> None:
         self.backlog_tokens -= req.prompt
@@ -818,19 +889,25 @@ class Cluster:
         self._prefill_insts = [i for i in self.instances if i.accepting and i.role != DECODE]
         self._decode_insts = [i for i in self.instances if i.accepting and i.role == DECODE]
 
-    def arrive_decode(self, req: Request, inst: Instance) -> None:
+    def arrive_decode(self, req: Request, inst: Instance, *, rank: Rank | None = None) -> None:
         if not inst.accepting or inst.role != DECODE:
             other = self._pick_decode()
             if other is None:
                 self.pending_decode.append(req)
                 return
-            inst = other
-        r = inst.ranks[0]
-        low = math.inf
-        for x in inst.ranks:
-            load = x.kv_base + x.n_run * x.counter + x.kv_prefill + x.wait_tokens
-            if load < low:
-                r, low = x, load
+            inst, rank = other, None
+        if rank is not None and rank.inst is inst:
+            r = rank
+        elif self.dp_aware:
+            # smg picks the decode rank too (a worker per rank): the one with the least KV.
+            r = inst.ranks[0]
+            low = math.inf
+            for x in inst.ranks:
+                load = x.kv_base + x.n_run * x.counter + x.kv_prefill + x.wait_tokens
+                if load < low:
+                    r, low = x, load
+        else:
+            r = inst.ranks[inst.next_rank()]
         need = req.prompt + req.generated
         req.where = WAITING
         req.inst, req.rank = inst, r

@@ -154,6 +154,9 @@ class Trainer:
         # Called with the time when a weight update starts (the Prorsa policy ticks then,
         # as the operator wakes on the event).
         self.on_update_started: list[Callable[[float], object]] = []
+        # Called with the time of every weight update, paused or instantaneous, once the
+        # in-flight generations are aborted (the foresight reference decides then).
+        self.on_new_weights: list[Callable[[float], object]] = []
         self.outbox: list[ev.Event] = []
         self.version = 0
         self.live: dict[str, Trajectory] = {}
@@ -479,6 +482,8 @@ class Trainer:
         )
         reprefill = sum(t.state in _REPREFILL for t in self.live.values())
         self.cluster.new_weights()
+        for hook in self.on_new_weights:
+            hook(now)
         if self._held is not None:
             for hook in self.on_update_started:
                 hook(now)

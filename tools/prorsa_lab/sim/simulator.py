@@ -20,9 +20,10 @@ import math
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.k8s.objects import router_args
 from prorsa_lab.sim.costmodel import ModelProfile, load_profile
 from prorsa_lab.sim.loop import Loop, SimulationError
 from prorsa_lab.sim.sim_engine import DECODE, Cluster
@@ -42,6 +43,8 @@ WEIGHT_UPDATE_SECONDS = {"qwen3": 0.46 + 6.75, "deepseek": 1.44 + 12.22}
 # 5 s drain before it drops the worker, ~2 s after the flip until it lists the new role.
 SMG_DRAIN_SECONDS = 6.0
 SMG_REGISTER_SECONDS = 2.0
+DpRouting = Literal["dp-aware", "round-robin"]
+DP_ROUTINGS: tuple[str, ...] = ("dp-aware", "round-robin")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +84,19 @@ class Scenario:
     # checkpoint-engine measured for the model (WEIGHT_UPDATE_SECONDS); 0: instantaneous.
     weight_update_seconds: float | None = None
     time_limit: float = 24 * 3600.0  # a run still going then counts as did-not-finish
+    # Who picks an engine's attention-DP rank (sim_engine.Cluster._route_prefill): "dp-aware"
+    # (smg --dp-aware places each request on a rank, by prefix) or "round-robin" (smg sees
+    # whole engines and SGLang's DP controller round-robins the ranks). None: as the
+    # operator deploys smg for this scenario's spec (prorsa.k8s.objects.router_args).
+    dp_routing: DpRouting | None = None
+
+    def dp_aware(self) -> bool:
+        """Whether smg places requests on DP ranks (``--dp-aware``) in this scenario."""
+        if self.dp_routing is not None:
+            if self.dp_routing not in DP_ROUTINGS:
+                raise ValueError(f"unknown DP routing {self.dp_routing!r}: one of {DP_ROUTINGS}")
+            return self.dp_routing == "dp-aware"
+        return "--dp-aware" in router_args(cluster="sim", namespace="sim", spec=self.spec())
 
     def update_seconds(self) -> float:
         """The weight update's duration in seconds (see ``weight_update_seconds``)."""
@@ -215,6 +231,7 @@ class Simulation:
             hicache_ratio=scenario.hicache_ratio,
             router_drain_seconds=scenario.router_drain_seconds,
             router_register_seconds=scenario.router_register_seconds,
+            dp_aware=scenario.dp_aware(),
             prefix="sim",
         )
         self.trainer = Trainer(

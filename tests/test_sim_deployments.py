@@ -1,0 +1,114 @@
+"""The simulator's deployments: where each number comes from, and what the operator would run.
+
+Each role-switch-capable table must be one SGLang 0.5.23 can flip in place (no expert
+parallelism), carry its provenance (aiconfigurator version, system file, SGLang data
+version), and the engine command line the operator renders for it (engine pod env, the
+agent's flags) must hold nothing SGLang refuses next to ``--enable-pd-role-switch``.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from prorsa.core.advice import refused_flags
+from prorsa.k8s.objects import engine_pod, router_args
+from prorsa_agent.config import args_from_env, engine_argv
+from prorsa_lab.sim.costmodel import MODELS, load_profile
+from prorsa_lab.sim.simulator import Scenario
+
+CAPABLE = sorted(m for m in MODELS if load_profile(m).role_switch_capable)
+ATTENTION_DP = ("deepseek-v3-dp8", "qwen3-dp8", "qwen3-dp4", "qwen3-dp2")
+
+
+def table(model: str) -> dict[str, object]:
+    path = resources.files("prorsa_lab.sim") / "data" / f"{MODELS[model]}.json"
+    data: dict[str, object] = json.loads(path.read_text())
+    return data
+
+
+def rendered_argv(model: str) -> list[str]:
+    """SGLang's command line in the engine pod the operator renders for this deployment."""
+    spec = Scenario(model=model, task="coding").spec()
+    pod = engine_pod(cluster="sim", namespace="rl", index=0, role="decode", spec=spec)
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    return engine_argv(
+        command=["python", "-m", "sglang.launch_server"],
+        engine_url="http://127.0.0.1:30000",
+        env_args=args_from_env(env),
+    )
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_the_attention_dp_deployments_are_in_the_grid_and_role_switch_capable() -> None:
+    assert set(ATTENTION_DP) <= set(CAPABLE)
+    for model in ATTENTION_DP:
+        p = load_profile(model)
+        assert p.ranks > 1 and p.gpus_per_instance == 8
+        parallel = table(model)["parallel"]
+        assert isinstance(parallel, dict)
+        # EP 1, the MoE tensor parallel over the whole instance: what SGLang can flip.
+        assert (parallel["moeEp"], parallel["moeTp"]) == (1, 8)
+        assert parallel["attentionTp"] * parallel["attentionDp"] == 8
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3-dp8", "qwen3-dp8", "qwen3-dp4"])
+def test_every_new_table_names_its_source(model: str) -> None:
+    data = table(model)
+    assert data["aiconfiguratorVersion"] == "0.12.0"
+    assert data["systemFile"] == "aiconfigurator_core/systems/h200_sxm.yaml"
+    assert (data["system"], data["backend"], data["backendVersion"]) == (
+        "h200_sxm",
+        "sglang",
+        "0.5.14",
+    )
+    assert data["generatedBy"] == "scripts/gen_cost_tables.py" and data["source"]
+    # SGLang's H200 default chunk (8192) divided over the attention-DP ranks.
+    assert data["chunkedPrefillSize"] == 8192 // load_profile(model).ranks
+
+
+def test_qwen3_at_moe_tp8_is_bf16_and_deepseek_is_fp8() -> None:
+    # Qwen3's 1536-wide experts over MoE TP8 leave 192 columns, which FP8's 128-wide
+    # blocks do not divide: the BF16 checkpoint (with an FP8 KV cache).
+    for model in ("qwen3-dp8", "qwen3-dp4"):
+        quant = table(model)["quant"]
+        assert quant == {"gemm": "bfloat16", "kvcache": "fp8", "fmha": "fp8", "moe": "bfloat16"}
+        assert table(model)["model"] == "Qwen/Qwen3-235B-A22B"
+    assert table("deepseek-v3-dp8")["quant"] == {
+        "gemm": "fp8_block",
+        "kvcache": "fp8",
+        "fmha": "fp8",
+        "moe": "fp8_block",
+    }
+
+
+def test_deepseek_dp8_matches_the_aiconfigurator_figures_the_notes_quote() -> None:
+    # aiconfigurator 0.12.0 cli_estimate, h200_sxm, sglang: a 4k-token prefill step about
+    # 957 ms, a decode step of 32 requests at 8k context about 71 ms; ~0.7 M tokens a rank.
+    p = load_profile("deepseek-v3-dp8")
+    assert p.prefill_seconds(4096, 0) == pytest.approx(0.957, abs=0.005)
+    assert p.decode_seconds(32, 8192) == pytest.approx(0.0712, abs=0.001)
+    assert 5_000_000 < p.kv_capacity < 7_500_000
+
+
+@pytest.mark.parametrize("model", CAPABLE)
+def test_the_operator_renders_flags_sglang_accepts_with_role_switching(model: str) -> None:
+    argv = rendered_argv(model)
+    p = load_profile(model)
+    assert "--enable-pd-role-switch" in argv
+    assert refused_flags(argv) == []  # no EP, MoE all-to-all, PP, DCP, speculative decoding
+    assert flag(argv, "--tp-size") == str(p.gpus_per_instance)
+    if p.ranks > 1:
+        # The spelling SGLang 0.5.23 still takes (handle_deprecated_dp_attention); the
+        # TP size must divide over the attention-DP ranks (handle_data_parallelism).
+        assert "--enable-dp-attention" in argv and flag(argv, "--dp-size") == str(p.ranks)
+        assert p.gpus_per_instance % p.ranks == 0
+    else:
+        assert "--enable-dp-attention" not in argv
+    spec = Scenario(model=model, task="coding").spec()
+    assert ("--dp-aware" in router_args(cluster="sim", namespace="rl", spec=spec)) is (p.ranks > 1)
