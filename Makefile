@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test lint bench demo venv clean engine-env test-engine demo-sglang
+.PHONY: test lint bench demo venv clean engine-env test-engine engine-study demo-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,9 +49,16 @@ engine-env:
 	scripts/engine-env.sh
 
 # tests/real_engine/ (pytest marker real_engine, left out of `make test`): the agent, the
-# operator and SGLang's own flag validation against real engines behind the real smg.
+# operator, its failure cases, SGLang's own flag validation and the demo against real engines
+# behind the real smg (one shared cluster of three engines, then the demo's three).
 test-engine: engine-env $(TEST_STAMP)
-	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q -m real_engine tests/real_engine
+	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q --durations=0 \
+		-m "real_engine and not study" tests/real_engine
+
+# The study behind docs/sglang-role-switch.md's "Launched as prefill" and SGLang's own flip
+# times (tests/real_engine/test_launched_as_prefill.py; three more engines).
+engine-study: engine-env $(TEST_STAMP)
+	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q -s -m study tests/real_engine
 
 # `make demo` with real SGLang engines on this CPU instead of engine doubles.
 demo-sglang: engine-env $(DEMO_STAMP)

@@ -15,8 +15,9 @@ from .engine_helpers import ROOT
 pytestmark = pytest.mark.real_engine
 
 
-def test_the_demo_runs_on_the_real_engine(engine_env, tmp_path):
+def test_the_demo_runs_on_the_real_engine(engine_env, engines_stopped, tmp_path):
     del engine_env  # built (or the test skipped / failed with the command to run)
+    del engines_stopped  # the shared cluster's engines make room for the demo's
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "prorsa.cli", "demo", "--engine", "sglang"]
     command += ["--duration", "60", "--no-live", "--out", str(out)]

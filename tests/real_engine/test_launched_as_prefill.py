@@ -10,14 +10,20 @@ both prefill-launched engines are flipped to decode and take the same requests t
 idle in between (SGLang checks its memory pools when idle,
 ``srt/managers/scheduler_components/invariant_checker.py``). docs/sglang-role-switch.md,
 section 6, says what the results mean: the engine launched as prefill without the decode
-radix cache flag dies in SGLang's idle memory check after its first requests.
+radix cache flag dies in SGLang's idle memory check after its first requests. The same
+engines time SGLang's own flip, without the agent, both ways (section 7).
+
+A study behind a finding of the docs, not a check of the product (the product never makes
+these states, and admission and a unit test hold that): marked ``study``, it is left out of
+``make test-engine`` and run by ``make engine-study`` (three more engines, about 8 minutes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -27,9 +33,21 @@ from prorsa_agent.config import DECODE_RADIX_CACHE
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 from prorsa_lab.sglang_cpu.sglang_pod import SglangPod
 
-from .engine_helpers import PdRouter, running
+from .engine_helpers import PdRouter, Timings, running
 
-pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.real_engine,
+    pytest.mark.study,
+    pytest.mark.asyncio(loop_scope="module"),
+]
+TIMINGS = Timings("study")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_timings() -> Iterator[None]:
+    yield
+    TIMINGS.write()
+
 
 TOKEN = "agent-token-leak"
 KEY = "k-leak"
@@ -62,6 +80,14 @@ async def pods(engine_env: CpuEngineEnv, tmp_path_factory) -> AsyncIterator[list
         yield list(ready)
 
 
+async def _flip(client: httpx.AsyncClient, pod: SglangPod, role: str) -> None:
+    body: dict[str, object] = {"new_role": role}
+    if role == "decode":
+        body["decode_cuda_graph_memory_gb"] = 0
+    reply = await client.post(f"{pod.engine_url}/pd_role_switch", json=body, headers=ADMIN)
+    assert reply.status_code == 200 and reply.json()["success"], reply.text
+
+
 def _leak(pod: SglangPod) -> str | None:
     assert pod.log_path is not None
     found = LEAK.search(pod.log_path.read_text(errors="replace"))
@@ -76,18 +102,13 @@ async def test_what_sglang_does_with_prefill_launched_engines_flipped_to_decode(
     outcome: dict[str, dict[str, object]] = {}
     try:
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
-            for pod, role in (
-                (launched_decode, "prefill"),
-                (launched_prefill, "decode"),
-                (bare, "decode"),
-            ):
-                body: dict[str, object] = {"new_role": role}
-                if role == "decode":
-                    body["decode_cuda_graph_memory_gb"] = 0
-                reply = await client.post(
-                    f"{pod.engine_url}/pd_role_switch", json=body, headers=ADMIN
-                )
-                assert reply.status_code == 200, reply.text
+            # SGLang's own flip, idle, without the agent: the decode launch both ways twice.
+            for role in ("prefill", "decode", "prefill"):
+                started = time.monotonic()
+                await _flip(client, launched_decode, role)
+                TIMINGS.add(f"raw_flip_to_{role}", time.monotonic() - started)
+            for pod in (launched_prefill, bare):
+                await _flip(client, pod, "decode")
             await router.add(launched_decode, "prefill")
             for decode in (launched_prefill, bare):
                 # One decode engine at a time behind smg: each takes every request.

@@ -1,20 +1,21 @@
 """The operator end to end with the real SGLang 0.5.23 engines on this CPU.
 
-The API emulator, the operator (kopf, real webhook), the fake kubelet running each engine
-pod as the real agent launching the real SGLang from the pod's ``PRORSA_*`` environment,
-and the router Deployment as the real smg with Kubernetes discovery: three one-CPU
-instances (the most this machine runs at once), every engine launched as decode and one
+The shared cluster (``shared_cluster.py``): the API emulator, the operator (kopf, real
+webhook), the fake kubelet running each engine pod as the real agent launching the real
+SGLang from the pod's ``PRORSA_*`` environment, and the router Deployment as the real smg
+with Kubernetes discovery; three one-CPU instances, every engine launched as decode and one
 flipped to prefill by the operator at start. A trainer's load of long greedy generations
-runs through smg with :class:`prorsa_sdk.ResumableGeneration` while the trainer's
-lifecycle events move demand to prefill and back: the operator switches both ways, every
-call is answered with its whole token budget, and an answer's tokens are the model's own
-(the KV moved from a prefill engine to a decode engine).
+runs through smg with :class:`prorsa_sdk.ResumableGeneration` while the trainer's lifecycle
+events move demand to prefill and back: the operator switches both ways, its agents drain,
+abort what is left at the deadline, flip and verify; every aborted call is resumed and
+answered with its whole token budget, and an answer's tokens are the model's own (the KV
+moved from a prefill engine to a decode engine).
 
-Then the failure cases on the same engines: an engine killed in the middle of its flip; smg
-dropping its workers (the router process dies) while the operator waits for it; and the
-prefill engine lost with its bootstrap port while requests keep coming. Each must leave the
-cluster converged: smg listing every pod with its role, no pod left ``draining``, no switch
-in progress, every request answered with its whole budget.
+Then the failure cases on the same engines, each from the state the one before left and
+each ending converged (smg listing every pod with its role, no pod left ``draining``, no
+switch in progress, every request answered with its whole budget): smg dropping its workers
+(the router process dies) while the operator waits for it; an engine killed in the middle
+of its flip; the prefill engine lost with its bootstrap port while requests keep coming.
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from prorsa_contract.labels import DRAINING
-from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
+from prorsa_lab.doubles.stack import Stack
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
-from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS, SglangPod
+from prorsa_lab.sglang_cpu.sglang_pod import SglangPod
 from prorsa_sdk.resumable import ResumableGeneration
 
 from .engine_helpers import Timings, reference_output
+from .shared_cluster import (
+    INSTANCES,
+    PROMPT,
+    SERVED,
+    START,
+    engine_pods,
+    smg_agrees,
+    split,
+)
 
-pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.real_engine, pytest.mark.asyncio(loop_scope="session")]
 
-SERVED = "tiny"
-PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
-START = 900.0  # three engines loading at once on a loaded 2-core machine
 READINESS_SECONDS = 12.0  # the pods' readinessProbe: 2 failures 5 s apart
 TIMINGS = Timings("operator")
 
@@ -53,109 +59,23 @@ def _write_timings() -> Iterator[None]:
     TIMINGS.write()
 
 
-def manifest(env: CpuEngineEnv) -> dict[str, Any]:
-    return cluster_manifest(
-        model={"path": str(env.model), "servedName": SERVED},
-        engine={
-            "image": "prorsa/engine:0.5.23",
-            "gpusPerInstance": 1,
-            "tensorParallelSize": 1,
-            "gpuResourceName": "",
-            # SGLang's HiCache host tier needs CUDA (docs/testing.md).
-            "env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}],
-        },
-        gpuBudget=3,
-        roles={"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}},
-        router={"enabled": True, "policy": "round_robin"},
-        switching={"drainTimeoutSeconds": 2, "cooldownSeconds": 0},
-    )
-
-
-async def split(env: Stack, prefill: int, decode: int) -> bool:
-    counts = await env.count_roles()
-    return counts.get("prefill", 0) == prefill and counts.get("decode", 0) == decode
-
-
-async def smg_agrees(env: Stack) -> bool:
-    """smg lists every engine pod with its role label's type (and nothing draining)."""
-    router = env.kubelet.router
-    if router is None:
-        return False
-    want = {}
-    for pod in await env.pods():
-        ip = (pod.get("status") or {}).get("podIP")
-        role = pod["metadata"]["labels"].get("prorsa.io/role")
-        if not ip or role == DRAINING:
-            return False
-        want[ip] = role
-    async with httpx.AsyncClient(trust_env=False) as client:
-        workers = await router.workers(client)
-    got = {
-        str(w.get("url", "")).split("://", 1)[-1].rsplit(":", 1)[0]: w.get("worker_type")
-        for w in workers or []
-        if w.get("is_healthy")
-    }
-    return len(want) == 3 and got == want
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def env(engine_env: CpuEngineEnv, tmp_path_factory) -> AsyncIterator[Stack]:
-    logs = tmp_path_factory.mktemp("operator-real-engines")
-    async with stack(
-        real_engines=engine_env,
-        agent_timeouts=CPU_TIMEOUTS,
-        run_router=True,
-        log_dir=logs,
-        tick_seconds=1.0,
-        router_settle_timeout=60.0,
-    ) as env:
-        started = time.monotonic()
-        await env.create_cluster(manifest(engine_env))
-        try:
-            await env.wait_for(lambda: split(env, 1, 2), timeout=START, what="1P:2D")
-            await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg's workers")
-            TIMINGS.add("cluster_up_three_engines", time.monotonic() - started)
-            yield env
-        finally:
-            for name, runtime in env.kubelet.pods.items():
-                if isinstance(runtime.pod, SglangPod):
-                    print(f"--- {name} engine log (tail) ---\n{runtime.pod.log_tail(12)}")
-
-
-class _ModelNotFoundIsBusy(httpx.AsyncBaseTransport):
-    """smg 1.13.0 under Kubernetes discovery answers 404 (no such model) while no worker of
-    the model is registered, as right after it restarts: the trainer's client takes that
-    for a 503 and retries (``ResumableGeneration`` retries 5xx only)."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        if response.status_code != 404 or request.url.path != "/generate":
-            return response
-        await response.aread()
-        return httpx.Response(503, headers=response.headers, content=response.content)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 class Load:
-    """A trainer's generations through smg, resumed across aborts; all checked at the end."""
+    """A trainer's generations through smg, resumed across aborts; all checked at the end.
+
+    The client is configured as a trainer would for a cluster that may have no prefill
+    engine for minutes (the failure cases): many retries, each at most 10 s apart.
+    """
 
     def __init__(self, env: Stack, *, count: int, tokens: int) -> None:
         assert env.router_url is not None
         self.tokens = tokens
         self.resumes = 0
+        self.retries = 0
         self.tasks = [asyncio.create_task(self._one(env.router_url, i)) for i in range(count)]
 
     async def _one(self, router: str, i: int) -> dict[str, Any]:
-        transport = _ModelNotFoundIsBusy(httpx.AsyncHTTPTransport())
-        async with httpx.AsyncClient(
-            base_url=router, timeout=900, trust_env=False, transport=transport
-        ) as http:
-            gen = ResumableGeneration(http, max_resumes=20, max_retries=30, retry_base=0.2)
+        async with httpx.AsyncClient(base_url=router, timeout=900, trust_env=False) as http:
+            gen = ResumableGeneration(http, max_resumes=20, max_retries=60, retry_base=0.2)
             body = {
                 "model": SERVED,
                 "input_ids": [*PROMPT, 50 + i],
@@ -165,15 +85,18 @@ class Load:
                     "ignore_eos": True,
                 },
             }
-            out = await gen.generate(body)
-            self.resumes += gen.resumes
-            return out
+            try:
+                return await gen.generate(body)
+            finally:
+                self.resumes += gen.resumes
+                self.retries += gen.retries
 
     async def finished(self) -> list[dict[str, Any]]:
         outs = await asyncio.gather(*self.tasks)
         for out in outs:
             assert len(out["output_ids"]) == self.tokens, "tokens lost"
             assert out["meta_info"]["finish_reason"]["type"] == "length"
+        print(f"load: {len(outs)} answered, {self.resumes} resumes, {self.retries} retries")
         return list(outs)
 
 
@@ -192,8 +115,8 @@ async def demand(env: Stack, events: list[dict[str, Any]]) -> None:
 
 
 # Demand large enough that a switch pays for what it costs (the Controller prices a switch by
-# its measured duration, here that of the real engines' first flip through smg).
-def prefill_heavy(env: Stack, n: int = 60, tokens: int = 20_000) -> list[dict[str, Any]]:
+# its measured duration, here that of the real engines' flips through smg).
+def prefill_heavy(env: Stack, n: int = 120, tokens: int = 20_000) -> list[dict[str, Any]]:
     return [
         env.event("request_queued", f"p{env._ids}-{i}", prompt_tokens=tokens, turn=0)
         for i in range(n)
@@ -209,7 +132,64 @@ def decode_heavy(env: Stack, prefill_pod: str, n: int = 12) -> list[dict[str, An
     return out
 
 
-async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env: CpuEngineEnv):
+async def toward_the_other_split(env: Stack) -> tuple[int, int]:
+    """Post the demand that wants the split this cluster is not in: the split it wants."""
+    roles = await env.roles()
+    prefill = sorted(n for n, r in roles.items() if r == "prefill")
+    if len(prefill) == 1:
+        await demand(env, prefill_heavy(env))
+        return 2, 1
+    await demand(env, decode_heavy(env, prefill[0]))
+    return 1, 2
+
+
+async def agent_counts(env: Stack, series: str) -> float:
+    """The sum of one counter over every engine pod's agent."""
+    total = 0.0
+    async with httpx.AsyncClient(verify=False, timeout=10, trust_env=False) as client:
+        for pod in engine_pods(env).values():
+            text = (await client.get(f"{pod.agent_url}/metrics")).text
+            total += sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith(series + " ") or line.startswith(series + "{")
+            )
+    return total
+
+
+async def _agent_switch_seconds(env: Stack) -> tuple[float, ...]:
+    """Over every agent: seconds in role calls, seconds draining, and how many of each."""
+    series = ("switch_seconds_sum", "drain_seconds_sum", "switch_seconds_count")
+    series += ("drain_seconds_count",)
+    return tuple([await agent_counts(env, f"prorsa_agent_{s}") for s in series])
+
+
+async def _draining_pod(env: Stack) -> str | None:
+    roles = await env.roles()
+    return next((name for name, role in roles.items() if role == DRAINING), None)
+
+
+async def _converged(env: Stack) -> bool:
+    """Three engine pods serving in PD roles, smg agreeing, no switch in progress."""
+    if not await smg_agrees(env):
+        return False
+    status = (await env.get_cluster()).get("status") or {}
+    conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+    return conditions.get("Switching") != "True"
+
+
+async def test_the_operator_switches_both_ways_under_load(
+    cluster: Stack, engine_env: CpuEngineEnv
+) -> None:
+    """Demand moves to prefill and back under a trainer's load of long generations: the
+    operator switches each way, its agents abort what a drain leaves and the trainer's
+    client resumes every one: nothing lost, and the KV moves between engines."""
+    env = cluster
+    assert await split(env, 1, 2)
+    aborted_before = await agent_counts(env, "prorsa_agent_aborted_requests_total")
+    agent_before = await _agent_switch_seconds(env)
+    # Longer than smg's drain (5 s) and the agents' (2 s) at this CPU's 40-90 tokens/s: a
+    # switch finds generations running and aborts them.
     load = Load(env, count=4, tokens=2000)
     started = time.monotonic()
     await demand(env, prefill_heavy(env))
@@ -226,6 +206,17 @@ async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env
     await env.wait_for(lambda: smg_agrees(env), timeout=120, what="smg after the flip back")
 
     await load.finished()
+    aborted = await agent_counts(env, "prorsa_agent_aborted_requests_total") - aborted_before
+    assert aborted >= 1, "no switch found a generation to abort: the load was too short"
+    assert load.resumes >= 1, (aborted, load.resumes)
+    TIMINGS.add("operator_switch_aborted_requests", aborted)
+    # The agents' part of the two switches: drain (abort at its deadline), flip, verify.
+    agent_after = await _agent_switch_seconds(env)
+    calls, drains = (agent_after[i] - agent_before[i] for i in (2, 3))
+    assert calls >= 2 and drains >= 2, (agent_before, agent_after)
+    TIMINGS.add("agent_busy_flip_mean", (agent_after[0] - agent_before[0]) / calls)
+    TIMINGS.add("agent_drain_mean", (agent_after[1] - agent_before[1]) / drains)
+    TIMINGS.add("operator_switch_client_resumes", float(load.resumes))
     history = (await env.get_cluster())["status"]["switchHistory"]
     succeeded = [h for h in history if h["result"] == "succeeded"]
     assert {(h["from"], h["to"]) for h in succeeded} >= {
@@ -244,27 +235,32 @@ async def test_the_operator_switches_both_ways_under_load(env: Stack, engine_env
     assert reply.json()["output_ids"] == reference_output(engine_env, PROMPT, 12)
 
 
-async def _draining_pod(env: Stack) -> str | None:
-    roles = await env.roles()
-    return next((name for name, role in roles.items() if role == DRAINING), None)
+async def test_smg_dropping_its_workers_mid_switch(cluster: Stack) -> None:
+    """smg dies while the operator waits for it to drop a draining pod: the kubelet starts
+    it again, it rediscovers the pods from the API server (answering 404 model_not_found
+    until then, which the trainer's client retries), and the switch completes."""
+    env = cluster
+    load = Load(env, count=3, tokens=400)
+    wanted = await toward_the_other_split(env)
+    await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
+    router = env.kubelet.router
+    assert router is not None and router.process is not None
+    router.process.kill()
+    dropped = time.monotonic()
+    await env.wait_for(lambda: split(env, *wanted), timeout=300, what=f"{wanted} after smg")
+    await env.wait_for(lambda: _converged(env), timeout=300, what="convergence")
+    TIMINGS.add("router_killed_to_converged", time.monotonic() - dropped)
+    await load.finished()
 
 
-async def _converged(env: Stack) -> bool:
-    """Three engine pods serving in PD roles, smg agreeing, no switch in progress."""
-    if not await smg_agrees(env):
-        return False
-    status = (await env.get_cluster()).get("status") or {}
-    conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
-    return conditions.get("Switching") != "True"
-
-
-async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
+async def test_an_engine_killed_in_the_middle_of_its_flip(cluster: Stack) -> None:
     """The engine dies while its agent flips it: the agent reports an unsafe failure, the
     operator replaces the pod, a fresh engine comes up as decode, the cluster converges, and
     the load that was on it is resumed elsewhere."""
+    env = cluster
     load = Load(env, count=3, tokens=400)
     before = {n: r.uid for n, r in env.kubelet.pods.items()}
-    await demand(env, prefill_heavy(env))
+    await toward_the_other_split(env)
     victim = await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
     runtime = env.kubelet.pods[victim]
     assert isinstance(runtime.pod, SglangPod) and runtime.pod.agent is not None
@@ -283,16 +279,14 @@ async def test_an_engine_killed_in_the_middle_of_its_flip(env: Stack):
     await env.wait_for(
         lambda: _replaced(env, victim, before[victim]), timeout=120, what="the pod replaced"
     )
+    # The fresh engine launches as decode, whatever its pod was flipping to; the operator
+    # may then flip an engine again for the demand, and converges either way.
     await env.wait_for(lambda: _converged(env), timeout=START, what="convergence")
     TIMINGS.add("killed_mid_flip_to_converged", time.monotonic() - killed)
-    # Demand stays prefill-heavy (fresh events, larger: the failed switch raised the
-    # Controller's measured switch cost): the operator gets to the split it wants.
-    await demand(env, prefill_heavy(env, n=120))
-    await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="2P:1D after the kill")
-    await env.wait_for(lambda: _converged(env), timeout=300, what="convergence at 2P:1D")
     await load.finished()
     history = (await env.get_cluster())["status"]["switchHistory"]
     assert any(h["pod"] == victim and h["result"] == "replaced" for h in history), history
+    assert len(engine_pods(env)) == INSTANCES
 
 
 async def _replaced(env: Stack, name: str, uid: str) -> bool:
@@ -300,26 +294,7 @@ async def _replaced(env: Stack, name: str, uid: str) -> bool:
     return runtime is not None and runtime.uid != uid
 
 
-async def test_smg_dropping_its_workers_mid_switch(env: Stack):
-    """smg dies while the operator waits for it to drop a draining pod: the kubelet starts
-    it again, it rediscovers the pods from the API server, and the switch completes."""
-    load = Load(env, count=3, tokens=400)
-    roles = await env.roles()
-    prefill_pod = next(n for n, r in roles.items() if r == "prefill")
-    # Demand back to decode: the queued prompts go, decodes are coming.
-    await demand(env, decode_heavy(env, prefill_pod))
-    await env.wait_for(lambda: _draining_pod(env), timeout=300, what="a draining pod")
-    router = env.kubelet.router
-    assert router is not None and router.process is not None
-    router.process.kill()
-    dropped = time.monotonic()
-    await env.wait_for(lambda: split(env, 1, 2), timeout=300, what="1P:2D after smg's restart")
-    await env.wait_for(lambda: _converged(env), timeout=300, what="convergence")
-    TIMINGS.add("router_killed_to_converged", time.monotonic() - dropped)
-    await load.finished()
-
-
-async def test_the_prefill_engine_lost_with_its_bootstrap_port(env: Stack):
+async def test_the_prefill_engine_lost_with_its_bootstrap_port(cluster: Stack) -> None:
     """The prefill engine dies with requests coming: its bootstrap port goes with it, while
     smg still lists it for a few seconds. Requests sent its way fail or are aborted by the
     decode engines that cannot reach the port, and every client resumes through smg. The
@@ -327,6 +302,8 @@ async def test_the_prefill_engine_lost_with_its_bootstrap_port(env: Stack):
     decode), the operator relabels the pod to the role the engine reports and flips an
     engine to prefill again (``roles.prefill.min`` is 1): the cluster converges, every
     request answered."""
+    env = cluster
+    await env.wait_for(lambda: _converged(env), timeout=300, what="a converged start")
     running = Load(env, count=2, tokens=300)
     await asyncio.sleep(2.0)
     roles = await env.roles()

@@ -95,23 +95,7 @@ def _cases(dense: Path, moe: Path) -> dict[str, dict[str, Any]]:
         extraArgs=["--hicache-storage-backend", "file"],
         env=[{"name": ALLOW_HICACHE_STORAGE_ENV, "value": "1"}],
     )
-    refused = {
-        f"refused: {' '.join(args)}": _with(dp_moe, extraArgs=args)
-        for args in (
-            ["--ep-size", "8"],
-            ["--enable-dp-attention", "--dp-size", "8", "--ep-size", "8"],
-            ["--pp-size", "2"],
-            ["--moe-a2a-backend", "deepep"],
-            ["--speculative-algorithm", "EAGLE"],
-            ["--dcp-size", "2"],
-            [
-                "--enable-dp-attention",
-                "--dp-size",
-                "8",
-                "--enable-dp-attention-local-control-broadcast",
-            ],
-        )
-    }
+    refused = {f"refused: {' '.join(args)}": _with(dp_moe, extraArgs=args) for args in REFUSED}
     return {
         "example: TP8, fp8 KV cache, HiCache host tier, decode radix cache, admin key": example,
         "HiCache off (PRORSA_DISABLE_HICACHE=1)": no_hicache,
@@ -123,6 +107,26 @@ def _cases(dense: Path, moe: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+REFUSED: dict[tuple[str, ...], str] = {
+    ("--ep-size", "8"): "--enable-pd-role-switch",
+    ("--enable-dp-attention", "--dp-size", "8", "--ep-size", "8"): "--enable-pd-role-switch",
+    ("--pp-size", "2"): "--enable-pd-role-switch",
+    ("--moe-a2a-backend", "deepep"): "--enable-pd-role-switch",
+    ("--speculative-algorithm", "EAGLE"): "--enable-pd-role-switch",
+    ("--dcp-size", "2"): "--enable-pd-role-switch",
+    (
+        "--enable-dp-attention",
+        "--dp-size",
+        "8",
+        "--enable-dp-attention-local-control-broadcast",
+    ): "--enable-pd-role-switch",
+    ("--attn-dp-size", "8", "--enable-dp-attention-local-control-broadcast"): "--enable-pd",
+    ("--attn-dp-size", "8", "--dp-size", "2"): "data-parallel replicas combined with attention",
+    ("--disaggregation-decode-host-receive-threshold", "0.5"): "role switching",
+}
+"""Engine flags SGLang refuses (each with words of SGLang's error), on the DP-attention MoE
+deployment; admission must refuse every one, naming the field."""
+
 OPERATOR_ONLY = {
     "operator only: --disaggregation-mode prefill": (
         ["--disaggregation-mode", "prefill"],
@@ -131,6 +135,10 @@ OPERATOR_ONLY = {
     "operator only: --api-key": (
         ["--api-key", "k2"],
         "it closes /v1/loads and /server_info to the agent (which refuses it too)",
+    ),
+    "operator only: --tp-size": (
+        ["--tp-size", "4"],
+        "it would silently replace engine.tensorParallelSize (argparse keeps the last value)",
     ),
 }
 """Accepted by SGLang, refused by admission: the operator sets these or forbids the state."""
@@ -190,7 +198,7 @@ def _sglang(env: CpuEngineEnv, cases: dict[str, list[list[str]]]) -> dict[str, s
 
 @pytest.fixture(scope="module")
 def verdicts(
-    engine_env: CpuEngineEnv, tmp_path_factory
+    engine_env: CpuEngineEnv, engines_stopped: None, tmp_path_factory
 ) -> dict[str, tuple[str | None, str | None]]:
     """``{case: (admission error or None, SGLang error or None)}``."""
     moe = tmp_path_factory.mktemp("qwen3-moe-shape")
@@ -233,13 +241,13 @@ def test_sglang_accepts_every_combination_admission_accepts(verdicts):
 
 
 def test_admission_refuses_what_sglang_refuses_naming_the_field(verdicts):
-    refused = {name: v for name, v in verdicts.items() if name.startswith("refused")}
-    assert len(refused) == 7
-    for name, (admission, sglang) in refused.items():
+    for args, words in REFUSED.items():
+        name = f"refused: {' '.join(args)}"
+        admission, sglang = verdicts[name]
         assert sglang is not None, f"{name}: SGLang accepted it"
         assert admission is not None, f"{name}: admission accepted what SGLang refuses: {sglang}"
         assert admission.startswith("spec.engine.extraArgs: "), admission
-        assert "--enable-pd-role-switch" in sglang, sglang
+        assert words in sglang, (name, sglang)
 
 
 def test_what_only_admission_refuses_has_its_reason(verdicts):
