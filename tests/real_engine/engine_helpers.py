@@ -138,16 +138,25 @@ class Timings:
         path.write_text(json.dumps(old | {self.section: self.values}, indent=2) + "\n")
 
 
-def reference_output(env: CpuEngineEnv, ids: list[int], n: int) -> list[int]:
+_REFERENCE: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+
+async def reference_output(env: CpuEngineEnv, ids: list[int], n: int) -> list[int]:
     """The tiny model's greedy continuation of ``ids`` by a plain forward pass (no SGLang,
     no KV cache; ``tiny_model.py --reference``): what a PD answer must equal when the decode
-    engine continued from the KV the prefill engine sent."""
-    query = json.dumps({"input_ids": ids, "max_new_tokens": n})
-    out = subprocess.run(
-        [str(env.python), str(ROOT / MODEL_SCRIPT), str(env.model), "--reference", query],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    return list(json.loads(out.stdout))
+    engine continued from the KV the prefill engine sent. Computed once per session, in a
+    thread: the subprocess imports torch (a minute on busy cores), and the operator, the
+    kubelet and the agents run on the test's event loop meanwhile."""
+    key = (str(env.model), tuple(ids), n)
+    if key not in _REFERENCE:
+        query = json.dumps({"input_ids": ids, "max_new_tokens": n})
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [str(env.python), str(ROOT / MODEL_SCRIPT), str(env.model), "--reference", query],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        _REFERENCE[key] = list(json.loads(out.stdout))
+    return _REFERENCE[key]

@@ -87,7 +87,7 @@ async def test_pd_output_through_smg_is_the_models_own(
     assert reply.status_code == 200, reply.text
     out = reply.json()
     assert out["meta_info"]["finish_reason"]["type"] == "length"
-    assert out["output_ids"] == reference_output(engine_env, PROMPT, 12)
+    assert out["output_ids"] == await reference_output(engine_env, PROMPT, 12)
     for decode in (await pods_by_role(cluster))["decode"]:
         loads = await client.get(f"{decode.engine_url}/v1/loads", params={"include": "all"})
         assert loads.json()["loads"][0]["disaggregation"]["mode"] == "decode"
