@@ -63,7 +63,9 @@ class Load:
     """A trainer's generations through smg, resumed across aborts; all checked at the end.
 
     The client is configured as a trainer would for a cluster that may have no prefill
-    engine for minutes (the failure cases): many retries, each at most 10 s apart.
+    engine for minutes (the failure cases): retries at most 10 s apart, enough of them to
+    outlast an engine's load on busy cores (41 were used over the 10 minutes it took once);
+    each test bounds the whole by its own wait.
     """
 
     def __init__(self, env: Stack, *, count: int, tokens: int) -> None:
@@ -75,7 +77,7 @@ class Load:
 
     async def _one(self, router: str, i: int) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=router, timeout=900, trust_env=False) as http:
-            gen = ResumableGeneration(http, max_resumes=20, max_retries=60, retry_base=0.2)
+            gen = ResumableGeneration(http, max_resumes=20, max_retries=200, retry_base=0.2)
             body = {
                 "model": SERVED,
                 "input_ids": [*PROMPT, 50 + i],
