@@ -27,8 +27,10 @@ from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS, SglangPod
 
 SERVED = "tiny"
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
-START = 900.0
-"""Seconds for three engines loading at once on a loaded 2-core machine (210-263 s seen)."""
+START = 1800.0
+"""Seconds for engines to load and the cluster to converge (three at once took 210-517 s on
+a loaded 2-core machine; one reload after a kill more than 600 s at a load average near
+30): the engine pods' startupProbe bound (``START_TIMEOUT``)."""
 INSTANCES = 3
 
 

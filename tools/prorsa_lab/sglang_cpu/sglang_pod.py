@@ -50,8 +50,11 @@ CPU_TIMEOUTS = Timeouts(
 """Agent timeouts for a CPU engine: a flip takes 0.1-0.6 s, a one-token check up to seconds
 while two other engines share the cores."""
 
-START_TIMEOUT = 600.0
-"""Seconds an engine may take to load (94-127 s measured on a loaded 2-core machine)."""
+START_TIMEOUT = 1800.0
+"""Seconds an engine may take to load before its pod fails: the engine pods' startupProbe
+(``prorsa.k8s.objects``: ``/healthz`` every 10 s, 180 failures), as a kubelet would. A load
+took 94-127 s on a loaded 2-core machine, and more than 600 s with the cores some fifteen
+times oversubscribed (a tighter bound failed the pod, and its replacement loaded again)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
