@@ -224,8 +224,10 @@ class EngineSpec(_Spec):
     ] = Field(
         default_factory=list,
         alias="extraArgs",
-        description="More SGLang flags, after the operator's. Flags the operator sets, and "
-        "combinations SGLang 0.5.23 refuses with role switching, are refused "
+        description="More SGLang flags, after the operator's. The Controller reads attention "
+        "DP here (`--attn-dp-size N`, or the deprecated `--enable-dp-attention` with "
+        "`--dp-size N`): each request then runs on one attention-DP rank. Flags the operator "
+        "sets, and combinations SGLang 0.5.23 refuses with role switching, are refused "
         "(docs/engine-flags.md).",
     )
     env: Annotated[list[EnvVar], Field(max_length=256)] = Field(
