@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test test-fast lint bench demo venv clean
+.PHONY: test test-fast lint bench demo venv clean engine-env test-engine engine-study demo-sglang
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,28 @@ bench: $(DEMO_STAMP)
 DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
 	$(BIN)/prorsa demo $(DEMO_ARGS)
+
+# The real SGLang 0.5.23 on this CPU: .venv-engine (sglang, mooncake's non-CUDA transfer
+# engine, smg; about 10 minutes and 11 GB the first time, a no-op once built) and the tiny
+# model; apt-installs libibverbs1 when missing (docs/testing.md).
+engine-env:
+	scripts/engine-env.sh
+
+# tests/real_engine/ (pytest marker real_engine, left out of `make test`): the agent, the
+# operator, its failure cases, SGLang's own flag validation and the demo against real engines
+# behind the real smg (one shared cluster of three engines, then the demo's three).
+test-engine: engine-env $(TEST_STAMP)
+	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q --durations=0 \
+		-m "real_engine and not study" tests/real_engine
+
+# The study behind docs/sglang-role-switch.md's "Launched as prefill" and SGLang's own flip
+# times (tests/real_engine/test_launched_as_prefill.py; three more engines).
+engine-study: engine-env $(TEST_STAMP)
+	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q -s -m study tests/real_engine
+
+# `make demo` with real SGLang engines on this CPU instead of engine doubles.
+demo-sglang: engine-env $(DEMO_STAMP)
+	$(BIN)/prorsa demo --engine sglang $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis bench-out

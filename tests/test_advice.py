@@ -6,24 +6,18 @@ from __future__ import annotations
 import pytest
 from conftest import make_spec
 
-from prorsa.core.advice import deployment_advice, refused_flags
+from prorsa.core.advice import deployment_advice
+from prorsa.core.spec import SpecError
 
 
-def test_role_switch_refusals_are_named() -> None:
-    args = ["--ep-size", "8", "--moe-a2a-backend=deepep", "--pp-size", "1", "--dp-size", "4"]
-    assert refused_flags(args) == ["--ep-size 8", "--moe-a2a-backend deepep"]
-    assert refused_flags(["--speculative-algorithm", "EAGLE"]) == ["--speculative-algorithm EAGLE"]
-    assert refused_flags(["--moe-a2a-backend", "none", "--ep", "1"]) == []
-    assert refused_flags(["--pipeline-parallel-size", "2"]) == ["--pipeline-parallel-size 2"]
-    assert refused_flags(["--enable-dp-attention-local-control-broadcast"]) == [
-        "--enable-dp-attention-local-control-broadcast"
-    ]
+def test_flags_sglang_refuses_are_refused_not_advised() -> None:
+    """The spec refuses them, naming the field (tests/test_engine_flags.py has each rule;
+    tests/real_engine/test_sglang_validation.py holds them to SGLang's own validation)."""
+    with pytest.raises(SpecError, match=r"spec\.engine\.extraArgs: --ep 8: .*expert"):
+        make_spec(engine={"extraArgs": ["--attn-dp-size", "4", "--ep", "8"]})
 
 
-def test_advice_for_ep_and_for_pure_tensor_parallel_attention() -> None:
-    ep = make_spec(engine={"extraArgs": ["--attn-dp-size", "4", "--ep", "8"]})
-    notes = deployment_advice(ep)
-    assert "--ep 8" in notes[0] and "refuses" in notes[0]
+def test_advice_for_pure_tensor_parallel_attention() -> None:
     tp = make_spec(engine={"extraArgs": []})
     (note,) = deployment_advice(tp)
     assert "not data-parallel" in note and "colocated" in note
@@ -49,19 +43,9 @@ def test_dp_attention_checks_name_what_sglang_refuses_or_changes() -> None:
     spec = make_spec(
         engine={
             "tensorParallelSize": 6,
-            "extraArgs": [
-                "--attn-dp-size",
-                "4",
-                "--dp-size",
-                "2",
-                "--chunked-prefill-size",
-                "8192",
-            ],
-            "env": [{"name": "SGLANG_RUST_SERVER", "value": "true"}],
+            "extraArgs": ["--attn-dp-size", "4", "--chunked-prefill-size", "8192"],
         }
     )
     text = "\n".join(deployment_advice(spec))
     assert "engine.tensorParallelSize (6) is not a multiple of the attention-DP size (4)" in text
-    assert "--dp-size 2 next to --attn-dp-size 4" in text
-    assert "SGLANG_RUST_SERVER" in text and "local control broadcast" in text
     assert "each rank prefills chunks of 2048 tokens" in text

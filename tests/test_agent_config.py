@@ -333,12 +333,36 @@ def test_the_admin_key_file_becomes_the_engines_admin_api_key(tmp_path: Path):
     config = build_config(args, env={})
     assert config.launch is not None and config.engine_api_key_file == key_file
     argv = list(config.launch.argv)
-    assert argv[argv.index("--admin-api-key") + 1] == ADMIN_KEY
+    assert f"--admin-api-key={ADMIN_KEY}" in argv
     assert "--api-key" not in argv
     assert config.launch.secrets == (ADMIN_KEY,)
     assert ADMIN_KEY not in repr(config.launch)
     # Without a key file the engine gets no key (an agent attached to an engine run elsewhere).
-    assert "--admin-api-key" not in _launch_argv(tmp_path, {})
+    assert not any(a.startswith("--admin-api-key") for a in _launch_argv(tmp_path, {}))
+
+
+def test_an_admin_key_that_starts_with_a_dash_reaches_the_engine(tmp_path: Path):
+    """One key in 64 the operator makes (URL-safe base64) starts with "-": given as an
+    argument of its own, argparse (SGLang's, the double's) takes it for an option and the
+    engine never starts. The real SGLang's parser checks the same in
+    tests/real_engine/test_sglang_validation.py."""
+    import argparse
+
+    key = "-Xk3y_starting-with-a-dash"
+    (tmp_path / "key").write_text(key)
+    args = _args(
+        [
+            "--engine-url", "http://127.0.0.1:30001", "--token-file", str(tmp_path / "t"),
+            "--instance", "rc-engine-0", "--engine-api-key-file", str(tmp_path / "key"),
+            "--launch",
+        ]
+    )  # fmt: skip
+    config = build_config(args, env={})
+    assert config.launch is not None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--admin-api-key")
+    known, _ = parser.parse_known_args(list(config.launch.argv[3:]))
+    assert known.admin_api_key == key
 
 
 @pytest.mark.parametrize(

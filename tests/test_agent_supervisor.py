@@ -304,7 +304,7 @@ def test_prorsa_agent_gives_the_engine_its_admin_key_and_keeps_it_out_of_the_log
         _reap(proc)
     # The engine printed its server arguments (SGLang logs the key there) and the agent its
     # command line: both went through the agent, with the key replaced.
-    assert "server_args=" in printed and "--admin-api-key <redacted>" in printed
+    assert "server_args=" in printed and "--admin-api-key=<redacted>" in printed
     assert key not in printed
 
 

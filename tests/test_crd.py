@@ -14,6 +14,7 @@ import yaml
 
 from prorsa.core.spec import SpecError, parse_cluster
 from prorsa.k8s.crd_manifest import SPEC_RULES, crd, render
+from prorsa_lab.doubles.kube.schema import cel_program
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,11 +170,10 @@ def defaulted(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def cel_failures(manifest: dict[str, Any]) -> list[str]:
-    env = celpy.Environment()
     activation = {"self": celpy.json_to_cel(defaulted(manifest))}
     failed = []
     for rule in SPEC_RULES:
-        result = env.program(env.compile(rule["rule"])).evaluate(activation)
+        result = cel_program(rule["rule"]).evaluate(activation)
         if not bool(result):
             failed.append(rule["fieldPath"])
     return failed

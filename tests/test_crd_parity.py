@@ -27,7 +27,7 @@ from test_crd import BAD, GOOD, schema, with_spec
 
 from prorsa.cli import main
 from prorsa.k8s.crd_manifest import SPEC_RULES
-from prorsa_lab.doubles.kube.schema import apply_structural_schema
+from prorsa_lab.doubles.kube.schema import apply_structural_schema, cel_program
 from prorsa_lab.doubles.kube.schema import validate as emulator_validate
 
 
@@ -82,12 +82,11 @@ def _as_kubectl_sends_it(value: Any) -> Any:
 
 
 def _cel_failures(spec: dict[str, Any]) -> list[str]:
-    env = celpy.Environment()
     activation = {"self": celpy.json_to_cel(spec)}
     failed = []
     for rule in SPEC_RULES:
         try:
-            ok = bool(env.program(env.compile(rule["rule"])).evaluate(activation))
+            ok = bool(cel_program(rule["rule"]).evaluate(activation))
         except celpy.CELEvalError:
             failed.append("spec")
             continue
@@ -155,6 +154,26 @@ ACCEPTED: dict[str, dict[str, Any]] = {
     "fixedRate with a rate": with_spec(
         forecast__injection={"policy": "fixedRate", "ratePerSecond": 2}
     ),
+    # Engine flags SGLang runs with role switching (prorsa.core.engine_flags).
+    "sizes of 1, no all-to-all, host receive at 1": with_spec(
+        engine__extraArgs=[
+            *("--ep-size", "1", "--pp-size=1", "--moe-a2a-backend", "none"),
+            *("--disaggregation-decode-host-receive-threshold", "1"),
+        ]
+    ),
+    "attention DP": with_spec(engine__extraArgs=["--attn-dp-size", "8"]),
+    "attention DP, the deprecated spelling": with_spec(
+        engine__extraArgs=["--enable-dp-attention", "--dp-size", "8"]
+    ),
+    "local control broadcast without attention DP": with_spec(
+        engine__extraArgs=["--enable-dp-attention-local-control-broadcast"],
+        engine__env=[{"name": "SGLANG_RUST_SERVER", "value": "1"}],
+    ),
+    "a HiCache store the engine owns": with_spec(
+        engine__extraArgs=["--hicache-storage-backend=file"],
+        engine__env=[{"name": "PRORSA_ALLOW_HICACHE_STORAGE", "value": "true"}],
+    ),
+    "a value that is a flag's name": with_spec(engine__extraArgs=["--chunked-prefill-size=8"]),
 }
 
 REFUSED: dict[str, dict[str, Any]] = {
@@ -187,6 +206,36 @@ REFUSED: dict[str, dict[str, Any]] = {
     "engine as a string": with_spec(engine="sglang"),
     "tokenSecretRef without a name": with_spec(trainer__tokenSecretRef={}),
     'router.enabled "yes"': with_spec(router__enabled="yes"),
+    "an env value that is not a string": with_spec(engine__env=[{"name": "A", "value": 1}]),
+    # Engine flags SGLang refuses with role switching, or the operator sets.
+    "--ep-size 8": with_spec(engine__extraArgs=["--ep-size", "8"]),
+    "--expert-parallel-size=16": with_spec(engine__extraArgs=["--expert-parallel-size=16"]),
+    "--pp-size 2": with_spec(engine__extraArgs=["--pp-size", "2"]),
+    "--dcp-size=2": with_spec(engine__extraArgs=["--dcp-size=2"]),
+    "--moe-a2a-backend deepep": with_spec(engine__extraArgs=["--moe-a2a-backend", "deepep"]),
+    "--moe-a2a-backend non": with_spec(engine__extraArgs=["--moe-a2a-backend=non"]),
+    "--speculative-algorithm": with_spec(engine__extraArgs=["--speculative-algorithm", "NGRAM"]),
+    "local control broadcast with attention DP": with_spec(
+        engine__extraArgs=["--attn-dp-size", "8", "--enable-dp-attention-local-control-broadcast"]
+    ),
+    "DWDP with attention DP": with_spec(engine__extraArgs=["--attn-dp-size=8", "--dwdp-size=8"]),
+    "--dp-size with --attn-dp-size": with_spec(
+        engine__extraArgs=["--attn-dp-size", "8", "--dp-size", "2"]
+    ),
+    "host receive threshold 0.5": with_spec(
+        engine__extraArgs=["--disaggregation-decode-host-receive-threshold=0.5"]
+    ),
+    "SGLANG_RUST_SERVER with attention DP": with_spec(
+        engine__extraArgs=["--attn-dp-size", "8"],
+        engine__env=[{"name": "SGLANG_RUST_SERVER", "value": "TRUE"}],
+    ),
+    "a shared HiCache store": with_spec(engine__extraArgs=["--hicache-storage-backend", "file"]),
+    "--tp-size": with_spec(engine__extraArgs=["--tp-size", "8"]),
+    "--admin-api-key=": with_spec(engine__extraArgs=["--admin-api-key=k"]),
+    "--disaggregation-mode": with_spec(engine__extraArgs=["--disaggregation-mode", "prefill"]),
+    "PRORSA_EXTRA_ARGS in env": with_spec(engine__env=[{"name": "PRORSA_EXTRA_ARGS", "value": ""}]),
+    "more extraArgs than the bound": with_spec(engine__extraArgs=["--x"] * 257),
+    "an extra arg over its length": with_spec(engine__extraArgs=["x" * 4097]),
     **BAD,
 }
 

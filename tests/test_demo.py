@@ -153,6 +153,8 @@ def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
     assert summary["requests_resumed"] <= summary["resumes"]
     assert summary["events_dropped"] == 0 and summary["events_delivered"] > 100
     # Every model call went through smg, each resend after an abort too.
+    # The summary names what served the rollout: here the double, which says what it copies.
+    assert summary["engine"] == {"name": "engine-double", "version": "sglang 0.5.23 wire format"}
     router = summary["router"]
     assert router["name"] == "smg" and router["version"] == "1.13.0", router
     assert router["requests"] == summary["requests_sent"] + summary["resumes"], summary

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from prorsa.core.spec import flag_values
+from prorsa.core.engine_flags import flag_values
 from prorsa.k8s.manifest_file import load_cluster
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,6 +36,8 @@ class Engine:
 
     abort_after: list[int | None] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    canned: list[dict[str, Any]] = field(default_factory=list)
+    """``/generate`` replies given as they are, before any generated one."""
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def _fault(self, request: web.Request) -> web.Response | None:
@@ -46,6 +48,9 @@ class Engine:
             assert request.transport is not None
             request.transport.close()
             return web.Response()
+        if fault == "model_not_found":  # smg 1.13 while no worker of the model is registered
+            error = {"type": "invalid_request_error", "code": fault, "message": "Unknown model"}
+            return web.json_response({"error": error}, status=404)
         return web.json_response({"detail": "engine unavailable"}, status=int(fault))
 
     def _budget(self) -> int | None:
@@ -56,6 +61,8 @@ class Engine:
         self.requests.append(body)
         if (fault := self._fault(request)) is not None:
             return fault
+        if self.canned:
+            return web.json_response(self.canned.pop(0))
         params = body.get("sampling_params") or {}
         limit = params.get("max_new_tokens", 16)
         # Text mode tokenizes "xxx" as id 3, so text round-trips through token ids.
@@ -298,3 +305,48 @@ async def test_resumes_are_reported_to_prorsa(running: Running) -> None:
         assert handle.controller.live_trajectories()["ready"] == 1
         decision = await handle.tick(now=time.time())
         assert decision.forecast.components.ready == len(PROMPT) + 8
+
+
+async def test_an_aborted_piece_without_output_ids_costs_no_budget(running: Running) -> None:
+    """An aborted piece can count a token it did not return (``completion_tokens`` 1 with
+    ``output_ids`` []: the first token of a PD request is the prefill engine's, and an abort
+    while its KV is in flight leaves the decode engine with none to send). A token-exact
+    resume re-sends only the ids it got, so the budget shrinks by those alone: the answer
+    still has its whole budget."""
+    running.engine.canned = [
+        {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {
+                "finish_reason": {"type": "abort", "message": "Abort before role switch"},
+                "prompt_tokens": len(PROMPT),
+                "completion_tokens": 1,
+            },
+        }
+    ]
+    gen = ResumableGeneration(running.http)
+    out = await gen.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}})
+    assert len(out["output_ids"]) == 20
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    sent = running.engine.requests
+    assert [r["sampling_params"]["max_new_tokens"] for r in sent] == [20, 20]
+    assert [len(r["input_ids"]) for r in sent] == [len(PROMPT), len(PROMPT)]
+
+
+async def test_a_router_without_workers_of_the_model_yet_is_retried(running: Running) -> None:
+    """smg answers 404 ``model_not_found`` while no worker of the model is registered (right
+    after it restarts): retried like a 503, bounded; any other 404 is not."""
+    gen = ResumableGeneration(running.http, retry_base=0.01)
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}}
+    running.engine.faults = ["model_not_found", "model_not_found"]
+    out = await gen.generate(payload)
+    assert len(out["output_ids"]) == 8 and gen.retries == 2
+    running.engine.faults = ["model_not_found"] * 5
+    with pytest.raises(httpx.HTTPStatusError) as exc:
+        await ResumableGeneration(running.http, max_retries=2, retry_base=0.01).generate(payload)
+    assert exc.value.response.status_code == 404
+    running.engine.faults = ["404"]
+    before = len(running.engine.requests)
+    with pytest.raises(httpx.HTTPStatusError):
+        await gen.generate(payload)
+    assert len(running.engine.requests) - before == 1

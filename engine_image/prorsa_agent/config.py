@@ -358,7 +358,10 @@ def admin_key_args(args: Sequence[str], key: str) -> list[str]:
             )
     if not key.strip():
         raise ConfigError("the engine admin key file is empty")
-    return [ADMIN_KEY_FLAG, key.strip()]
+    # One argument, ``--admin-api-key=KEY``: the operator's keys are URL-safe base64, and
+    # one in 64 starts with "-", which SGLang's argparse takes for an option when it is an
+    # argument of its own ("expected one argument": the engine never starts).
+    return [f"{ADMIN_KEY_FLAG}={key.strip()}"]
 
 
 def engine_argv(

@@ -26,7 +26,8 @@ class EngineHealth:
         self.failed: str | None = None
         self.consecutive_failures = 0
         self.last_role: Role = launch_role
-        self.startup_time: float | None = None
+        # SGLang 0.5.23's start-up phase durations (a dict): compared, never read.
+        self.startup_time: object | None = None
         self.graph_memory_gb: float | None = None
 
     @property

@@ -20,9 +20,12 @@ Two endpoints, non-streaming:
   ``/generate`` when token identity matters.
 
 In both cases the token budget (``max_new_tokens`` / ``max_tokens`` /
-``max_completion_tokens``) shrinks by what was already generated. Resumes are bounded
-(``max_resumes``); transient failures (connection errors, 5xx, 429: no partial output) are
-retried with backoff, bounded by ``max_retries``.
+``max_completion_tokens``) shrinks by what the resumed request carries (the ids returned).
+Resumes are bounded (``max_resumes``); transient failures (no partial output) are retried
+with capped exponential backoff, bounded by ``max_retries``: connection errors, 5xx, 429,
+and smg's 404 ``model_not_found``, which a router answers while no worker of the model is
+registered (right after the router restarts, until its discovery finds the engines again);
+a model name that is simply wrong then fails after the retries.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class ResumableGeneration:
         max_resumes: int = 8,
         max_retries: int = 3,
         retry_base: float = 0.2,
+        max_retry_delay: float = 10.0,
         emitter: _RequestEvents | None = None,
     ) -> None:
         if max_resumes < 0 or max_retries < 0:
@@ -115,8 +119,11 @@ class ResumableGeneration:
         self.max_resumes = max_resumes
         self.max_retries = max_retries
         self.retry_base = retry_base
+        self.max_retry_delay = max_retry_delay
         self.emitter = emitter
-        self.resumes = 0  # total over this helper's life, for metrics and tests
+        # Totals over this helper's life, for metrics and tests.
+        self.resumes = 0
+        self.retries = 0
 
     # -- SGLang /generate ----------------------------------------------------------------
 
@@ -146,7 +153,13 @@ class ResumableGeneration:
             text += out.get("text") or ""
             if _finish_type(meta.get("finish_reason")) != "abort":
                 return _merge_generate(pieces, output_ids=output_ids, text=text)
-            generated = len(new_ids) if new_ids else int(meta.get("completion_tokens") or 0)
+            # The budget shrinks by what the resumed prompt carries: the ids returned (a
+            # piece can count a token it never returned), or, for a text prompt from a
+            # server that returns no ids, the tokens behind the text.
+            if "input_ids" in request or "output_ids" in out:
+                generated = len(new_ids)
+            else:
+                generated = int(meta.get("completion_tokens") or 0)
             params = dict(request.get("sampling_params") or {})
             if not _shrink_budget(params, _BUDGET_KEYS_GENERATE, generated):
                 merged = _merge_generate(pieces, output_ids=output_ids, text=text)
@@ -246,15 +259,30 @@ class ResumableGeneration:
                     raise ValueError(f"{path} answered {type(data).__name__}, not an object")
                 return data
             except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                transient = isinstance(exc, httpx.TransportError) or (
-                    exc.response.status_code == 429 or exc.response.status_code >= 500
-                )
+                transient = isinstance(exc, httpx.TransportError) or _transient(exc.response)
                 if not transient or attempt >= self.max_retries:
                     raise
-                delay = random.uniform(0.0, self.retry_base * 2**attempt)
+                delay = random.uniform(0.0, min(self.retry_base * 2**attempt, self.max_retry_delay))
                 log.info("%s failed (%s); retrying in %.2fs", path, exc, delay)
                 await asyncio.sleep(delay)
                 attempt += 1
+                self.retries += 1
+
+
+def _transient(response: httpx.Response) -> bool:
+    """A reply worth sending the same request again for: overload, a server error, or the
+    router's "no worker of this model" (smg 1.13's 404 ``model_not_found``)."""
+    status = response.status_code
+    if status == 429 or status >= 500:
+        return True
+    if status != 404:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == "model_not_found"
 
 
 def _is_batch(value: Any) -> bool:

@@ -42,9 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--instances",
         type=int,
-        default=4,
+        default=None,
         metavar="N",
-        help="engine pods, 8 GPUs each: gpuBudget = 8N (default 4)",
+        help="engine pods, 8 GPUs each: gpuBudget = 8N (default 4; with --engine sglang one "
+        "CPU engine each, default 3)",
     )
     parser.add_argument(
         "--out",
@@ -93,16 +94,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(engine.nodesPerInstance; default 1)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload random seed")
+    parser.add_argument(
+        "--engine",
+        choices=("double", "sglang"),
+        default="double",
+        help="what serves the engine pods: the SGLang engine double (default), or the real "
+        "SGLang 0.5.23 on this CPU with a tiny local model (`make demo-sglang` builds its "
+        "environment first; at most 3 instances, token counts a tenth of the double's)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.demo.run import DemoInterrupted, DemoOptions, run_demo
+    from prorsa_lab.demo.run import (
+        SGLANG_MODEL,
+        DemoInterrupted,
+        DemoOptions,
+        EngineModel,
+        run_demo,
+    )
 
+    real = args.engine == "sglang"
     try:
         options = DemoOptions(
             duration=args.duration,
             task=args.task,
-            instances=args.instances,
+            instances=args.instances or (3 if real else 4),
+            engine=args.engine,
+            model=SGLANG_MODEL if real else EngineModel(),
             out=args.out,
             live=args.live and sys.stdout.isatty(),
             seed=args.seed,

@@ -133,8 +133,12 @@ def volume_problems(volume: Mapping[str, Any], *, secrets: Collection[str] = ())
 
 
 def env_problems(env: Mapping[str, Any], *, secrets: Collection[str] = ()) -> list[Problem]:
-    """An EnvVar (or EnvFromSource): Secrets only among ``secrets``."""
-    return _secret_problems(env, secrets=secrets)
+    """An EnvVar (or EnvFromSource): Secrets only among ``secrets``; a ``value`` is a string
+    (the schema declares it, the engine-flag rules read it)."""
+    out = _secret_problems(env, secrets=secrets)
+    if "value" in env and not isinstance(env["value"], str):
+        out.append(("value", "must be a string"))
+    return out
 
 
 def _secret_problems(value: Mapping[str, Any], *, secrets: Collection[str]) -> list[Problem]:
@@ -289,6 +293,7 @@ ENV_SCHEMA: dict[str, Any] = {
     "required": ["name"],
     "properties": {
         "name": {"type": "string"},
+        "value": {"type": "string"},
         "valueFrom": {**_FREE, "properties": {"secretKeyRef": _FREE}},
     },
     "x-kubernetes-validations": [

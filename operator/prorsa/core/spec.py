@@ -35,7 +35,8 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from prorsa.core import pod_bounds
+from prorsa.core import engine_flags, pod_bounds
+from prorsa.core.engine_flags import flag_values
 from prorsa_contract.agent_api import MAX_DRAIN_TIMEOUT_SECONDS
 
 GROUP = "prorsa.io"
@@ -47,16 +48,6 @@ PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-
-def flag_values(args: Sequence[str], *names: str) -> list[str]:
-    """Every value given to any of ``names`` in an argv (``--flag v`` or ``--flag=v``)."""
-    out = []
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in names:
-            out.append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
-    return out
 
 
 def _allows(annotation: Any, kind: type) -> bool:
@@ -125,9 +116,18 @@ class _Spec(BaseModel):
         return out
 
 
+class _BoundsError(ValueError):
+    """Problems below the field that was validated, each under its own path (so that
+    :func:`spec_problems` names ``engine.env.0.value``, as the API server does)."""
+
+    def __init__(self, problems: list[pod_bounds.Problem]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {message}" for path, message in problems))
+
+
 def _refuse(problems: list[pod_bounds.Problem]) -> None:
     if problems:
-        raise ValueError("; ".join(f"{path}: {message}" for path, message in problems))
+        raise _BoundsError(problems)
 
 
 def _volume(value: dict[str, Any]) -> dict[str, Any]:
@@ -219,7 +219,18 @@ class EngineSpec(_Spec):
     )
     tensor_parallel_size: PosInt = Field(8, alias="tensorParallelSize")
     transfer_backend: Literal["mooncake", "mori"] = Field("mooncake", alias="transferBackend")
-    extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
+    extra_args: Annotated[
+        list[Annotated[str, Field(max_length=engine_flags.MAX_EXTRA_ARG_LENGTH)]],
+        Field(max_length=engine_flags.MAX_EXTRA_ARGS),
+    ] = Field(
+        default_factory=list,
+        alias="extraArgs",
+        description="More SGLang flags, after the operator's. The Controller reads attention "
+        "DP here (`--attn-dp-size N`, or the deprecated `--enable-dp-attention` with "
+        "`--dp-size N`): each request then runs on one attention-DP rank. Flags the operator "
+        "sets, and combinations SGLang 0.5.23 refuses with role switching, are refused "
+        "(docs/engine-flags.md).",
+    )
     env: Annotated[list[EnvVar], Field(max_length=256)] = Field(
         default_factory=list,
         description="Extra environment variables of the engine container (EnvVar list), "
@@ -691,6 +702,15 @@ def cross_field_problems(get: Callable[[str], Any]) -> list[Problem]:
             continue
         if problem is not None:
             problems.append(problem)
+    # Engine flags SGLang or the agent refuse, or the operator sets (prorsa.core.engine_flags).
+    try:
+        args, env = get("engine.extraArgs"), get("engine.env")
+    except _Unknown:
+        return problems
+    problems += [
+        Problem(f"engine.{field}", message)
+        for field, message in engine_flags.engine_problems(args, env)
+    ]
     return problems
 
 
@@ -723,7 +743,14 @@ def _pydantic_problems(
         loc = _wire_path(err["loc"], model or RolloutClusterSpec)
         if err["type"] == "extra_forbidden":  # the key as it was given
             loc = ".".join([*loc.split(".")[:-1], str(err["loc"][-1])])
-        out.append(Problem(".".join(p for p in (root, loc) if p), _message(err["msg"])))
+        field = ".".join(p for p in (root, loc) if p)
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _BoundsError):
+            out += [
+                Problem(".".join(p for p in (field, path) if p), m) for path, m in cause.problems
+            ]
+            continue
+        out.append(Problem(field, _message(err["msg"])))
     return out
 
 

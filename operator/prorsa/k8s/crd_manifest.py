@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from prorsa.core import engine_flags
 from prorsa.core.spec import (
     GROUP,
     KIND,
@@ -27,7 +28,8 @@ from prorsa.core.spec import (
 # `ro`; Tekton's PipelineRun `pr`).
 SHORT_NAMES = ["rollc", "prc"]
 
-# Cross-field rules (CEL). Each mirrors a model validator in prorsa.core.spec.
+# Cross-field rules (CEL). Each mirrors a rule of prorsa.core.spec.cross_field_problems;
+# the engine-flag rules are generated from prorsa.core.engine_flags, which runs them in Python.
 SPEC_RULES: list[dict[str, str]] = [
     {
         "rule": "self.gpuBudget % self.engine.gpusPerInstance == 0",
@@ -81,6 +83,7 @@ SPEC_RULES: list[dict[str, str]] = [
         "fieldPath": ".forecast.injection.ratePerSecond",
         "reason": "FieldValueInvalid",
     },
+    *engine_flags.cel_rules(),
 ]
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [

@@ -60,9 +60,11 @@ from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.demo.trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.view import LiveView, PlainView
 from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_seconds
-from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
+from prorsa_lab.doubles.sglang_double import SGLANG_VERSION, EngineConfig, TimingModel
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, smg_version
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv, EngineEnvMissing
+from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS
 from prorsa_sdk import AsyncEventEmitter
 
 log = logging.getLogger("prorsa_lab.demo")
@@ -143,6 +145,22 @@ class EngineModel:
 # itself within a phase (smg drains a worker for about 6 s before it flips).
 TRAJECTORIES_PER_INSTANCE = 6
 
+ENGINES = ("double", "sglang")
+MAX_REAL_ENGINES = 3
+SGLANG_TRAJECTORIES_PER_INSTANCE = 3
+SGLANG_TOKEN_SCALE = 0.1
+"""Real engines on a CPU: about 16k KV tokens each and tens of tokens a second, so the
+task's token counts are a tenth of the doubles' (times unchanged)."""
+SGLANG_SERVED_NAME = "tiny"
+SGLANG_MODEL = EngineModel(
+    # The RolloutCluster's profiled figures for the tiny model on one CPU core: the KV pool
+    # the engines are launched with, and a prefill speed of the order measured there.
+    prefill_tokens_per_second=2_000.0,
+    kv_tokens=16_384,
+    drain_timeout_seconds=2.0,
+    cooldown_seconds=5.0,
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
@@ -161,8 +179,19 @@ class DemoOptions:
     # a static split").
     baseline: str | None = None
     model: EngineModel = field(default_factory=EngineModel)
+    engine: str = "double"  # "sglang": the real SGLang on this CPU (prorsa_lab.sglang_cpu)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if self.engine == "sglang":
+            if self.instances > MAX_REAL_ENGINES:
+                raise ValueError(
+                    f"at most {MAX_REAL_ENGINES} instances with --engine sglang: each real "
+                    "engine takes about 3.5 GB and a share of this machine's cores"
+                )
+            if self.nodes_per_instance != 1:
+                raise ValueError("--engine sglang runs one-node instances only")
         if not (self.duration > 0 and math.isfinite(self.duration)):
             raise ValueError("duration must be a positive number of seconds")
         if self.task not in DEMO_TASKS:
@@ -189,15 +218,31 @@ class DemoOptions:
 
     @property
     def trajectories(self) -> int:
-        return self.concurrency or TRAJECTORIES_PER_INSTANCE * self.instances
+        per_instance = (
+            SGLANG_TRAJECTORIES_PER_INSTANCE
+            if self.engine == "sglang"
+            else TRAJECTORIES_PER_INSTANCE
+        )
+        return self.concurrency or per_instance * self.instances
+
+    @property
+    def gpus_per_instance(self) -> int:
+        """8 for the doubles (they stand for 8-GPU instances); a CPU engine is one."""
+        return 1 if self.engine == "sglang" else GPUS_PER_INSTANCE
 
     @property
     def phases(self) -> PhaseSchedule:
         return PhaseSchedule(seconds=self.phase_seconds or default_phase_seconds(self.duration))
 
 
-def demo_manifest(options: DemoOptions, *, static: tuple[int, int] | None = None) -> dict[str, Any]:
-    """The RolloutCluster the demo applies (capacity figures match the engine doubles).
+def demo_manifest(
+    options: DemoOptions,
+    *,
+    static: tuple[int, int] | None = None,
+    model_path: str | None = None,
+) -> dict[str, Any]:
+    """The RolloutCluster the demo applies (capacity figures match the engine doubles, or
+    with ``--engine sglang`` the tiny model at ``model_path`` on one CPU core per instance).
 
     ``static`` pins the split: each role's minimum is its share of it, so the Controller
     can move no instance (the baseline run).
@@ -206,15 +251,28 @@ def demo_manifest(options: DemoOptions, *, static: tuple[int, int] | None = None
     roles: dict[str, Any] = {"prefill": {"min": 1, "initial": 1}, "decode": {"min": 1}}
     if static is not None:
         roles = {"prefill": {"min": static[0], "initial": static[0]}, "decode": {"min": static[1]}}
+    engine: dict[str, Any] = {
+        "image": "prorsa/engine-double:demo",
+        "gpusPerInstance": GPUS_PER_INSTANCE,
+        "tensorParallelSize": GPUS_PER_INSTANCE,
+        "nodesPerInstance": options.nodes_per_instance,
+    }
+    extra: dict[str, Any] = {}
+    if options.engine == "sglang":
+        engine = {
+            "image": "prorsa/engine:0.5.23",
+            "gpusPerInstance": 1,
+            "tensorParallelSize": 1,
+            "gpuResourceName": "",
+            # SGLang's HiCache host tier needs CUDA (docs/testing.md).
+            "env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}],
+        }
+        extra["model"] = {"path": model_path or "", "servedName": SGLANG_SERVED_NAME}
     return cluster_manifest(
         CLUSTER,
-        engine={
-            "image": "prorsa/engine-double:demo",
-            "gpusPerInstance": GPUS_PER_INSTANCE,
-            "tensorParallelSize": GPUS_PER_INSTANCE,
-            "nodesPerInstance": options.nodes_per_instance,
-        },
-        gpuBudget=options.instances * GPUS_PER_INSTANCE,
+        engine=engine,
+        gpuBudget=options.instances * options.gpus_per_instance,
+        **extra,
         roles=roles,
         # smg with Kubernetes discovery, run by the fake kubelet. Round robin: the demo's
         # prompts share one prefix ("w w w ..."), on which cache_aware would pick one engine.
@@ -227,7 +285,8 @@ def demo_manifest(options: DemoOptions, *, static: tuple[int, int] | None = None
             "prefillTokensPerSecond": m.prefill_tokens_per_second,
             "decodeKvTokens": m.kv_tokens,
             "decodeConcurrency": m.decode_concurrency,
-            "prefillCacheTokens": 0,  # the engine doubles keep no prefix cache
+            "prefillCacheTokens": 0,  # the engine doubles keep no prefix cache (and a
+            # flipped real engine's is flushed by every flip)
         },
         switching={
             "mode": "Auto",
@@ -265,6 +324,7 @@ class DemoSummary:
     prefill_aborts: int
     decode_aborts: int
     router: dict[str, Any]  # {"name": "smg", "version": ..., "requests": N}
+    engine: dict[str, str]  # {"name": "sglang", "version": "0.5.23"} or the double's
     trajectories_started: int
     trajectories_finished: int
     trajectories_dropped: int
@@ -333,6 +393,7 @@ class DemoSummary:
             f"{self.decode_aborts} in decode)",
             f"  router        {self.router['name']} {self.router['version']}, "
             f"{self.router['requests']} requests",
+            f"  engine        {self.engine['name']} {self.engine['version']}",
             f"  tokens lost   {self.tokens_lost} (of {self.tokens_generated:,} generated; "
             "each answer checked against the tokens asked)",
             f"  trajectories  {self.trajectories_started} started, "
@@ -420,11 +481,19 @@ async def _warm_up(
             raise DemoInterrupted("interrupted while the engines were starting")
         counts = await env.count_roles(CLUSTER)  # every pod of a group shows its role
         pods = options.instances * options.nodes_per_instance
-        return counts.get("prefill", 0) >= prefill * options.nodes_per_instance and (
-            sum(counts.values()) == pods
+        # Every pod running (real engines load for minutes; the doubles at once).
+        running = [p for p in await env.pods(CLUSTER) if (p.get("status") or {}).get("podIP")]
+        return (
+            counts.get("prefill", 0) >= prefill * options.nodes_per_instance
+            and sum(counts.values()) == pods
+            and len(running) == pods
         )
 
-    await env.wait_for(ready, timeout=180, what="the engine pods and the first prefill engines")
+    # Real engines load for minutes on a CPU; the doubles start at once.
+    patience = 900 if options.engine == "sglang" else 180
+    await env.wait_for(
+        ready, timeout=patience, what="the engine pods and the first prefill engines"
+    )
     router = env.kubelet.router
     if router is None:
         raise RuntimeError("the fake kubelet did not start smg for the router Deployment")
@@ -458,6 +527,32 @@ async def _smg_lists_every_engine(env: Stack, router: SmgRouter) -> bool:
 
 class DemoInterrupted(Exception):
     """Ctrl-C before the rollout started, or a second Ctrl-C: nothing to summarise."""
+
+
+def _real_engines(options: DemoOptions) -> CpuEngineEnv | None:
+    """The engine environment for ``--engine sglang`` (None for the doubles)."""
+    if options.engine != "sglang":
+        return None
+    try:
+        return CpuEngineEnv.find()
+    except EngineEnvMissing as exc:
+        raise DemoInterrupted(str(exc)) from None
+
+
+async def _engine_identity(env: Stack, real: CpuEngineEnv | None) -> dict[str, str]:
+    """What served the rollout: the real engines' own ``/server_info`` version, or the
+    double (which copies SGLang 0.5.23's wire format and says so)."""
+    if real is None:
+        return {"name": "engine-double", "version": f"sglang {SGLANG_VERSION} wire format"}
+    versions = set()
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        for runtime in list(env.kubelet.pods.values()):
+            try:
+                reply = await client.get(f"{runtime.pod.engine_url}/server_info")
+                versions.add(str(reply.json().get("version")))
+            except (httpx.HTTPError, ValueError):
+                continue  # an engine restarting: the others answer
+    return {"name": "sglang", "version": ", ".join(sorted(versions)) or "unknown"}
 
 
 async def run_demo(options: DemoOptions, *, stream: TextIO = sys.stdout) -> DemoSummary:
@@ -629,14 +724,23 @@ async def _rollout(
         raise DemoInterrupted(
             "the smg router is not installed: pip install 'smg==1.13.0' (the demo extra has it)"
         )
-    manifest = demo_manifest(options, static=static)
+    real = _real_engines(options)
+    if real is not None:
+        print(
+            f"  the real SGLang on this CPU ({real.python}): each engine loads for 1.5-2 "
+            "minutes before the rollout starts",
+            file=stream,
+            flush=True,
+        )
+    manifest = demo_manifest(options, static=static, model_path=str(real.model) if real else None)
     async with stack(
         engine_config=lambda _name: config,
         tick_seconds=model.tick_seconds,
         kubeconfig_path=kubeconfig,
-        agent_timeouts=model.agent_timeouts(),
+        agent_timeouts=CPU_TIMEOUTS if real else model.agent_timeouts(),
         run_router=True,
         log_dir=out,
+        real_engines=real,
     ) as env:
         operator_started()
         await env.create_cluster(manifest)
@@ -662,6 +766,7 @@ async def _rollout(
         assert env.router_url is not None
         served = manifest["spec"]["model"]
         served_model = served.get("servedName") or served["path"]
+        engine = await _engine_identity(env, real)
 
         async with contextlib.AsyncExitStack() as stack_:
             directory = await stack_.enter_async_context(
@@ -681,8 +786,10 @@ async def _rollout(
                     track=True,
                 )
             )
+            # The doubles stream incremental chunks (whole-output ones cost O(n²)); SGLang
+            # streams the whole output so far by default, short here.
             router = SmgClient(
-                url=env.router_url, model=served_model, emitter=emitter, incremental=True
+                url=env.router_url, model=served_model, emitter=emitter, incremental=real is None
             )
             stack_.push_async_callback(router.aclose)
             http = await stack_.enter_async_context(
@@ -702,7 +809,8 @@ async def _rollout(
                 )
             )
             trainer = DemoTrainer(
-                task=task,
+                task=task.scaled(SGLANG_TOKEN_SCALE) if real else task,
+                token_ids=real is not None,
                 schedule=options.phases,
                 emitter=emitter,
                 router=http,
@@ -739,7 +847,7 @@ async def _rollout(
 
         summary = _summarise(
             options, monitor=monitor, trainer=trainer.stats, router=router,
-            router_version=smg_version(binary) or "unknown", trainer_t0=trainer.t0,
+            router_version=smg_version(binary) or "unknown", trainer_t0=trainer.t0, engine=engine,
             seconds=seconds, finish_seconds=finish, emitter=stats,
         )  # fmt: skip
         summary = replace(summary, pods=len(await env.pods(CLUSTER)))
@@ -783,6 +891,7 @@ def _summarise(
     trainer: TrainerStats,
     router: SmgClient,
     router_version: str,
+    engine: dict[str, str],
     trainer_t0: float,
     seconds: float,
     finish_seconds: float,
@@ -808,7 +917,7 @@ def _summarise(
         task=options.task,
         instances=options.instances,
         nodes_per_instance=options.nodes_per_instance,
-        gpus=options.instances * GPUS_PER_INSTANCE,
+        gpus=options.instances * options.gpus_per_instance,
         seconds=seconds,
         finish_seconds=finish_seconds,
         switches=sum(results.values()),
@@ -827,6 +936,7 @@ def _summarise(
         prefill_aborts=router.counters.prefill_aborts,
         decode_aborts=router.counters.decode_aborts,
         router={"name": "smg", "version": router_version, "requests": router.counters.requests},
+        engine=engine,
         trajectories_started=trainer.started,
         trajectories_finished=trainer.finished,
         trajectories_dropped=trainer.dropped,
@@ -846,6 +956,7 @@ def _summarise(
 
 
 __all__ = [
+    "SGLANG_MODEL",
     "DemoInterrupted",
     "DemoOptions",
     "DemoSummary",

@@ -13,7 +13,10 @@ summary counts every missing or extra token.
 
 Prompts are text of ``n`` words: the engine double counts one token per word, and its
 output tokens are words too (``" t<id>"``), so resuming with ``prompt + partial text``
-is token-exact.
+is token-exact. Against real engines (``token_ids=True``, ``prorsa demo --engine sglang``)
+prompts are token ids instead, greedy and with ``ignore_eos``: a resume sends
+``input_ids + output_ids so far``, token-exact with any tokenizer, and an answer counts
+its ``output_ids``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from prorsa_sdk import AsyncEventEmitter, ResumableGeneration
 from prorsa_sdk.resumable import ResumeExhausted
 
 log = logging.getLogger("prorsa_lab.demo.trainer")
+
+PROMPT_IDS = tuple(range(20, 250, 7))
+"""Token ids a ``token_ids`` prompt repeats (inside any vocabulary of 256 or more)."""
 
 
 @dataclass(slots=True)
@@ -167,6 +173,7 @@ class DemoTrainer:
         seed: int = 0,
         clock: Callable[[], float] = time.time,
         max_retries: int = 3,
+        token_ids: bool = False,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
@@ -181,6 +188,7 @@ class DemoTrainer:
         )
         self.concurrency = concurrency
         self.seed = seed
+        self.token_ids = token_ids
         self.clock = clock
         self.stats = TrainerStats()
         self.t0 = clock()
@@ -292,11 +300,18 @@ class DemoTrainer:
         self.stats.requests.append(record)
         rid = f"{tid}@{turn}"
         self.emitter.request_queued(tid, prompt_tokens=context, turn=turn, request=rid)
-        payload: dict[str, Any] = {
-            "rid": rid,
-            "text": "w " * context,
-            "sampling_params": {"max_new_tokens": want, "temperature": 1.0},
-        }
+        payload: dict[str, Any] = {"rid": rid}
+        if self.token_ids:
+            # A real tokenizer: ids in, ids out; no early end of sequence.
+            payload["input_ids"] = [PROMPT_IDS[i % len(PROMPT_IDS)] for i in range(context)]
+            payload["sampling_params"] = {
+                "max_new_tokens": want,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+        else:
+            payload["text"] = "w " * context
+            payload["sampling_params"] = {"max_new_tokens": want, "temperature": 1.0}
         try:
             out = await self.gen.generate(payload, trajectory=tid, turn=turn)
         except (httpx.HTTPError, ResumeExhausted, ValueError) as exc:
@@ -306,9 +321,12 @@ class DemoTrainer:
             return record
         partial, resumes = self.tap.take(tid)
         ids = out.get("output_ids") or []
-        words = len(str(out.get("text") or "").split())
-        # Both views of the answer must agree with the ask: ids and text, token for token.
-        record.got = len(ids) if len(ids) == words else min(len(ids), words)
+        if self.token_ids:
+            record.got = len(ids)
+        else:
+            words = len(str(out.get("text") or "").split())
+            # Both views of the answer must agree with the ask: ids and text, token for token.
+            record.got = len(ids) if len(ids) == words else min(len(ids), words)
         record.resumes = resumes
         record.finished = self.clock()
         self.emitter.decode_finished(

@@ -15,7 +15,7 @@ about tenfold in time so that a trajectory lasts tens of seconds instead of minu
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from prorsa_lab.sim.workloads import CODING, GENERAL, MATH, LogNormal, TaskProfile
@@ -46,6 +46,26 @@ class DemoTask:
     reward_seconds: LogNormal
     accept: float
     max_context: int  # a trajectory whose next prompt would exceed this ends
+
+    def scaled(self, factor: float) -> DemoTask:
+        """The same shape with every token count times ``factor`` (times unchanged): the
+        real engines on a CPU hold about 16k KV tokens and decode tens of tokens a second."""
+
+        def tokens(d: LogNormal) -> LogNormal:
+            return LogNormal(
+                d.median * factor, d.sigma, max(1.0, d.lo * factor), max(1.0, d.hi * factor)
+            )
+
+        def shape(p: PhaseShape) -> PhaseShape:
+            return replace(p, output=tokens(p.output), result_tokens=tokens(p.result_tokens))
+
+        return replace(
+            self,
+            prompt=tokens(self.prompt),
+            tools=shape(self.tools),
+            reasoning=shape(self.reasoning),
+            max_context=max(1, int(self.max_context * factor)),
+        )
 
     def phase(self, name: PhaseName) -> PhaseShape:
         return self.tools if name == "tools" else self.reasoning

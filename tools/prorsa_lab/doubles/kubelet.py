@@ -23,6 +23,13 @@ A pod runs only if the engine image could run its command: the image's entry poi
 ``prorsa-agent`` (with ``--worker`` on a worker rank). The image installs the light
 ``prorsa-agent`` distribution, not the ``prorsa`` CLI, so any other command stays Pending
 here, as it would fail to start in a cluster.
+
+With ``real_engines`` (the engine environment, :mod:`prorsa_lab.sglang_cpu`) each one-node
+engine pod runs the real SGLang 0.5.23 on this CPU instead of a double: the agent launches
+it from the pod's ``PRORSA_*`` environment as in the engine image, with the CPU flags
+added. The pod stays Pending while the engine loads (1.5-2 minutes) and becomes Running and
+Ready once the agent reports it healthy, as a readiness probe on ``/readyz`` would have it;
+an engine that cannot start fails its pod. HiCache is left out (its host tier needs CUDA).
 """
 
 from __future__ import annotations
@@ -39,11 +46,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from kubernetes.client.exceptions import ApiException
 
 from prorsa.k8s.groups import node_rank
 from prorsa.k8s.kube import Kube
-from prorsa_agent.config import Timeouts
+from prorsa_agent.config import Timeouts, args_from_env
 from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import (
     AGENT_COMMAND,
@@ -59,8 +67,14 @@ from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.kube.pod_status import kubelet_pod_status
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
+from prorsa_lab.sglang_cpu.sglang_pod import EngineStartFailed, SglangPod
 
 log = logging.getLogger("prorsa.kubelet")
+
+READINESS_PERIOD = 5.0
+READINESS_FAILURES = 2
+"""The engine pods' readinessProbe (``prorsa.k8s.objects``: ``/readyz``, 5 s, 2 failures)."""
 
 
 def _now() -> str:
@@ -89,12 +103,16 @@ class PodRuntime:
     name: str
     uid: str
     ip: str
-    pod: EnginePod
+    pod: EnginePod | SglangPod
     group: NodeGroup | None = None
     """The leader of a multi-node instance: its ranks."""
+    starting: asyncio.Task[None] | None = None
+    """A real engine's start, then its readiness probe (``real_engines``)."""
 
     @property
     def engine(self) -> EngineDouble:
+        if not isinstance(self.pod, EnginePod):
+            raise TypeError(f"pod {self.name} runs the real SGLang, not an engine double")
         return self.pod.double
 
 
@@ -122,6 +140,8 @@ class FakeKubelet:
     kubeconfig: str | None = None  # what smg's discovery reads
     router_port: int = field(default_factory=free_port)  # the first router's port
     log_dir: Path | None = None  # smg's log goes to <log_dir>/<deployment>.log
+    real_engines: CpuEngineEnv | None = None
+    """Run the real SGLang on this CPU in each engine pod (module docstring)."""
     pods: dict[str, PodRuntime] = field(default_factory=dict)
     routers: dict[str, tuple[str, SmgRouter]] = field(default_factory=dict)  # name: (uid, smg)
     ip_prefix: str = field(
@@ -185,7 +205,9 @@ class FakeKubelet:
         later, on the same address; the engine keeps running in its role meanwhile. False
         when no engine pod of that name runs here."""
         runtime = self.pods.get(name)
-        if runtime is None or name in self._comebacks:
+        # Real SGLang pods run their agent in the engine's process group: the chaos suite
+        # restarts the agents of engine doubles only.
+        if runtime is None or name in self._comebacks or not isinstance(runtime.pod, EnginePod):
             return False
         await runtime.pod.stop_agent()
         self._come_back(name, runtime, down_for, runtime.pod.start_agent)
@@ -313,9 +335,22 @@ class FakeKubelet:
         if token is None or key is None or cert is None or cert_key is None:
             return  # the operator creates the Secrets before the pods; try again next loop
         ip = self._ip()
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
+        if self.real_engines is not None:
+            if group is not None:
+                log.warning("pod %s: multi-node instances run engine doubles only", name)
+                self._free_ips.append(ip)
+                return
+            real = self._real_pod(name, ip=ip, env=env, meta=meta, token=token, key=key)
+            real_tls = (cert or None, cert_key or None)
+            runtime = PodRuntime(name=name, uid=uid, ip=ip, pod=real)
+            runtime.starting = asyncio.create_task(
+                self._start_real(pod, runtime, real_tls), name=f"start-{name}"
+            )
+            self.pods[name] = runtime
+            return
         # One engine port for every pod, as in a cluster: the router reaches podIP:port.
         config = self.engine_config(name)
-        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env") or []}
         served = env.get("PRORSA_SERVED_MODEL_NAME") or env.get("PRORSA_MODEL_PATH")
         bootstrap = (meta.get("annotations") or {}).get(BOOTSTRAP_ANNOTATION)
         config = dataclasses.replace(
@@ -343,6 +378,90 @@ class FakeKubelet:
         self.pods[name] = PodRuntime(name=name, uid=uid, ip=ip, pod=engine_pod, group=group)
         await self._running(pod, name, ip)
         log.info("pod %s running at %s", name, ip)
+
+    def _real_pod(
+        self,
+        name: str,
+        *,
+        ip: str,
+        env: dict[str, str | None],
+        meta: dict[str, Any],
+        token: str,
+        key: str,
+    ) -> SglangPod:
+        assert self.real_engines is not None
+        flags = {k: v for k, v in env.items() if v is not None and k != "PRORSA_ENGINE_HOST"}
+        bootstrap = (meta.get("annotations") or {}).get(BOOTSTRAP_ANNOTATION)
+        return SglangPod(
+            env=self.real_engines,
+            instance=name,
+            token=token,
+            host=ip,
+            engine_port=self.engine_port,
+            agent_port=self.agent_port,
+            bootstrap_port=int(bootstrap) if bootstrap else BOOTSTRAP_PORT,
+            engine_api_key=key or None,
+            served_model_name=flags.get("PRORSA_SERVED_MODEL_NAME")
+            or flags.get("PRORSA_MODEL_PATH"),
+            timeouts=self.timeouts,
+            log_dir=self.log_dir,
+            env_args=tuple(args_from_env(flags)),
+        )
+
+    async def _start_real(
+        self, pod: dict[str, Any], runtime: PodRuntime, tls: tuple[str | None, str | None]
+    ) -> None:
+        """Launch the engine through its agent; Running once it serves, Failed if it
+        cannot start."""
+        real = runtime.pod
+        assert isinstance(real, SglangPod)
+        real.set_tls(*tls)
+        try:
+            await real.start()
+            await real.wait_ready()
+        except EngineStartFailed as exc:
+            log.error("pod %s: %s", runtime.name, exc)
+            await real.stop()
+            await self._failed(runtime.name)
+            return
+        await self._running(pod, runtime.name, runtime.ip)
+        log.info("pod %s running the real SGLang at %s", runtime.name, runtime.ip)
+        await self._probe_readiness(runtime)
+
+    async def _probe_readiness(self, runtime: PodRuntime) -> None:
+        """The pod's readinessProbe as the operator renders it (``/readyz`` on the agent
+        every 5 s, NotReady after 2 failures, Ready after 1 success), with the engine's
+        restarts counted: an engine restarting for minutes leaves smg through it, as in a
+        cluster. (The doubles start at once and keep their pods Ready.)"""
+        real = runtime.pod
+        assert isinstance(real, SglangPod)
+        ready, failures = True, 0
+        async with httpx.AsyncClient(verify=False, timeout=5, trust_env=False) as client:
+            while True:
+                await asyncio.sleep(READINESS_PERIOD)
+                try:
+                    ok = (await client.get(f"{real.agent_url}/readyz")).status_code == 200
+                except (httpx.HTTPError, RuntimeError):
+                    ok = False
+                failures = 0 if ok else failures + 1
+                now = ok or (ready and failures < READINESS_FAILURES)
+                if now == ready:
+                    continue
+                ready = now
+                pod = await self.kube.get_pod(self.namespace, runtime.name)
+                if pod is None:
+                    return
+                sup = real.agent.supervisor if real.agent is not None else None
+                status = kubelet_pod_status(
+                    pod,
+                    phase="Running",
+                    now=_now(),
+                    ip=runtime.ip,
+                    ready=ready,
+                    restarts=sup.restarts if sup is not None else 0,
+                )
+                await self._write_status(runtime.name, status)
+                log.info("pod %s %s", runtime.name, "ready" if ready else "not ready")
 
     async def _running(self, pod: dict[str, Any], name: str, ip: str) -> None:
         await self._write_status(name, kubelet_pod_status(pod, phase="Running", now=_now(), ip=ip))
@@ -449,6 +568,9 @@ class FakeKubelet:
             return
         if pod.group is not None:
             pod.group.leave_leader()  # its workers exit
-        with contextlib.suppress(Exception):
+        await cancel_and_wait(pod.starting)
+        # A real engine's stop also ends its process group whatever its supervisor task
+        # did (an event loop shutting down may have cancelled that task already).
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             await pod.pod.stop()
         self._free_ips.append(pod.ip)

@@ -48,6 +48,7 @@ from prorsa_lab.doubles.kube.lws_controller import FakeLwsController, leader_wor
 from prorsa_lab.doubles.kube.resources import PODS_KEY
 from prorsa_lab.doubles.kubelet import FakeKubelet, free_port
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig
+from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 
 NAMESPACE = "rl"
 TOKEN = "trainer-secret-token"
@@ -442,6 +443,7 @@ async def stack(
     leader_election: LeaderElection | None = None,
     operator_pod: str | None = None,
     start_operator: bool = True,
+    real_engines: CpuEngineEnv | None = None,
 ) -> AsyncIterator[Stack]:
     """The emulator (CRD loaded, namespace and token Secret created), the fake kubelet and
     the operator, running until the block ends.
@@ -459,6 +461,8 @@ async def stack(
     ``leader_election`` makes the operator a replica that elects its leader on a Lease in
     ``operator_namespace``; ``operator_pod`` creates its pod there (the replica labels it
     while it leads); ``start_operator=False`` leaves starting replicas to the caller.
+    ``real_engines`` runs the real SGLang on this CPU in every engine pod instead of a double
+    (:mod:`prorsa_lab.sglang_cpu`; give ``agent_timeouts`` for it, e.g. ``CPU_TIMEOUTS``).
     The operator logs in as :data:`OPERATOR_USER`, the tests, the demo and the kubelet as
     the emulator's admin, so the emulator's audit log tells the operator's calls apart.
     """
@@ -501,6 +505,7 @@ async def stack(
             run_routers=run_router,
             kubeconfig=kubeconfig,
             log_dir=log_dir,
+            real_engines=real_engines,
         )
         lws = FakeLwsController(kube=kube, namespace=namespace) if leader_worker_set else None
         try:

@@ -695,7 +695,16 @@ class EngineCore:
         self.paused = False
         self.crashed = False
         self.ready_at = time.monotonic() + config.timing.startup_seconds
-        self.startup_time = time.time()
+        # SGLang 0.5.23 reports how long its start-up phases took (a dict of seconds,
+        # srt/observability/startup_time.py), not when it started: another dict after a
+        # restart. The double's differ from one start to the next as measured times do.
+        created = time.perf_counter()
+        self.startup_time: dict[str, Any] = {
+            "load_weight": round(config.timing.startup_seconds + created % 1e-3, 9),
+            "kv_cache_allocation": 0.0,
+            "scheduler_e2e": round(config.timing.startup_seconds + created % 1e-2, 9),
+            "cuda_graph": {"prefill": 0.0, "decode": 0.0, "target_verify": 0.0},
+        }
         # Launching as decode captures decode CUDA graphs at start-up; prefill does not.
         launched_decode = self.mode == "decode"
         self.graph_bs: list[int] = list(config.decode_cuda_graph_bs) if launched_decode else []

@@ -595,6 +595,10 @@ class EngineDouble:
             "enable_metrics": c.enable_metrics,
             "weight_version": "default",
             "incremental_streaming_output": c.incremental_streaming_output,
+            # As SGLang 0.5.23 serves them: in clear, on an endpoint open to anyone who
+            # reaches the port (it redacts only watermark secrets; docs/security.md).
+            "api_key": c.api_key,
+            "admin_api_key": c.admin_api_key,
         }
 
     def _internal_state(self, core: EngineCore) -> dict[str, Any]:
@@ -628,7 +632,7 @@ class EngineDouble:
             "max_total_num_tokens": c.kv_capacity_tokens,
             "max_req_input_len": min(c.context_length, c.kv_capacity_tokens) - 1,
             "kv_events": None,
-            "startup_time": core.startup_time,
+            "startup_time": core.startup_time | {"tokenizer_e2e": 0.0},
             "internal_states": [self._internal_state(core) for _ in core.ranks],
             "version": SGLANG_VERSION,
             "frontend": "python",

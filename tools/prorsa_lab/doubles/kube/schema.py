@@ -225,12 +225,36 @@ def _join(path: str, key: str) -> str:
 _CEL_CACHE: dict[str, Any] = {}
 
 
+def _cel_join(items: Any, separator: Any = "") -> Any:
+    """CEL's ``<list<string>>.join(<string>)`` (cel-go's strings extension, which Kubernetes
+    enables for every CEL rule); cel-python has no strings extension."""
+    from celpy import celtypes
+
+    return celtypes.StringType(str(separator).join(str(item) for item in items))
+
+
+KUBERNETES_CEL_FUNCTIONS: dict[str, Any] = {"join": _cel_join}
+"""The functions of Kubernetes' CEL libraries the CRD's rules use beyond cel-python's."""
+
+
+def cel_program(text: str) -> Any:
+    """A compiled CEL rule as the API server runs it (with :data:`KUBERNETES_CEL_FUNCTIONS`),
+    cached by its text."""
+    program = _CEL_CACHE.get(text)
+    if program is None:
+        import celpy
+
+        env = celpy.Environment()
+        program = env.program(env.compile(text), functions=KUBERNETES_CEL_FUNCTIONS)
+        _CEL_CACHE[text] = program
+    return program
+
+
 def _check_cel(value: Any, schema: Mapping[str, Any], path: str, out: list[FieldIssue]) -> None:
     rules = schema.get("x-kubernetes-validations") or []
     if not rules:
         return
     try:
-        import celpy
         from celpy.adapter import json_to_cel
     except ImportError:  # cel-python is optional: rules are then not enforced
         return
@@ -239,11 +263,7 @@ def _check_cel(value: Any, schema: Mapping[str, Any], path: str, out: list[Field
         if "oldSelf" in text:
             continue  # transition rules need the old object; creation and updates skip them
         try:
-            program = _CEL_CACHE.get(text)
-            if program is None:
-                env = celpy.Environment()
-                program = _CEL_CACHE.setdefault(text, env.program(env.compile(text)))
-            ok = bool(program.evaluate({"self": json_to_cel(value)}))
+            ok = bool(cel_program(text).evaluate({"self": json_to_cel(value)}))
         except Exception as exc:  # a rule that does not evaluate is a refusal, as on a cluster
             out.append(
                 FieldIssue(

@@ -1,0 +1,1 @@
+"""The real-engine suite (pytest marker ``real_engine``; ``make test-engine``)."""

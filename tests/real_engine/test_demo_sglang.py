@@ -1,0 +1,40 @@
+"""``prorsa demo --engine sglang`` as a user runs it (``make demo-sglang``): three real
+SGLang engines on this CPU, the operator, smg and the demo trainer; the summary names the
+engine and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .engine_helpers import ROOT
+
+pytestmark = pytest.mark.real_engine
+
+
+def test_the_demo_runs_on_the_real_engine(engine_env, engines_stopped, tmp_path):
+    del engine_env  # built (or the test skipped / failed with the command to run)
+    del engines_stopped  # the shared cluster's engines make room for the demo's
+    out = tmp_path / "demo"
+    command = [sys.executable, "-m", "prorsa.cli", "demo", "--engine", "sglang"]
+    command += ["--duration", "60", "--no-live", "--out", str(out)]
+    proc = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "engine        sglang 0.5.23" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == {"name": "sglang", "version": "0.5.23"}
+    assert summary["instances"] == 3 and summary["pods"] == 3
+    assert summary["requests_sent"] > 0
+    assert summary["requests_completed"] == summary["requests_sent"]
+    assert summary["requests_failed"] == 0 and summary["tokens_lost"] == 0
+    assert summary["events_dropped"] == 0
