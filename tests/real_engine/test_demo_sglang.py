@@ -21,6 +21,9 @@ def test_the_demo_runs_on_the_real_engine(engine_env, engines_stopped, tmp_path)
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "prorsa.cli", "demo", "--engine", "sglang"]
     command += ["--duration", "60", "--no-live", "--out", str(out)]
+    # No static run: it would load three more engines (minutes in CI); the comparison
+    # against a static split is tests/test_demo.py's, on the engine doubles.
+    command += ["--baseline", "none"]
     proc = subprocess.run(
         command,
         cwd=ROOT,
