@@ -13,7 +13,7 @@ from importlib import resources
 
 import pytest
 
-from prorsa.core.advice import refused_flags
+from prorsa.core.engine_flags import engine_problems
 from prorsa.k8s.objects import engine_pod, router_args
 from prorsa_agent.config import args_from_env, engine_argv
 from prorsa_lab.sim.costmodel import MODELS, load_profile
@@ -101,7 +101,11 @@ def test_the_operator_renders_flags_sglang_accepts_with_role_switching(model: st
     argv = rendered_argv(model)
     p = load_profile(model)
     assert "--enable-pd-role-switch" in argv
-    assert refused_flags(argv) == []  # no EP, MoE all-to-all, PP, DCP, speculative decoding
+    # Admission's engine-flag rules (what SGLang refuses with role switching: EP, MoE
+    # all-to-all, PP, DCP, speculative decoding; what the agent refuses) pass the spec.
+    spec = Scenario(model=model, task="coding").spec()
+    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    assert engine_problems(spec.engine.extra_args, env) == []
     assert flag(argv, "--tp-size") == str(p.gpus_per_instance)
     if p.ranks > 1:
         # The spelling SGLang 0.5.23 still takes (handle_deprecated_dp_attention); the
