@@ -177,7 +177,7 @@ def test_switch_intent_round_trip() -> None:
         (["--enable-dp-attention", "--dp=4"], 4),
         (["--tp", "8", "--enable-dp-attention", "--data-parallel-size", "2"], 2),
         (["--enable-dp-attention", "--dp-size"], 1),  # no value: nothing to go by
-        (["--tp-size", "8", "--attn-dp-size", "8"], 8),  # SGLang 0.5.23's own spelling
+        (["--attn-dp-size", "8"], 8),  # SGLang 0.5.23's own spelling (TP: the spec's field)
         (["--attention-data-parallel-size=4"], 4),
     ],
 )

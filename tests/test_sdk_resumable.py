@@ -39,6 +39,9 @@ class Engine:
     canned: list[dict[str, Any]] = field(default_factory=list)
     """``/generate`` replies given as they are, before any generated one."""
     requests: list[dict[str, Any]] = field(default_factory=list)
+    # The next requests answered as an SGLang PD prefill engine answers: one token,
+    # ``{"type": "length", "length": 0}`` (a router that sent decode traffic to it).
+    as_prefill: int = 0
 
     def _fault(self, request: web.Request) -> web.Response | None:
         if not self.faults:
@@ -72,6 +75,9 @@ class Engine:
         cut = self._budget()
         out: list[int] = []
         finish: dict[str, Any] = {"type": "length", "length": limit}
+        if self.as_prefill:
+            self.as_prefill -= 1
+            limit, finish = 1, {"type": "length", "length": 0}
         while len(out) < limit:
             if cut is not None and len(out) >= cut:
                 finish = {"type": "abort", "message": "Abort before role switch"}
@@ -113,6 +119,9 @@ class Engine:
         cut = self._budget()
         words = []
         finish = "length"
+        if self.as_prefill:
+            self.as_prefill -= 1
+            limit = 1
         for n in range(done, done + limit):
             if cut is not None and len(words) >= cut:
                 finish = "abort"
@@ -187,6 +196,43 @@ async def test_generate_resumes_token_exact_after_aborts(running: Running) -> No
     assert gen.resumes == 2
 
 
+async def test_a_short_length_answer_is_resumed_not_accepted(running: Running) -> None:
+    """A decode request that reached an engine which had just become prefill comes back
+    HTTP 200 with one token and ``length`` (chaos suite, restart-router round): that is
+    not the answer asked for, and the caller gets the whole one."""
+    gen = ResumableGeneration(running.http)
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40}}
+    whole = await gen.generate(payload)
+    running.engine.as_prefill = 1
+    resumed = await gen.generate(payload)
+    assert resumed["output_ids"] == whole["output_ids"]
+    assert resumed["meta_info"]["completion_tokens"] == 40
+    assert resumed["meta_info"]["resumes"] == 1
+    sent = running.engine.requests[-2:]
+    assert [r["sampling_params"]["max_new_tokens"] for r in sent] == [40, 39]
+
+    running.engine.as_prefill = 1
+    chat = await gen.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12})
+    assert chat["usage"]["completion_tokens"] == 12
+    assert chat["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_budget_clamped_to_the_context_is_a_finish(running: Running) -> None:
+    """SGLang clamps ``max_new_tokens`` to the context window and names the clamped budget
+    in ``finish_reason.length``: all of it used is a complete answer."""
+
+    async def clamped(request: httpx.Request) -> httpx.Response:
+        finish = {"type": "length", "length": 3}
+        meta = {"finish_reason": finish, "prompt_tokens": 5, "completion_tokens": 3}
+        return httpx.Response(200, json={"text": "abc", "output_ids": [1, 2, 3], "meta_info": meta})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(clamped), base_url="http://e") as h:
+        out = await ResumableGeneration(h).generate(
+            {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40}}
+        )
+    assert out["output_ids"] == [1, 2, 3] and out["meta_info"]["resumes"] == 0
+
+
 async def test_generate_from_text_resumes_from_prompt_plus_partial_text(running: Running) -> None:
     gen = ResumableGeneration(running.http)
     payload = {"text": "solve this task", "sampling_params": {"max_new_tokens": 10}}
@@ -239,6 +285,16 @@ async def test_transient_failures_are_retried_with_the_output_so_far(running: Ru
     running.engine.faults = ["503", "close"]
     out = await gen.generate(payload)
     assert out["output_ids"] == whole["output_ids"]
+
+
+async def test_a_retry_carries_a_new_request_id(running: Running) -> None:
+    """The first try may still run at the engine after its connection broke (a router
+    restart, chaos suite); SGLang refuses a second request with its id (400)."""
+    gen = ResumableGeneration(running.http, retry_base=0.01)
+    running.engine.faults = ["close", "502"]
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "rid": "t@0"}
+    await gen.generate(payload)
+    assert [r["rid"] for r in running.engine.requests] == ["t@0", "t@0-retry1", "t@0-retry2"]
 
 
 async def test_persistent_failure_raises_after_bounded_retries(running: Running) -> None:

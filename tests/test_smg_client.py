@@ -11,6 +11,7 @@ from aiohttp import web
 
 from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
+from prorsa_sdk import ResumableGeneration, ResumeExhausted
 
 
 class Recorder:
@@ -82,6 +83,27 @@ async def test_an_answer_aborted_before_its_first_token_is_a_prefill_abort() -> 
     assert reply.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert client.counters.prefill_aborts == 1 and client.jobs[0].aborted
     assert [c[0] for c in events.calls] == ["prefill_started"]
+
+
+async def test_a_prefill_engines_one_token_answer_is_never_taken_as_complete() -> None:
+    """smg that routes a decode request to an engine which has become prefill forwards its
+    answer: HTTP 200, one token, ``length``. The trainer resumes it and, while every try
+    lands there, fails loudly with what it has instead of returning one token."""
+    async with EngineDouble(EngineConfig(role="prefill")) as engine:
+        client = SmgClient(url=engine.url, model="m", incremental=True)
+        async with httpx.AsyncClient(transport=client, base_url=engine.url) as http:
+            gen = ResumableGeneration(http, max_resumes=2)
+            with pytest.raises(ResumeExhausted) as failed:
+                await gen.generate(
+                    {
+                        "rid": "traj-3@0",
+                        "text": "w " * 20,
+                        "sampling_params": {"max_new_tokens": 50},
+                    }
+                )
+        await client.aclose()
+    assert client.counters.short_answers == 3 and client.counters.requests == 3
+    assert failed.value.partial["meta_info"]["resumes"] == 2
 
 
 async def test_a_router_that_has_not_discovered_the_engines_yet_is_asked_again() -> None:

@@ -26,6 +26,13 @@ with capped exponential backoff, bounded by ``max_retries``: connection errors, 
 and smg's 404 ``model_not_found``, which a router answers while no worker of the model is
 registered (right after the router restarts, until its discovery finds the engines again);
 a model name that is simply wrong then fails after the retries.
+
+An answer that says ``length`` but stopped short of its token budget is resumed like an
+abort: SGLang reports ``length`` only once ``max_new_tokens`` is used up (or the budget
+clamped to the context window, which its ``length`` field then names), so a shorter one is
+not the answer that was asked for. A PD prefill engine answers that way (one token,
+``{"type": "length", "length": 0}``), and a router that routes decode traffic to an engine
+that just became prefill would otherwise hand it back as a complete answer.
 """
 
 from __future__ import annotations
@@ -74,6 +81,18 @@ def _finish_type(finish: Any) -> str | None:
         kind = finish.get("type")
         return kind if isinstance(kind, str) else None
     return finish if isinstance(finish, str) else None
+
+
+def _stopped_short(
+    finish: Any, *, generated: int, params: Mapping[str, Any], keys: tuple[str, ...]
+) -> bool:
+    """A ``length`` finish with budget left: the engine did not finish this request."""
+    if _finish_type(finish) != "length":
+        return False
+    if isinstance(finish, Mapping) and finish.get("length") == generated:
+        return False  # the budget SGLang clamped to the context window, all of it used
+    budgets = [params[k] for k in keys if isinstance(params.get(k), int)]
+    return bool(budgets) and generated < min(budgets)
 
 
 def _shrink_budget(params: dict[str, Any], keys: tuple[str, ...], used: int) -> bool:
@@ -151,8 +170,6 @@ class ResumableGeneration:
             new_ids = list(out.get("output_ids") or [])
             output_ids.extend(new_ids)
             text += out.get("text") or ""
-            if _finish_type(meta.get("finish_reason")) != "abort":
-                return _merge_generate(pieces, output_ids=output_ids, text=text)
             # The budget shrinks by what the resumed prompt carries: the ids returned (a
             # piece can count a token it never returned), or, for a text prompt from a
             # server that returns no ids, the tokens behind the text.
@@ -161,6 +178,19 @@ class ResumableGeneration:
             else:
                 generated = int(meta.get("completion_tokens") or 0)
             params = dict(request.get("sampling_params") or {})
+            finish = meta.get("finish_reason")
+            short = _stopped_short(
+                finish, generated=generated, params=params, keys=_BUDGET_KEYS_GENERATE
+            )
+            if _finish_type(finish) != "abort" and not short:
+                return _merge_generate(pieces, output_ids=output_ids, text=text)
+            if short:
+                log.warning(
+                    "/generate answered %r after %d of %s tokens; resuming",
+                    finish,
+                    generated,
+                    params.get("max_new_tokens"),
+                )
             if not _shrink_budget(params, _BUDGET_KEYS_GENERATE, generated):
                 merged = _merge_generate(pieces, output_ids=output_ids, text=text)
                 merged["meta_info"]["finish_reason"] = {"type": "length", "length": len(output_ids)}
@@ -223,8 +253,12 @@ class ResumableGeneration:
             merged = _merge_chat(first, out, content=content, completion=completion)
             if logprobs:
                 merged["choices"][0].setdefault("logprobs", {})["content"] = logprobs
-            if _finish_type(choice.get("finish_reason")) != "abort":
+            finish = choice.get("finish_reason")
+            short = _stopped_short(finish, generated=used, params=request, keys=_BUDGET_KEYS_CHAT)
+            if _finish_type(finish) != "abort" and not short:
                 return merged
+            if short:
+                log.warning("chat completion answered %r after %d tokens; resuming", finish, used)
             if not _shrink_budget(request, _BUDGET_KEYS_CHAT, used):
                 merged["choices"][0]["finish_reason"] = "length"
                 return merged
@@ -248,11 +282,16 @@ class ResumableGeneration:
         self.emitter.request_queued(trajectory, prompt_tokens=prompt, turn=turn)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST with retries on transient failures (no partial output to keep from those)."""
+        """POST with retries on transient failures (no partial output to keep from those).
+
+        A retry carries a new ``rid`` (``<rid>-retryN``): a request whose connection broke
+        (a router restart) may still run at its engine, which refuses a second request with
+        the same id (HTTP 400, "Duplicate request ID")."""
         attempt = 0
+        sent = body
         while True:
             try:
-                r = await self.client.post(path, json=body)
+                r = await self.client.post(path, json=sent)
                 r.raise_for_status()
                 data = r.json()
                 if not isinstance(data, dict):
@@ -267,6 +306,8 @@ class ResumableGeneration:
                 await asyncio.sleep(delay)
                 attempt += 1
                 self.retries += 1
+                if isinstance(body.get("rid"), str):
+                    sent = {**body, "rid": f"{body['rid']}-retry{attempt}"}
 
 
 def _transient(response: httpx.Response) -> bool:

@@ -224,14 +224,32 @@ class AgentClient:
         return RoleResult(ok=False, safe_to_restore=True, message=last_error)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterView:
+    """The router's workers' URLs at one moment."""
+
+    urls: tuple[str, ...]
+
+    def lists(self, ip: str) -> bool:
+        # smg's URLs: ``http://IP:PORT``, with ``@RANK`` per DP rank under --dp-aware.
+        return any(f"//{ip}:" in url for url in self.urls)
+
+
 class RouterClient:
     """The router's worker list, to know when a ``draining`` pod has left the pool."""
 
     def __init__(self, *, client: httpx.AsyncClient) -> None:
         self._client = client
 
-    async def lists(self, router_url: str, pod_ip: str) -> bool | None:
-        """Whether the router still routes to ``pod_ip``; None when it cannot be asked."""
+    async def view(self, router_url: str) -> RouterView | None:
+        """What the router routes to now; None when it cannot be asked.
+
+        smg lists a worker in ``GET /workers`` only once its registration (a background
+        job that probes the engine, seconds on a busy one) has finished, and a router that
+        has just (re)started lists nothing until discovery has registered the pods. An
+        absent worker is therefore no proof on its own; the rest of the list tells a
+        caller whether it is the router's settled view.
+        """
         try:
             reply = await self._client.get(f"{router_url}/workers", timeout=STATE_TIMEOUT)
             reply.raise_for_status()
@@ -241,8 +259,10 @@ class RouterClient:
         workers = data.get("workers", data) if isinstance(data, dict) else data
         if not isinstance(workers, list):
             return None
-        for worker in workers:
-            url = worker.get("url", "") if isinstance(worker, dict) else str(worker)
-            if f"//{pod_ip}:" in url:
-                return True
-        return False
+        urls = (w.get("url", "") if isinstance(w, dict) else str(w) for w in workers)
+        return RouterView(urls=tuple(u for u in urls if isinstance(u, str)))
+
+    async def lists(self, router_url: str, pod_ip: str) -> bool | None:
+        """Whether the router still routes to ``pod_ip``; None when it cannot be asked."""
+        view = await self.view(router_url)
+        return None if view is None else view.lists(pod_ip)

@@ -30,8 +30,10 @@ from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
 from prorsa.k8s.kube import Kube
 from prorsa_contract.agent_api import Role, RoleRequest, RoleResult
 from prorsa_contract.labels import (
+    CLUSTER_LABEL,
     DRAINING,
     GROUP_LABEL,
+    NODE_RANK_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
     RoleLabel,
@@ -191,8 +193,26 @@ class SwitchExecutor:
         if grouped:
             await groups.label_workers(self.kube, ns, name, DRAINING)
         ip = (pod.get("status") or {}).get("podIP")
-        if self.router is not None and s.router_url and ip:
-            await self._wait_router_drop(ip)
+        waits = self.router is not None and bool(s.router_url)
+        if waits and ip and not await self._wait_router_drop(pod, ip):
+            # A flip now could leave the router sending the old role's requests to the new
+            # role (decode requests answered with a prefill engine's single token). Undo
+            # step 2 instead; the Controller asks again. A resumed switch may have flipped
+            # already: its label follows what the agent reports.
+            message = (
+                f"router did not confirm it dropped {ip} within "
+                f"{s.router_settle_timeout:.0f}s; not switched"
+            )
+            role: RoleLabel = origin
+            if resume:
+                address = agent_address(pod, port=s.agent_port, ca=self.ca())
+                state = await self.agents.state(address) if address else None
+                role = state.role if state is not None else DRAINING
+            await self._relabel(name, role, grouped=grouped)
+            done = outcome("restored" if role != DRAINING else "lost", message)
+            self.history.append(done)
+            await self.on_done(done)
+            return done
 
         # Steps 3–4: the agent drains, aborts what is left, flips and verifies.
         address = agent_address(pod, port=s.agent_port, ca=self.ca())
@@ -253,16 +273,60 @@ class SwitchExecutor:
             {"metadata": {"labels": {ROLE_LABEL: role}, "annotations": {SWITCH_ANNOTATION: None}}},
         )
 
-    async def _wait_router_drop(self, ip: str) -> None:
+    async def _wait_router_drop(self, pod: dict[str, Any], ip: str) -> bool:
+        """Whether the router has settled without the pod (False: not within the timeout).
+
+        Its absence from ``GET /workers`` counts only while the router lists every other
+        pod it should route to, twice in a row. A router that has just restarted lists
+        nothing until its registrations finish (seconds, each one a background job), and a
+        registration that started before the ``draining`` label still ends by adding the
+        pod under its old role; an empty list then means "not known yet", not "dropped".
+        smg's ``/readiness`` cannot tell: in PD mode it answers 503 while either role has
+        no worker, which is the case whenever the last worker of a role is switched.
+        """
         assert self.router is not None and self.settings.router_url
         deadline = time.monotonic() + self.settings.router_settle_timeout
+        settled = 0
         while time.monotonic() < deadline:
-            listed = await self.router.lists(self.settings.router_url, ip)
-            if listed is False:
-                return
+            view = await self.router.view(self.settings.router_url)
+            if view is not None and not view.lists(ip):
+                missing = [o for o in await self._routable_ips(pod) if not view.lists(o)]
+                settled = 0 if missing else settled + 1
+                if settled >= 2:
+                    return True
+            else:
+                settled = 0
             await asyncio.sleep(self.settings.poll_interval)
         log.warning(
-            "router still lists %s after %.0fs; switching anyway",
+            "router has not settled without %s after %.0fs; not switching",
             ip,
             self.settings.router_settle_timeout,
         )
+        return False
+
+    async def _routable_ips(self, pod: dict[str, Any]) -> set[str]:
+        """The addresses the router's selectors match now, the switching pod's excluded:
+        its cluster's pods labelled prefill or decode, Running and Ready, leaders only
+        (objects.router_args)."""
+        labels = pod["metadata"].get("labels") or {}
+        cluster = labels.get(CLUSTER_LABEL)
+        if cluster is None:
+            return set()
+        ips = set()
+        for other in await self.kube.list_pods(self.namespace, f"{CLUSTER_LABEL}={cluster}"):
+            meta = other["metadata"]
+            if meta["name"] == pod["metadata"]["name"] or meta.get("deletionTimestamp"):
+                continue
+            other_labels = meta.get("labels") or {}
+            if other_labels.get(ROLE_LABEL) not in ("prefill", "decode"):
+                continue
+            if other_labels.get(NODE_RANK_LABEL, "0") != "0":
+                continue
+            status = other.get("status") or {}
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or []
+            )
+            if status.get("phase") == "Running" and ready and status.get("podIP"):
+                ips.add(status["podIP"])
+        return ips

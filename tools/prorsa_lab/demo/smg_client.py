@@ -64,6 +64,9 @@ class SmgCounters:
     decode_aborts: int = 0  # aborted while decoding (partial output returned)
     errors: int = 0  # smg answered an HTTP error or could not be reached
     busy: int = 0  # 503 (no worker of a role: a switch) or not-yet-routable 404s, retried
+    # "length" before the budget: a prefill engine's one-token answer to a request routed
+    # to it as decode; returned as it came, ResumableGeneration resumes it
+    short_answers: int = 0
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -202,7 +205,17 @@ class SmgClient(httpx.AsyncBaseTransport):
             return httpx.Response(502, json={"error": f"smg sent {what}"})
         if self.incremental:
             last = {**last, "output_ids": ids, "text": "".join(text)}
-        if _finish(last).get("type") == "abort":
+        finish = _finish(last)
+        budget = (body.get("sampling_params") or {}).get("max_new_tokens")
+        got = len(last.get("output_ids") or [])
+        if (
+            finish.get("type") == "length"
+            and isinstance(budget, int)
+            and got < budget
+            and finish.get("length") != got
+        ):
+            self.counters.short_answers += 1
+        if finish.get("type") == "abort":
             if last.get("output_ids"):
                 self.counters.decode_aborts += 1
             else:
