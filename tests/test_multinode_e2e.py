@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from prorsa_contract.labels import (
     SWITCH_ANNOTATION,
 )
 from prorsa_lab.doubles.kube import lws_controller as fake_lws
-from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig, TimingModel
+from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, OPERATOR_USER, Stack, cluster_manifest, stack
 
 
@@ -297,15 +297,7 @@ async def test_operator_restarted_mid_switch_converges_for_the_whole_group(
     layout: Layout,
 ) -> None:
     slow = TimingModel(switch_seconds=3.0)
-    # The operator restarts in the event loop that also runs every engine double and agent
-    # here (in a cluster each is a process of its own); on a loaded machine that loop stalls
-    # for seconds (up to 15 s measured, a first import of the Kubernetes client), longer
-    # than the agents' test budget to verify a flip (5 s). Verified for 30 s, asking again
-    # after each of SGLang's 20 s windows, a flip that is fine is kept.
-    patient = replace(FAST_TIMEOUTS, request=10.0, switch=30.0, verify=30.0)
-    async with layout.stack(
-        engine_config=lambda _n: EngineConfig(timing=slow), agent_timeouts=patient
-    ) as env:
+    async with layout.stack(engine_config=lambda _n: EngineConfig(timing=slow)) as env:
         await env.create_cluster(two_node())
         name = await env.wait_for(lambda: someone_draining(env), timeout=60, what="a drain")
         worker = layout.worker(name)
