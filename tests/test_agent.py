@@ -339,6 +339,24 @@ async def test_an_engine_left_unhealthy_after_the_flip_fails_verification(client
         assert (await client.get(f"{pod.agent_url}/healthz")).json()["status"] == "failed"
 
 
+async def test_a_flip_is_verified_for_the_whole_budget_not_one_sglang_health_window(client):
+    # SGLang's /health_generate answers 503 once its own window (20 s; 0.2 s here) passes
+    # with no output. Here the first prefill after the flip outlasts one window: the engine
+    # is healthy, and the agent asks again within its verify budget (5 s) instead of failing
+    # the switch unsafe (which gets the pod, or a whole multi-node group, replaced).
+    first_window_silent = TimingModel(
+        prefill_overhead_seconds=0.5, health_check_timeout_seconds=0.2
+    )
+    async with EnginePod(
+        instance="e-7", token=TOKEN, engine=EngineConfig(timing=first_window_silent)
+    ) as pod:
+        response = await _role(client, pod, "prefill")
+        result = RoleResult.model_validate(response.json())
+        assert response.status_code == 200 and result.ok, result.message
+        assert pod.double.role == "prefill"
+        assert (await client.get(f"{pod.agent_url}/v1/role", headers=AUTH)).status_code == 200
+
+
 async def test_a_hung_switch_times_out(client):
     timeouts = replace(FAST_TIMEOUTS, switch=0.3)
     async with EnginePod(

@@ -25,6 +25,7 @@ from prorsa_lab.doubles.sglang_double import (
     CRASH_EXIT_CODE,
     NOT_IDLE,
     EngineConfig,
+    EngineCore,
     EngineDouble,
     Faults,
     TimingModel,
@@ -773,3 +774,22 @@ def test_double_accepts_the_prefix_cache_flags_the_agent_adds():
 def test_double_refuses_hicache_without_a_radix_cache_as_sglang_does(argv):
     with pytest.raises(ValueError, match="mutually exclusive"):
         check_cache_flags(_double_args(*argv))
+
+
+async def test_a_health_check_passes_on_any_output_as_sglangs_does() -> None:
+    # SGLang's /health_generate is healthy once anything is output after it began
+    # (last_receive_tstamp > tic), its own request or not. A check that gives up while its
+    # request is being prefilled leaves the queue, not the batch: the batch still outputs
+    # its token, and a later check sees it. Here one prefill outlasts a check's window.
+    core = EngineCore(
+        EngineConfig(
+            timing=TimingModel(prefill_overhead_seconds=0.5, health_check_timeout_seconds=0.2)
+        )
+    )
+    core.start()
+    try:
+        assert (await core.pd_role_switch(new_role="prefill"))["success"]
+        results = [await core.health_generate() for _ in range(5)]
+        assert True in results, results
+    finally:
+        await core.stop()

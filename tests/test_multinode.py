@@ -210,6 +210,17 @@ async def test_a_broken_group_is_torn_down_whole(case: str) -> None:
     assert events[0][1] == "GroupRestarted" and events[0][2].startswith("big-engine-3:")
 
 
+async def test_a_group_the_executor_is_replacing_is_not_restarted_between_its_deletions() -> None:
+    # The executor deletes a failed switch's leader, then its workers; an API with no grace
+    # period shows a tick in between the worker alone. That is one replacement, not a
+    # GroupRestarted on top of the SwitchReplaced.
+    _, worker = (running(p) for p in two_node_pods())
+    kube = FakeKube()
+    view, events = await reconcile([worker], kube, busy=frozenset({"big-engine-3"}))
+    assert view.leaders == [] and view.hold == {3}  # nor recreated while a pod is left
+    assert not kube.deleted and not events
+
+
 async def test_a_worker_lagging_its_leaders_role_is_brought_in_line() -> None:
     head, worker = (running(p) for p in two_node_pods())
     head["metadata"]["labels"]["prorsa.io/role"] = "prefill"

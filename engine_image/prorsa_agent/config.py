@@ -88,7 +88,8 @@ class Timeouts:
     switch: float = 600.0
     """``/pd_role_switch``: a flip to decode may capture CUDA graphs."""
     verify: float = 120.0
-    """``/health_generate`` after a flip (SGLang's own check waits up to 20 s)."""
+    """To see the engine generate after a flip: ``/health_generate`` is asked again after
+    each 503 (SGLang's own check gives up after 20 s) until this is spent."""
     abort_settle: float = 30.0
     """After ``abort_all``, for aborted requests to leave the engine."""
     retry_drain: float = 5.0

@@ -9,8 +9,9 @@ Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a m
 * it answered "not idle" (a request slipped in after the drain): the agent drains and aborts
   again and retries, up to ``max_switch_attempts`` calls;
 * it failed during teardown (``safe_to_restore: false``), it crashed or hung, or it reports
-  the wrong role or fails ``/health_generate`` after the flip: ``failed_unsafe``; the agent
-  marks the engine failed (``/healthz`` 503) until the engine restarts.
+  the wrong role or generates nothing for the whole verify budget after the flip (it asks
+  ``/health_generate`` again after each 503): ``failed_unsafe``; the agent marks the engine
+  failed (``/healthz`` 503) until the engine restarts.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class Switcher:
                     return self._fail(p, f"engine failed the switch: {message}", safe=False)
                 return self._fail(p, f"engine refused the switch: {message}", safe=True)
             p.phase = "verifying"
+            verify_until = time.monotonic() + timeouts.verify
             info = await self.engine.server_info(timeout=timeouts.verify)
             self.health.observe_info(info)
             roles = {state.get("disaggregation_mode") for state in internal_states(info)}
@@ -162,8 +164,11 @@ class Switcher:
                 reason = f"engine reports role {sorted(map(str, roles))} after switching"
                 self.health.mark_failed(reason)
                 return self._fail(p, reason, safe=False)
-            if not await self.engine.health("/health_generate", timeout=timeouts.verify):
-                reason = "engine left unhealthy: /health_generate failed after the switch"
+            if not await self._generates(until=verify_until):
+                reason = (
+                    "engine left unhealthy: /health_generate failed after the switch "
+                    f"(no output for {timeouts.verify:g}s)"
+                )
                 self.health.mark_failed(reason)
                 return self._fail(p, reason, safe=False)
             self.health.last_role = p.target
@@ -175,6 +180,26 @@ class Switcher:
             reason = f"engine {what} while {p.phase}: {exc}"
             self.health.mark_failed(reason)
             return self._fail(p, reason, safe=False)
+
+    async def _generates(self, *, until: float) -> bool:
+        """Whether the engine generates, asked until ``until`` (the verify budget).
+
+        SGLang's ``/health_generate`` gives up on its own after ``HEALTH_CHECK_TIMEOUT``
+        (20 s, ``srt/entrypoints/http_server.py`` ``health_generate``) and answers 503: one
+        such answer is one window without output, not an engine that needs a restart. A
+        single call would cut the verify budget (120 s by default) to SGLang's 20 s, and a
+        loaded host would get a healthy engine (a whole multi-node group) replaced.
+        """
+        poll = self.config.timeouts.poll
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            # A call that runs out of budget raises (timed out while verifying).
+            if await self.engine.health("/health_generate", timeout=left):
+                return True
+            log.warning("engine answered /health_generate with an error; asking again")
+            await asyncio.sleep(min(poll, max(0.0, until - time.monotonic())))
 
     def _fail(self, p: SwitchProgress, message: str, *, safe: bool) -> tuple[RoleResult, str]:
         log.error("switch to %s failed (safe_to_restore=%s): %s", p.target, safe, message)

@@ -213,6 +213,12 @@ async def reconcile_groups(
             continue  # unavailable until LWS has the whole group up again
         first = (live[0]["metadata"].get("labels") or {}).get(GROUP_LABEL)
         name = leader["metadata"]["name"] if leader else first or live[0]["metadata"]["name"]
+        if leader is None and name in busy:
+            # The executor is replacing this group after a failed switch: it deletes the
+            # leader, then the workers. A cluster's API keeps the leader (terminating)
+            # through its grace period; an API without one shows this tick the workers
+            # alone. Either way the group is the executor's until its switch ends.
+            continue
         for pod in live:
             await kube.delete_pod(namespace, pod["metadata"]["name"])
         restarted.append(name)

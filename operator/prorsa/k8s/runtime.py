@@ -379,10 +379,14 @@ class ClusterRuntime:
         """One engine pod (or group) per index 0..n-1; failed ones are replaced, extra ones
         removed; a multi-node instance is a LeaderWorkerSet when :attr:`uses_lws`."""
         ns = self.namespace
+        # Busy before and after the listing: a switch that replaced its group while the
+        # list was in flight still owns what the list shows of it.
+        busy = self.executor.busy() if self.executor else set()
         pods = await self.kube.list_pods(ns, self.selector)
+        if self.executor:
+            busy |= self.executor.busy()
         n = self.spec.instances
         by_index: dict[int, dict[str, Any]] = {}
-        busy = self.executor.busy() if self.executor else set()
         view = await groups.reconcile_groups(
             kube=self.kube,
             namespace=ns,

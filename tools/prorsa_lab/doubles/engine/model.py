@@ -59,6 +59,8 @@ KV_FAILED = {
     "status_code": None,
     "err_type": None,
 }
+HEALTH_POLL_SECONDS = 0.05
+"""How often a health check looks for output (SGLang: every 1 s; shorter keeps tests fast)."""
 KvFetch = Callable[[Bootstrap], Awaitable[bool]]
 """The decode side of the hand-off: True once the room's KV has arrived."""
 
@@ -517,7 +519,9 @@ class Rank:
             self.kv_used += req.prompt_tokens
             batch.append(req)
             tokens += req.prompt_tokens
-        self.prefilling = batch
+        # A copy: a health check that gives up mid-prefill leaves the queue, not the batch
+        # on the GPU, whose forward pass still produces its token (SGLang aborts after it).
+        self.prefilling = list(batch)
         return batch
 
     def _admit_decode(self, now: float) -> None:
@@ -1019,7 +1023,13 @@ class EngineCore:
 
     # ---------------------------------------------------------------- health
     async def health_generate(self) -> bool:
-        """SGLang's ``/health_generate``: healthy if any output arrives before the timeout."""
+        """SGLang's ``/health_generate``: healthy if any output arrives before the timeout.
+
+        Any output, not only the check's own: SGLang polls ``last_receive_tstamp > tic``
+        (``srt/entrypoints/http_server.py`` ``health_generate``), so a check queued behind
+        other work passes as soon as that work produces a token, and the last poll comes
+        after the window has passed.
+        """
         if self.starting or self.crashed:
             return False
         self._count(health_checks=1)
@@ -1027,13 +1037,15 @@ class EngineCore:
         req = self.submit(prompt_tokens=1, max_new_tokens=1, health=True)
         deadline = tic + self.config.timing.health_check_timeout_seconds
         try:
-            while time.monotonic() < deadline:
+            while True:
                 if req.finished or any(r.last_output_at > tic for r in self.ranks):
                     return not req.crashed
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
                 req.updated.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(req.updated.wait(), deadline - time.monotonic())
-            return False
+                    await asyncio.wait_for(req.updated.wait(), min(left, HEALTH_POLL_SECONDS))
         finally:
             if not req.finished:
                 self.ranks[req.rank].remove(req)
