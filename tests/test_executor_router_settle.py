@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -91,7 +92,9 @@ class Running:
         self.done: list[SwitchOutcome] = []
         self.http = httpx.AsyncClient(trust_env=False)
 
-    def executor(self, *, settle_timeout: float = 30.0) -> SwitchExecutor:
+    def executor(
+        self, *, settle_timeout: float = 30.0, router_url: str | None = None
+    ) -> SwitchExecutor:
         async def on_done(outcome: SwitchOutcome) -> None:
             self.done.append(outcome)
 
@@ -104,7 +107,7 @@ class Running:
             token=lambda: "t",
             settings=ExecutorSettings(
                 agent_port=self.port,
-                router_url=f"http://127.0.0.1:{self.port}",
+                router_url=router_url or f"http://127.0.0.1:{self.port}",
                 router_settle_timeout=settle_timeout,
                 poll_interval=0.05,
             ),
@@ -169,3 +172,21 @@ async def test_a_router_that_never_settles_leaves_the_engine_as_it_was(
     assert running.agent.flipped_while == [] and running.agent.role == "decode"
     assert running.kube.labels == ["draining", "decode"]
     assert json.dumps(outcome.record())  # what the status and events carry
+
+
+async def test_a_router_that_does_not_answer_at_all_does_not_block_the_switch(
+    running: Running,
+) -> None:
+    """No router process answers (down, or not deployed yet): one that starts later reads
+    the ``draining`` label, so only the settle timeout is waited out."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    switches = running.executor(settle_timeout=0.3, router_url=f"http://127.0.0.1:{closed}")
+    try:
+        assert switches.start(SWITCH, pod=pod(POD, IP, "decode"))
+        outcome = await asyncio.wait_for(next(iter(switches.active.values())), 10)
+    finally:
+        await switches.agents.aclose()
+    assert outcome.result == "succeeded", outcome
+    assert running.kube.labels == ["draining", "prefill"]

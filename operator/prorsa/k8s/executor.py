@@ -287,8 +287,10 @@ class SwitchExecutor:
         assert self.router is not None and self.settings.router_url
         deadline = time.monotonic() + self.settings.router_settle_timeout
         settled = 0
+        answered = False
         while time.monotonic() < deadline:
             view = await self.router.view(self.settings.router_url)
+            answered = answered or view is not None
             if view is not None and not view.lists(ip):
                 missing = [o for o in await self._routable_ips(pod) if not view.lists(o)]
                 settled = 0 if missing else settled + 1
@@ -297,6 +299,17 @@ class SwitchExecutor:
             else:
                 settled = 0
             await asyncio.sleep(self.settings.poll_interval)
+        if not answered:
+            # No router process answered at all (down, or not deployed yet): one that
+            # starts from now on reads the pod's ``draining`` label and never registers
+            # it. Only a router that answers can hold a stale registration.
+            log.warning(
+                "router at %s did not answer for %.0fs; switching %s",
+                self.settings.router_url,
+                self.settings.router_settle_timeout,
+                ip,
+            )
+            return True
         log.warning(
             "router has not settled without %s after %.0fs; not switching",
             ip,
