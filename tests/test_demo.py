@@ -93,14 +93,16 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 def _follow(curl: str) -> dict[str, object]:
-    """GET what the printed curl asks for, until the first Decision exists (404 before)."""
+    """GET what the printed curl asks for, until the first Decision exists (404 before;
+    401 while the operator has not yet read the cluster's token Secret, which it follows
+    within seconds: docs/security.md)."""
     words = shlex.split(curl.strip())
     header, url = words[words.index("-H") + 1], words[-1]
     name, _, value = header.partition(": ")
     deadline = time.monotonic() + 60
     while True:
         reply = httpx.get(url, headers={name: value}, timeout=10)
-        if reply.status_code != 404 or time.monotonic() > deadline:
+        if reply.status_code not in (401, 404) or time.monotonic() > deadline:
             body = reply.json() if reply.status_code == 200 else reply.text
             return {"status": reply.status_code, "url": url, "body": body}
         time.sleep(0.5)
