@@ -790,6 +790,6 @@ async def test_a_health_check_passes_on_any_output_as_sglangs_does() -> None:
     try:
         assert (await core.pd_role_switch(new_role="prefill"))["success"]
         results = [await core.health_generate() for _ in range(5)]
-        assert True in results, results
+        assert any(results), results  # a later check saw the batch's output
     finally:
         await core.stop()
