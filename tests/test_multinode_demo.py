@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 
-def test_demo_on_two_node_instances_moves_both_ways_and_loses_nothing(tmp_path: Path) -> None:
+def test_demo_on_two_node_instances_switches_whole_groups_and_loses_nothing(tmp_path: Path) -> None:
+    # Which way the Controller moves in 90 s of phases depends on how fast two busy cores
+    # serve them; the move back to decode on two-pod groups is pinned without timing by
+    # test_multinode_e2e::test_two_node_instances_come_up_and_follow_demand_both_ways.
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "prorsa.cli", "demo", "--nodes-per-instance", "2",
@@ -23,7 +26,8 @@ def test_demo_on_two_node_instances_moves_both_ways_and_loses_nothing(tmp_path: 
     assert summary["nodes_per_instance"] == 2
     assert summary["pods"] == 8  # four instances, a leader and a worker each
     assert summary["switch_directions"].get("decode->prefill", 0) >= 1, summary
-    assert summary["switch_directions"].get("prefill->decode", 0) >= 1, summary
+    assert set(summary["switch_directions"]) <= {"decode->prefill", "prefill->decode"}, summary
+    assert summary["switch_results"].get("succeeded", 0) >= 1, summary
     assert summary["requests_sent"] > 20
     assert summary["requests_completed"] == summary["requests_sent"]
     assert summary["requests_failed"] == 0 and summary["tokens_lost"] == 0
