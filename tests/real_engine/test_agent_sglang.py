@@ -326,6 +326,20 @@ async def test_busy_refusal_then_abort_with_partial_output(engine: Engine, clien
         TIMINGS.add("abort_all_until_empty", emptied)
 
 
+async def test_a_health_check_passes_idle_and_while_busy(engine: Engine, client):
+    """The agent reads ``/health_generate`` after every flip and while the engine serves.
+    SGLang answers it with its own one-token request when idle, and with any output that
+    arrives after the check began when busy (``http_server.py`` ``health_generate``): a busy
+    engine is never reported unhealthy because its check waited behind the batch."""
+    assert (await client.get(f"{engine.url}/health_generate")).status_code == 200
+    tasks = engine.busy()
+    await _until_running(client, engine)
+    assert (await client.get(f"{engine.url}/health_generate")).status_code == 200
+    assert await engine.running(client)  # the check cut nothing
+    await client.post(f"{engine.url}/abort_request", json={"abort_all": True}, headers=engine.admin)
+    await asyncio.gather(*tasks)
+
+
 async def test_metrics_have_the_series_the_docs_name(engine: Engine, client):
     for task in engine.busy(20):
         assert (await task).status_code == 200
