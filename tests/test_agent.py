@@ -368,6 +368,39 @@ async def test_a_hung_switch_times_out(client):
         assert "timed out while switching" in result.message
 
 
+async def test_an_engine_too_slow_to_answer_while_draining_keeps_its_role(client):
+    # /v1/loads stops answering in time while the agent drains (a loaded host, a scheduler
+    # in a long collective). No flip was asked for: the switch fails safe, the pod takes its
+    # old label back, and the engine is not marked for a restart (reloading its weights).
+    timeouts = replace(FAST_TIMEOUTS, request=0.3)
+    async with EnginePod(instance="e-8", token=TOKEN, timeouts=timeouts) as pod:
+        streams = [_stream(client, pod.engine_url, LONG) for _ in range(2)]
+        await _running(client, pod, 2)
+        call = asyncio.create_task(_role(client, pod, "prefill", drain=30))
+
+        async def draining() -> bool:
+            progress = (await client.get(f"{pod.agent_url}/v1/role", headers=AUTH)).json()
+            return progress["progress"] is not None and progress["progress"]["phase"] == "draining"
+
+        await _until(draining)
+        pod.double.faults.hang_loads = True
+        response = await call
+        pod.double.faults.hang_loads = False
+        result = RoleResult.model_validate(response.json())
+        assert response.status_code == 502 and not result.ok, result
+        assert result.safe_to_restore is True and result.new_role == "decode", result
+        assert "timed out while draining" in result.message
+        assert "role is unchanged" in result.message
+        assert pod.double.role == "decode"
+        assert (await client.get(f"{pod.agent_url}/healthz")).status_code == 200
+        await client.post(f"{pod.engine_url}/abort_request", json={"abort_all": True})
+        for stream in streams:
+            await stream
+        response = await _role(client, pod, "prefill")  # no restart was needed
+        assert response.status_code == 200, response.text
+        assert pod.double.role == "prefill"
+
+
 async def test_an_engine_crash_mid_switch_is_reported_unsafe(client):
     async with EnginePod(instance="e-6", token=TOKEN, faults=Faults(crash_on_switch=True)) as pod:
         response = await _role(client, pod, "prefill")

@@ -8,6 +8,8 @@ Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a m
   the pod can take its old label back;
 * it answered "not idle" (a request slipped in after the drain): the agent drains and aborts
   again and retries, up to ``max_switch_attempts`` calls;
+* an engine call timed out before the flip was asked for (draining, aborting): ``failed_safe``,
+  the role is unchanged and the engine is left to its health checks, not restarted;
 * it failed during teardown (``safe_to_restore: false``), it crashed or hung, or it reports
   the wrong role or generates nothing for the whole verify budget after the flip (it asks
   ``/health_generate`` again after each 503): ``failed_unsafe``; the agent marks the engine
@@ -38,6 +40,9 @@ log = logging.getLogger("prorsa_agent.switch")
 
 NOT_IDLE = "not idle"
 GRAPH_MEMORY_REQUIRED = "decode_cuda_graph_memory_gb is required"
+# Phases in which no ``/pd_role_switch`` is outstanding: the engine keeps its role whatever
+# happens (a retry after "not idle" drains again, the refused flip tore nothing down).
+UNTOUCHED_PHASES = frozenset({"starting", "draining", "aborting"})
 
 
 @dataclass(kw_only=True)
@@ -178,6 +183,11 @@ class Switcher:
         except EngineUnavailable as exc:
             what = "timed out" if exc.timeout else "stopped answering (crashed?)"
             reason = f"engine {what} while {p.phase}: {exc}"
+            if exc.timeout and p.phase in UNTOUCHED_PHASES:
+                # A slow answer before any flip was asked for (a loaded host) leaves the
+                # engine in its old role, serving: restarting it would reload the weights of
+                # a healthy engine (a whole multi-node group). The health checks judge a hang.
+                return self._fail(p, f"{reason}; the role is unchanged", safe=True)
             self.health.mark_failed(reason)
             return self._fail(p, reason, safe=False)
 
