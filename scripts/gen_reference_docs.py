@@ -69,7 +69,10 @@ DESCRIPTIONS: dict[str, str] = {
     "forecast.injection.groupSize": "Samples per group for `groupReplenish`.",
     "forecast.injection.ratePerSecond": "Samples per second for `fixedRate` (> 0 then).",
     "switching.mode": "`Auto`: switch; `Recommend`: a dry run (status and a "
-    "`SwitchRecommended` Event say what Auto would do); `Off`: nothing moves.",
+    "`SwitchRecommended` Event say what Auto would do); `Off`: nothing moves. In every mode "
+    "the operator first brings fresh engines (all launched as decode) to "
+    "`roles.prefill.initial`, once: PD without a prefill engine serves nothing. A cluster "
+    "that already has a prefill engine when the operator starts (a restart) keeps its split.",
     "switching.cooldownSeconds": "An instance is not switched again sooner than this after "
     "its last switch ended.",
     "switching.maxConcurrent": "Switches in flight at once.",

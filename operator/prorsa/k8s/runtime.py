@@ -19,7 +19,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,13 +86,13 @@ class ClusterRuntime:
     generation: int = 0
     executor: SwitchExecutor | None = None
     bootstrapped: bool = False
+    _bootstrap_started: bool = False  # this process began bringing engines to initial
     ticks: int = 0
     last_status: dict[str, Any] = field(default_factory=dict)
     _conditions: dict[str, dict[str, str]] = field(default_factory=dict)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
-    _last_priced: tuple[tuple[str, str, str], ...] = ()  # the Controller's, in Recommend
     _last_failure: str | None = None  # the failed tick last reported as an Event
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _last_refusal: str | None = None  # the pod refusal last reported as an Event
@@ -309,53 +309,61 @@ class ClusterRuntime:
         self.metrics.tick_seconds.labels(self.namespace, self.name).observe(
             time.perf_counter() - start
         )
-        switches = list(decision.switches)
-        if not self.bootstrapped:
-            switches = self._bootstrap(states) or switches
         mode = self.spec.switching.mode
+        # Bringing fresh engines to roles.prefill.initial is deploying the cluster, not a
+        # decision: it runs in every mode, so a Recommend or Off cluster serves too (all
+        # engines start as decode, and PD without a prefill engine serves nothing).
+        bootstrap = [] if self.bootstrapped else self._bootstrap(states)
         # What the Controller expected each of its switches to save and cost (a bootstrap
-        # switch to roles.prefill.initial is not priced).
+        # switch is not priced).
         diag = decision.diagnostics
         priced = {m.instance: m for m in diag.made} if diag is not None else {}
-        if mode == "Auto":
-            by_name = {p["metadata"]["name"]: p for p in pods}
-            for switch in switches:
-                pod = by_name.get(switch.instance)
-                if pod is not None and self.executor and self.executor.start(switch, pod=pod):
-                    move = priced.get(switch.instance)
-                    if move is not None and switch in decision.switches:
-                        self.metrics.record_priced(
-                            self.namespace, self.name, [move], switching_mode=mode
-                        )
-                    await self.post_event(
-                        "Normal",
-                        "SwitchStarted",
-                        f"{switch.instance}: {switch.from_} -> {switch.to}",
-                    )
-        elif mode == "Recommend":
-            # A dry run: say what Auto would do, once per change of recommendation.
-            advice = tuple((s.instance, s.from_, s.to) for s in switches)
+        if bootstrap:
+            await self._start_switches(bootstrap, pods)
+        elif mode == "Auto":
+            started = await self._start_switches(decision.switches, pods)
+            moves = [priced[s.instance] for s in started if s.instance in priced]
+            if moves:
+                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
+        if mode == "Recommend" and (self.bootstrapped or not self._bootstrap_started):
+            # A dry run: say what Auto would do, once per change of recommendation, and
+            # count what the Controller expected of those switches, as Auto counts the
+            # ones it makes.
+            advice = tuple((s.instance, s.from_, s.to) for s in decision.switches)
             if advice and advice != self._last_advice:
                 text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
                 await self.post_event("Normal", "SwitchRecommended", text)
-            self._last_advice = advice
-            # Count what the Controller expected of the switches it would make, once per
-            # change of them, as Auto counts the ones it makes. Not from ``advice``: until
-            # the engines reach roles.prefill.initial (which Recommend never does itself)
-            # that is the unpriced bootstrap, and the Controller's own moves come behind it.
-            wanted = tuple((s.instance, s.from_, s.to) for s in decision.switches)
-            if wanted and wanted != self._last_priced:
                 moves = [priced[s.instance] for s in decision.switches if s.instance in priced]
                 self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
-            self._last_priced = wanted
+            self._last_advice = advice
         await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
             await self._persist()
         return decision
 
+    async def _start_switches(
+        self, switches: Iterable[Switch], pods: list[dict[str, Any]]
+    ) -> list[Switch]:
+        """Hand ``switches`` to the executor; returns those it started."""
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        started: list[Switch] = []
+        for switch in switches:
+            pod = by_name.get(switch.instance)
+            if pod is not None and self.executor and self.executor.start(switch, pod=pod):
+                started.append(switch)
+                await self.post_event(
+                    "Normal", "SwitchStarted", f"{switch.instance}: {switch.from_} -> {switch.to}"
+                )
+        return started
+
     def _bootstrap(self, states: dict[str, EngineState]) -> list[Switch]:
-        """Bring fresh engines (which all start as decode) to roles.prefill.initial once."""
+        """Bring fresh engines (which all start as decode) to roles.prefill.initial once.
+
+        A cluster that already has a prefill engine when this operator first sees it is
+        running (an operator restart): its split is the Controller's (or the user's, in
+        Recommend and Off), not one to reset to ``initial``.
+        """
         expected = self.spec.instances
         healthy = [s for s in states.values() if s.healthy]
         if len(healthy) < expected:
@@ -363,9 +371,10 @@ class ClusterRuntime:
         want = self.spec.initial_prefill()
         have = sum(1 for s in healthy if s.role == "prefill")
         switching = sum(1 for s in states.values() if s.switching)
-        if have >= want:
+        if have >= want or (have and not self._bootstrap_started):
             self.bootstrapped = True
             return []
+        self._bootstrap_started = True
         slots = self.spec.switching.max_concurrent - switching
         if slots <= 0:
             return []
