@@ -140,4 +140,5 @@ async def test_every_turn_of_a_trajectory_is_prefilled_on_the_rank_holding_its_p
     for traj, ranks in placed.items():
         # SGLang's round robin would alternate.
         assert len(set(ranks)) == 1, (traj, ranks, seen)
-    assert {ranks[0] for ranks in placed.values()} == {0, 1}, seen  # and both ranks are used
+    # Which rank takes a new trajectory is smg's balance (its trees' sizes and the ranks'
+    # loads at that moment), not asserted: in one CI run all three went to rank 1.
