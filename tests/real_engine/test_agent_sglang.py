@@ -111,7 +111,7 @@ async def test_the_agent_reads_the_real_engine(cluster: Stack, client: httpx.Asy
     (prefill,) = (await pods_by_role(cluster))["prefill"]
     agent_metrics = (await client.get(f"{prefill.agent_url}/metrics")).text
     assert 'prorsa_agent_switches_total{result="ok",to="prefill"} 1.0' in agent_metrics
-    flip = _sample(agent_metrics, 'prorsa_agent_switch_seconds_sum{to="prefill"}')
+    flip = _sample(agent_metrics, 'prorsa_agent_switch_duration_seconds_sum{to="prefill"}')
     TIMINGS.add("flip_idle_via_agent", flip)
 
 

@@ -146,23 +146,25 @@ async def toward_the_other_split(env: Stack) -> tuple[int, int]:
 
 
 async def agent_counts(env: Stack, series: str) -> float:
-    """The sum of one counter over every engine pod's agent."""
-    total = 0.0
+    """The sum of one counter over every engine pod's agent; a series no agent exports is
+    an error (a renamed metric), not a zero."""
+    values: list[float] = []
     async with httpx.AsyncClient(verify=False, timeout=10, trust_env=False) as client:
         for pod in engine_pods(env).values():
             text = (await client.get(f"{pod.agent_url}/metrics")).text
-            total += sum(
+            values += [
                 float(line.split()[-1])
                 for line in text.splitlines()
                 if line.startswith(series + " ") or line.startswith(series + "{")
-            )
-    return total
+            ]
+    assert values, f"no agent exports {series}"
+    return sum(values)
 
 
 async def _agent_switch_seconds(env: Stack) -> tuple[float, ...]:
     """Over every agent: seconds in role calls, seconds draining, and how many of each."""
-    series = ("switch_seconds_sum", "drain_seconds_sum", "switch_seconds_count")
-    series += ("drain_seconds_count",)
+    series = ("switch_duration_seconds_sum", "drain_duration_seconds_sum")
+    series += ("switch_duration_seconds_count", "drain_duration_seconds_count")
     return tuple([await agent_counts(env, f"prorsa_agent_{s}") for s in series])
 
 
