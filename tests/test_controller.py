@@ -141,6 +141,42 @@ def test_a_switch_resumed_after_an_operator_restart_counts_as_its_destination(lo
     assert d.switches == () and d.target.prefill == 1, d.reason
 
 
+def test_a_missed_state_read_does_not_end_a_resumed_switch(log) -> None:
+    # Right after an operator restart the agent of the resumed switch is the busiest one
+    # (draining, flipping, verifying) and may miss a /v1/state read. A missed read says
+    # nothing about the switch: the instance still counts as its destination, that tick
+    # and the next, and no second decode instance is switched toward prefill.
+    spec = spec8(maxConcurrent=2)
+    states = engines(0, 4, **{"c-engine-0": {"switching": True}})
+    c = Controller(spec)
+    c.resume_switch("c-engine-0", to="prefill")
+    c.observe_engines(states[1:])  # c-engine-0's agent did not answer this tick
+    d = c.tick(2.0)
+    assert d.switches == () and d.target.prefill == 1, d.reason
+    c.observe_engines(states)  # it answers again, still switching
+    d = c.tick(3.0)
+    assert d.switches == () and d.target.prefill == 1, d.reason
+    # Once the switch has ended, a missed read is an unavailable instance again.
+    c.observe_engines(engines(1, 3))
+    c.record_switch("c-engine-0", at=4.0)
+    c.observe_engines(engines(1, 3)[1:])
+    d = c.tick(5.0)
+    assert d.target.prefill + d.target.decode == 3, d.reason
+
+
+def test_a_missed_state_read_does_not_end_a_switch_this_controller_started(log) -> None:
+    c = Controller(spec8())
+    queue(log, 60, 10_000, 1.0)
+    c.observe(log.take())
+    c.observe_engines(engines(2, 6))
+    first = c.tick(2.0).switches[0].instance
+    # The switching instance's agent misses a read: maxConcurrent = 1 is still taken.
+    c.observe_engines([s for s in engines(2, 6) if s.instance != first])
+    assert c.tick(3.0).switches == ()
+    c.observe_engines(engines(2, 6, **{first: {"switching": True}}))
+    assert c.tick(4.0).switches == ()
+
+
 def test_cooldown_excludes_recently_switched_instances(log) -> None:
     c = Controller(spec8(cooldownSeconds=100))
     queue(log, 60, 10_000, 1.0)
@@ -789,6 +825,7 @@ def plan_inputs(current: tuple[int, int] = (2, 6), **override) -> PlanInputs:
             best=Allocation(6, 2, 0.0),
         ),
         "engines": tuple(engines(prefill, decode, **{"c-engine-5": {"runningRequests": 0}})),
+        "in_progress": 0,
         "cooldown_until": {},
         "contexts": dict,
         "switch_seconds": 13.0,

@@ -319,6 +319,17 @@ async def test_operator_restarted_mid_switch_converges_for_the_whole_group(
         restarts = {"GroupRestarted", "RecreateGroup", "SwitchReplaced"}
         assert not [e for e in events if e[0] in restarts], sorted(map(str, events))
 
+        # The engines serve on across the restart: the next switch, of a group that came up
+        # under the first process, flips and verifies in place too.
+        async def served() -> bool:
+            reply = await env.post(prefill_heavy(env))
+            return reply.status_code == 200  # 401/404 until the new webhook has the cluster
+
+        await env.wait_for(served, what="the trainer's events on the new webhook")
+        await env.wait_for(lambda: split(env, 2, 2), timeout=60, what="a flip after the restart")
+        events = [(e.get("reason"), e.get("message")) for e in await env.events()]
+        assert not [e for e in events if e[0] in restarts], sorted(map(str, events))
+
 
 async def _role(env: Stack, name: str, role: str) -> bool:
     pod = await env.kube.get_pod(NAMESPACE, name)

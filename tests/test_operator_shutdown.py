@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import kopf
 from conftest import cluster_runtime, make_spec
 
 from prorsa.core.decision import Switch
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
+from prorsa.operator_process import run_kopf
 from prorsa_contract.agent_api import RoleResult
 
 POD = {"metadata": {"name": "c-engine-1"}, "status": {"podIP": "127.0.0.9"}}
@@ -79,3 +81,33 @@ async def test_closing_stops_the_loop_and_its_switches_before_the_client_closes(
     await asyncio.sleep(0.1)
     assert agents.calls == ["c-engine-0"] and not done  # the late switch never started
     assert runtime.close() is closing  # cleanup and the daemon share one close
+
+
+async def test_a_stopping_kopf_cancels_its_own_tasks_not_the_loops_other_users() -> None:
+    # The lab runs the operator in the loop of the emulated cluster: an engine double's
+    # scheduler loop or an agent's switch started while the operator ran is not the
+    # operator's, and must outlive its restart (kopf.operator cancelled both).
+    registry = kopf.OperatorRegistry()
+    spawned: list[asyncio.Task[None]] = []
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server="http://127.0.0.1:9", insecure=True)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(**_: Any) -> None:
+        spawned.append(asyncio.create_task(asyncio.sleep(3600)))  # left behind by a handler
+
+    stop = asyncio.Event()
+    running = asyncio.create_task(
+        run_kopf(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
+    )
+    while not spawned:
+        await asyncio.sleep(0.05)
+    neighbour = asyncio.create_task(asyncio.sleep(3600))  # created after kopf started
+    await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.wait_for(running, 60)
+    assert not neighbour.done()
+    assert spawned[0].cancelled()  # kopf still sweeps what it spawned itself
+    neighbour.cancel()

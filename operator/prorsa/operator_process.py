@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import secrets
 import socket
+import weakref
+from collections.abc import Collection, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +48,74 @@ log = logging.getLogger("prorsa.operator")
 Role = Literal["starting", "standby", "leader", "stopping"]
 # How long a leader that lost the Lease gives kopf to stop before it gives up waiting.
 STOP_TIMEOUT = 60.0
+
+
+# The tasks of the kopf run that the current task belongs to (None: outside any).
+_KOPF_TASKS: contextvars.ContextVar[weakref.WeakSet[asyncio.Task[Any]] | None] = (
+    contextvars.ContextVar("prorsa_kopf_tasks", default=None)
+)
+
+
+def _tracking_factory(previous: Any) -> Any:
+    """A task factory that records each task created inside a kopf run in that run's set
+    (``previous``: the loop's factory until then, which still makes the task)."""
+
+    def factory(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
+    ) -> asyncio.Future[Any]:
+        task: asyncio.Future[Any]
+        if previous is not None:
+            task = previous(loop, coro, **kwargs)
+        else:
+            task = asyncio.Task(coro, loop=loop, **kwargs)
+        owner = _KOPF_TASKS.get()
+        if owner is not None and isinstance(task, asyncio.Task):
+            owner.add(task)
+        return task
+
+    factory.prorsa_tracking = True  # type: ignore[attr-defined]
+    return factory
+
+
+class _NotSpawnedBy(Collection[asyncio.Task[Any]]):
+    """kopf's ``ignored``: every task that the kopf run did not spawn (tested with ``in``)."""
+
+    def __init__(self, spawned: weakref.WeakSet[asyncio.Task[Any]]) -> None:
+        self._spawned = spawned
+
+    def __contains__(self, task: object) -> bool:
+        return task not in self._spawned
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+async def run_kopf(**kwargs: Any) -> None:
+    """``kopf.operator(**kwargs)``, except that its end cancels only the tasks kopf spawned.
+
+    When kopf stops, it waits 5 s for every task created in the event loop since it
+    started, then cancels them ("hung" tasks, ``kopf.run_tasks``): it cannot tell its own
+    from the loop's other users'. In the operator's own process that is harmless, but the
+    lab runs the operator in the loop of the emulated cluster (``prorsa demo``, the
+    end-to-end tests): an operator stopped there cancelled the scheduler loops of every
+    engine double and the health monitors and switches of every agent started while it ran,
+    so after an operator restart no such engine generated again, and the next switch on
+    one failed its verification and had its instance (a whole multi-node group) replaced.
+    Here the tasks created inside this run are recorded (a task factory, and a context
+    variable every task spawned from this one inherits); the others are kopf's
+    ``ignored``.
+    """
+    loop = asyncio.get_running_loop()
+    factory = loop.get_task_factory()
+    if not getattr(factory, "prorsa_tracking", False):
+        loop.set_task_factory(_tracking_factory(factory))
+    spawned: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+    _KOPF_TASKS.set(spawned)  # this task's context only: what it spawns inherits it
+    tasks = await kopf.spawn_tasks(**kwargs)
+    await kopf.run_tasks(tasks, ignored=_NotSpawnedBy(spawned))
 
 
 def metrics_app(registry: CollectorRegistry) -> web.Application:
@@ -226,7 +297,7 @@ class OperatorProcess:
             self._leader.set(1)
             kopf_stop = asyncio.Event()
             self._kopf = asyncio.create_task(
-                kopf.operator(
+                run_kopf(
                     registry=build_registry(config, prom=self.prom, on_serving=self._on_serving),
                     clusterwide=not config.namespaced,
                     namespaces=list(config.namespaces),

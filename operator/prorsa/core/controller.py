@@ -171,7 +171,8 @@ class Controller:
         self.table.load_snapshot(snapshot)
 
     def observe_engines(self, states: Iterable[EngineState]) -> None:
-        """The latest ``/v1/state`` of every engine; an absent instance is unavailable."""
+        """The latest ``/v1/state`` of every engine; an absent instance is unavailable,
+        unless a switch is under way on it (see :func:`measure.role_counts`)."""
         fresh = {s.instance: s for s in states}
         for name, s in fresh.items():
             old = self._engines.get(name)
@@ -182,9 +183,11 @@ class Controller:
             self._engine_interval(s)
             self._count_computed(s)
         self._engines = fresh
+        # A switch ends when its instance's state says it is not switching, or at
+        # record_switch; a state that is missing (a read the agent missed) ends nothing.
         for name in list(self._issued):
             now_state = fresh.get(name)
-            if now_state is None or not now_state.switching:
+            if now_state is not None and not now_state.switching:
                 del self._issued[name]
 
     def _now_hint(self) -> float:
@@ -444,6 +447,7 @@ class Controller:
             current=(roles.prefill, roles.decode),
             sizing=sizing,
             engines=self.engines(),
+            in_progress=roles.switching,
             cooldown_until=MappingProxyType(self._cooldown_until),
             contexts=self.table.live_contexts_by_instance,
             switch_seconds=self.switch_costs.seconds,

@@ -33,8 +33,13 @@ def role_counts(
 ) -> RoleCounts:
     """Counts by role of usable instances; a switching one counts as its destination.
 
-    ``issued`` holds the destination of every switch the Controller started or resumed;
-    a switching instance without one is unavailable. Without engine states, the split
+    ``issued`` holds the destination of every switch the Controller started or resumed
+    and has not seen end; a switching instance without one is unavailable. An instance
+    of ``issued`` whose agent missed this reading counts as its destination too: a
+    missed ``/v1/state`` says nothing about the switch, and right after an operator
+    restart the agent of a resumed switch (draining, flipping, verifying) is the one most
+    likely to miss one. Counted as unavailable, it would leave its destination short and
+    start a second switch toward the same split. Without engine states, the split
     assumed is ``assumed_prefill`` of the spec's ``instances``.
     """
     if not engines:
@@ -60,9 +65,19 @@ def role_counts(
                 names.append(s.instance)
         else:
             d += 1
-    # Instances the spec owns that no agent answered for are unavailable too.
-    unavailable += max(0, instances - len(engines))
-    return RoleCounts(prefill=p, decode=d, unavailable=unavailable, names=tuple(names))
+    answered = {s.instance for s in engines}
+    # Never more than the instances the spec owns beyond those that answered.
+    missing = max(0, instances - len(engines))
+    unanswered = [r for n, r in sorted(issued.items()) if n not in answered][:missing]
+    p += unanswered.count("prefill")
+    d += unanswered.count("decode")
+    # Every switch under way takes a slot, also one this Controller does not know of.
+    switching = sum(1 for s in engines if s.switching) + len(unanswered)
+    # The other instances the spec owns that no agent answered for are unavailable.
+    unavailable += max(0, instances - len(engines) - len(unanswered))
+    return RoleCounts(
+        prefill=p, decode=d, unavailable=unavailable, names=tuple(names), switching=switching
+    )
 
 
 def kv_capacity(engines: Sequence[EngineState], *, configured: int | None) -> int:

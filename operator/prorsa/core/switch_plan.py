@@ -138,8 +138,7 @@ def _priced_moves(
     need = target.prefill - current[0]
     if not need or not inputs.engines:
         return [], []
-    in_progress = sum(1 for s in inputs.engines if s.switching)
-    slots = inputs.switching.max_concurrent - in_progress
+    slots = inputs.switching.max_concurrent - inputs.in_progress
     if slots <= 0:
         return [], []
     src: Role = "decode" if need > 0 else "prefill"

@@ -30,6 +30,9 @@ class RoleCounts:
     decode: int
     unavailable: int
     names: tuple[str, ...]  # prefill instances serving now (not switching), by name
+    # Instances mid-switch, whether or not their agent answered this tick: what takes
+    # switching.maxConcurrent's slots.
+    switching: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +121,7 @@ class PlanInputs:
     current: tuple[int, int]  # usable (prefill, decode) instances now
     sizing: Sizing
     engines: tuple[EngineState, ...]
+    in_progress: int  # switches under way (RoleCounts.switching), answered this tick or not
     cooldown_until: Mapping[str, float]  # instance -> end of its cooldown
     # Live context tokens by the instance their last prefill ran on: what each prefix cache
     # is worth. A pass over the trajectory table, read only when a move is priced.
