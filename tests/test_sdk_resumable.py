@@ -51,6 +51,9 @@ class Engine:
             assert request.transport is not None
             request.transport.close()
             return web.Response()
+        if fault == "duplicate_rid":  # a decode engine still holding smg's first attempt
+            message = f"Duplicate request ID detected: {self.requests[-1].get('rid')}"
+            return web.json_response({"error": {"message": message}}, status=400)
         if fault == "model_not_found":  # smg 1.13 while no worker of the model is registered
             error = {"type": "invalid_request_error", "code": fault, "message": "Unknown model"}
             return web.json_response({"error": error}, status=404)
@@ -406,3 +409,20 @@ async def test_a_router_without_workers_of_the_model_yet_is_retried(running: Run
     with pytest.raises(httpx.HTTPStatusError):
         await gen.generate(payload)
     assert len(running.engine.requests) - before == 1
+
+
+async def test_a_duplicate_request_id_is_retried_under_a_new_one(running: Running) -> None:
+    """A prefill pod deleted under a PD request: smg retries the pair with the same rid, the
+    decode engine still holds the first attempt and answers 400 "Duplicate request ID";
+    the client sends it again under a new rid. Any other 400 is the caller's error."""
+    gen = ResumableGeneration(running.http, retry_base=0.01)
+    payload = {"rid": "t@1", "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}}
+    running.engine.faults = ["duplicate_rid"]
+    before = len(running.engine.requests)
+    out = await gen.generate(payload)
+    assert len(out["output_ids"]) == 8 and gen.retries == 1
+    assert [r["rid"] for r in running.engine.requests[before:]] == ["t@1", "t@1-retry1"]
+    running.engine.faults = ["400"]
+    with pytest.raises(httpx.HTTPStatusError) as exc:
+        await gen.generate(payload)
+    assert exc.value.response.status_code == 400

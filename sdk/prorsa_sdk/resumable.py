@@ -23,9 +23,10 @@ In both cases the token budget (``max_new_tokens`` / ``max_tokens`` /
 ``max_completion_tokens``) shrinks by what the resumed request carries (the ids returned).
 Resumes are bounded (``max_resumes``); transient failures (no partial output) are retried
 with capped exponential backoff, bounded by ``max_retries``: connection errors, 5xx, 429,
-and smg's 404 ``model_not_found``, which a router answers while no worker of the model is
-registered (right after the router restarts, until its discovery finds the engines again);
-a model name that is simply wrong then fails after the retries.
+smg's 404 ``model_not_found``, which a router answers while no worker of the model is
+registered (right after the router restarts, until its discovery finds the engines again;
+a model name that is simply wrong then fails after the retries), and an engine's 400
+"Duplicate request ID" (smg's own retry of a PD pair whose prefill pod went away).
 
 An answer that says ``length`` but stopped short of its token budget is resumed like an
 abort: SGLang reports ``length`` only once ``max_new_tokens`` is used up (or the budget
@@ -311,11 +312,16 @@ class ResumableGeneration:
 
 
 def _transient(response: httpx.Response) -> bool:
-    """A reply worth sending the same request again for: overload, a server error, or the
-    router's "no worker of this model" (smg 1.13's 404 ``model_not_found``)."""
+    """A reply worth sending the request again for (with a new ``rid``): overload, a server
+    error, the router's "no worker of this model" (smg 1.13's 404 ``model_not_found``), or
+    an engine's 400 "Duplicate request ID detected": smg retries a PD pair whose prefill
+    side broke (a prefill pod deleted) with the same ``rid``, and the decode engine still
+    holds the first attempt, waiting for KV that will not come."""
     status = response.status_code
     if status == 429 or status >= 500:
         return True
+    if status == 400:
+        return DUPLICATE_RID in response.text
     if status != 404:
         return False
     try:
@@ -324,6 +330,10 @@ def _transient(response: httpx.Response) -> bool:
         return False
     error = body.get("error") if isinstance(body, dict) else None
     return isinstance(error, dict) and error.get("code") == "model_not_found"
+
+
+DUPLICATE_RID = "Duplicate request ID"
+"""SGLang 0.5.23's refusal of a ``rid`` it already holds (``tokenizer_manager.py``)."""
 
 
 def _is_batch(value: Any) -> bool:

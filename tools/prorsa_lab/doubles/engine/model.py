@@ -789,7 +789,7 @@ class EngineCore:
             raise EngineCrashed("engine crashed")
         rid = rid or uuid.uuid4().hex
         if rid in self.requests:
-            raise GenerateError(f"Duplicate request ID: {rid}")
+            raise GenerateError(f"Duplicate request ID detected: {rid}")  # tokenizer_manager.py
         if prompt_tokens < 1:
             raise GenerateError("The input is empty: at least one prompt token is required.")
         if max_new_tokens < 0:
