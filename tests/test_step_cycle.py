@@ -21,6 +21,8 @@ from prorsa.core.switch_cost import (
 )
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import PlanInputs
+from prorsa_lab.sim.policies import Prorsa
+from prorsa_lab.sim.simulator import Scenario, Simulation, simulate
 
 SPLITS = [(p, 8 - p) for p in range(1, 8)]
 # The calm of a step: prefill demand under one instance (caches hit), decode carrying it.
@@ -105,3 +107,50 @@ def test_without_weight_updates_only_the_last_minutes_are_read() -> None:
     now = 3_000.0
     assert cycle.window(now, least=120) == (now - OPEN_CYCLE_SECONDS, now)
     assert all(t > now - OPEN_CYCLE_SECONDS for t, *_ in cycle.ticks)
+
+
+class _Logged(Prorsa):
+    """The shipped Controller in the simulator, its switches and weight updates logged."""
+
+    def __init__(self, *, step_cycle: bool) -> None:
+        self.step_cycle = step_cycle
+        self.log: list[tuple[float, str]] = []
+
+    def attach(self, sim: Simulation) -> None:
+        super().attach(sim)
+        switching = sim.spec.switching.model_copy(update={"step_cycle": self.step_cycle})
+        self.controller.apply_spec(sim.spec.model_copy(update={"switching": switching}))
+        sim.trainer.on_new_weights.append(lambda now: self.log.append((now, "weights")))
+
+    def tick(self, now: float, *, scheduled: bool = True) -> None:
+        super().tick(now, scheduled=scheduled)
+        decision = self.controller.last_decision
+        assert decision is not None
+        self.log.extend((now, s.to) for s in decision.switches)
+
+
+def reversals(log: list[tuple[float, str]]) -> list[float]:
+    """Times of switches that undo the previous one within the same step."""
+    out, last = [], None
+    for at, what in log:
+        if what == "weights":
+            last = None
+            continue
+        if last is not None and what != last:
+            out.append(at)
+        last = what
+    return out
+
+
+def test_in_the_simulator_no_move_is_undone_after_a_weight_update_burst() -> None:
+    """qwen3-dp4 general at staleness 8 (the setting where Eq. 1's rule lost most on
+    seed 1): with the step-scale target the Controller moves once and never back; with
+    Eq. 1 on the next minutes it moves into each re-prefill burst and back in the step."""
+    scenario = Scenario(model="qwen3-dp4", task="general", staleness=8, steps=3, seed=1)
+    step = _Logged(step_cycle=True)
+    simulate(scenario, step)
+    moves = [at for at, what in step.log if what != "weights"]
+    assert 1 <= len(moves) <= 2 and reversals(step.log) == []
+    minute = _Logged(step_cycle=False)
+    simulate(scenario, minute)
+    assert reversals(minute.log), "Eq. 1's rule chases the burst and comes back"
