@@ -87,6 +87,20 @@ def test_a_step_short_of_prefill_moves_one_instance_when_it_pays() -> None:
     assert moved.moves[0].gain > moved.moves[0].cost
 
 
+def test_prefill_is_not_given_up_before_a_step_after_a_weight_update_was_seen() -> None:
+    """The first step's calm favours decode, but it holds no re-prefill burst yet: the
+    Controller adds prefill instances on it, never takes them away."""
+    cycle = CycleProfile()
+    for k in range(1, 40):  # 390 s of calm, then the first weight update
+        cycle.record(10.0 * k, CALM, (3, 5), drain=9.0, update_started=None, max_gap=30)
+    cycle.record(400.0, CALM, (3, 5), drain=9.0, update_started=400.0, max_gap=30)
+    assert best_split(cycle, 400.0) < 3 and not cycle.after_update
+    held = plan(plan_inputs(current=(3, 5), now=400.0), cycle)
+    assert held.switches == () and held.target == Target(prefill=3, decode=5)
+    # Once a step that began at a weight update has closed, the calm may take one back.
+    assert two_steps((3, 5), burst=0).after_update
+
+
 def test_the_first_minutes_of_a_run_hold_the_start_split_while_the_step_is_learned() -> None:
     cycle = CycleProfile()
     for k in range(1, 6):  # 50 s of trainer events: not yet a step to size for

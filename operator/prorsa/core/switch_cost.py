@@ -368,6 +368,13 @@ class CycleProfile:
         while self.ticks and self.ticks[0][0] <= oldest:
             self.ticks.popleft()
 
+    @property
+    def after_update(self) -> bool:
+        """Whether a whole cycle that began at a weight update has closed: before, the
+        ticks read hold no re-prefill burst, the one phase of a step that only more
+        prefill instances serve."""
+        return len(self._starts) > CYCLES
+
     def window(self, now: float, *, least: float) -> tuple[float, float] | None:
         """The ticks :meth:`totals` reads: the last ``CYCLES`` cycles weight updates
         closed, else the one under way once it is ``least`` seconds long, at most its last

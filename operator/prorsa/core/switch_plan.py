@@ -148,6 +148,10 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
     best = min(splits, key=lambda sp: (seconds[sp], abs(sp[0] - cur_p)))
     if not seconds[best] < here:
         best = (cur_p, cur_d)
+    if best[0] < cur_p and not cycle.after_update:
+        # Not yet seen: the re-prefill burst after a weight update. Prefill is not given
+        # up on a window that lacks it (a step's calm alone favours decode).
+        best = (cur_p, cur_d)
     target = Target(prefill=best[0], decode=best[1])
     if best == (cur_p, cur_d):
         why = f"holding {cur_p}P:{cur_d}D: the split the last step's cycle ({length:.0f}s) favours"
