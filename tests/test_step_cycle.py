@@ -101,6 +101,21 @@ def test_prefill_is_not_given_up_before_a_step_after_a_weight_update_was_seen() 
     assert two_steps((3, 5), burst=0).after_update
 
 
+def test_before_a_whole_step_is_seen_at_most_one_instance_is_added_to_the_start() -> None:
+    """The first minutes of a run ask for far more prefill (every prompt is new): one
+    instance moves, not the four the window alone would ask for."""
+    rush = Load(a=6.0, b=1.5, knees=3.0, decode_share=0.5)
+    cycle = CycleProfile()
+    for k in range(1, 14):
+        cycle.record(10.0 * k, rush, (2, 6), drain=60.0, update_started=None, max_gap=30)
+    assert best_split(cycle, 130.0) > 3 and cycle.first_split == (2, 6)
+    moved = plan(plan_inputs(current=(2, 6), now=130.0), cycle)
+    assert moved.target == Target(prefill=3, decode=5)
+    assert [s.to for s in moved.switches] == ["prefill"]
+    held = plan(plan_inputs(current=(3, 5), now=140.0), cycle)
+    assert held.switches == () and held.target == Target(prefill=3, decode=5)
+
+
 def test_the_first_minutes_of_a_run_hold_the_start_split_while_the_step_is_learned() -> None:
     cycle = CycleProfile()
     for k in range(1, 6):  # 50 s of trainer events: not yet a step to size for

@@ -331,7 +331,7 @@ class CycleProfile:
     as after an update).
     """
 
-    __slots__ = ("_last", "_last_update", "_starts", "ticks")
+    __slots__ = ("_first", "_last", "_last_update", "_starts", "ticks")
 
     def __init__(self) -> None:
         # (time, seconds since the previous tick, recurring load, split in use, drained once)
@@ -339,6 +339,7 @@ class CycleProfile:
         self._starts: list[float] = []
         self._last: float | None = None
         self._last_update: float | None = None
+        self._first: tuple[int, int] | None = None
 
     def record(
         self,
@@ -355,6 +356,7 @@ class CycleProfile:
         new one closes a cycle)."""
         if not self._starts:
             self._starts.append(now)
+            self._first = current
         if update_started is not None and update_started != self._last_update:
             self._last_update = update_started
             if update_started > self._starts[-1]:
@@ -367,6 +369,11 @@ class CycleProfile:
         oldest = self._starts[0] if len(self._starts) > 1 else now - OPEN_CYCLE_SECONDS
         while self.ticks and self.ticks[0][0] <= oldest:
             self.ticks.popleft()
+
+    @property
+    def first_split(self) -> tuple[int, int] | None:
+        """The split in use at the first tick recorded (None: none yet)."""
+        return self._first
 
     @property
     def after_update(self) -> bool:

@@ -148,10 +148,14 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
     best = min(splits, key=lambda sp: (seconds[sp], abs(sp[0] - cur_p)))
     if not seconds[best] < here:
         best = (cur_p, cur_d)
-    if best[0] < cur_p and not cycle.after_update:
+    first = cycle.first_split
+    if not cycle.after_update and first is not None:
         # Not yet seen: the re-prefill burst after a weight update. Prefill is not given
-        # up on a window that lacks it (a step's calm alone favours decode).
-        best = (cur_p, cur_d)
+        # up on a window that lacks it (a step's calm alone favours decode), and on so
+        # little of the run at most one instance is added to the start split.
+        top = max(cur_p, first[0] + 1)
+        p = min(max(best[0], cur_p), top)
+        best = (p, total - p)
     target = Target(prefill=best[0], decode=best[1])
     if best == (cur_p, cur_d):
         why = f"holding {cur_p}P:{cur_d}D: the split the last step's cycle ({length:.0f}s) favours"
