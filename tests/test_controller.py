@@ -61,7 +61,7 @@ def engines(prefill: int, decode: int, **overrides) -> list[EngineState]:
 
 # These tests check the rule of each horizon: no demand smoothing, and the light
 # hysteresis the arithmetic in them assumes (the defaults are tested on their own below).
-PER_HORIZON = {"smoothingSeconds": 0, "hysteresis": 0.1}
+PER_HORIZON = {"smoothingSeconds": 0, "hysteresis": 0.1, "stepCycle": False}
 
 
 def spec8(**switching):
@@ -473,7 +473,7 @@ def test_theta_p_falls_back_to_busy_intervals_without_engine_counters(log) -> No
 
 
 def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log) -> None:
-    def run(switching: dict[str, float], burst: int = 30) -> tuple[list[int], list[int]]:
+    def run(switching: dict[str, float | bool], burst: int = 30) -> tuple[list[int], list[int]]:
         """Ticks (s) at which the Controller asked for more prefill, for a spike and a shift."""
         spec = make_spec(
             engine={"gpusPerInstance": 8},
@@ -509,13 +509,15 @@ def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log
                 (spike if k < 90 else shift).append(int(now))
         return spike, shift
 
-    spike, shift = run({})  # the defaults: priced switches on a minute of smoothing
+    # Eq. 1's rule of each horizon, priced, on a minute of smoothing (the defaults but the
+    # step-scale target, which test_step_cycle.py covers).
+    spike, shift = run({"stepCycle": False})
     assert spike == [], "the spike does not pay for the decode work a switch aborts"
     assert shift and shift[0] <= 900 + 30, "a sustained shift is followed within a few ticks"
     # A burst of prompts is work done once: 30 prompts are 30 instance-seconds, which two
     # prefill instances drain in 15 s. Three thousand are not drained within the payoff
     # horizon, and that burst flips roles at once.
-    spike, _ = run({}, burst=3_000)
+    spike, _ = run({"stepCycle": False}, burst=3_000)
     assert spike[:1] == [600], "a burst that outlasts the payoff horizon flips roles"
 
 

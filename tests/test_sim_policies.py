@@ -39,6 +39,15 @@ def scenario(**kw: object) -> Scenario:
     return Scenario(**base)  # type: ignore[arg-type]
 
 
+class _PerHorizon(Prorsa):
+    """The Controller with ``switching.stepCycle`` off: Eq. 1 on each horizon's demand."""
+
+    def attach(self, sim: Simulation) -> None:
+        super().attach(sim)
+        switching = sim.spec.switching.model_copy(update={"step_cycle": False})
+        self.controller.apply_spec(sim.spec.model_copy(update={"switching": switching}))
+
+
 def test_prorsa_runs_the_real_controller_on_contract_bodies_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -72,9 +81,10 @@ def test_prorsa_runs_the_real_controller_on_contract_bodies_only(
     monkeypatch.setattr(Controller, "observe_engines", observe_engines)
     monkeypatch.setattr(Controller, "tick", tick)
     monkeypatch.setattr(Controller, "record_switch", record_switch)
-    # Per-horizon planning, so that this short run switches and the wiring is exercised.
+    # Per-horizon planning (Eq. 1's rule, not the step-scale target), so that this short
+    # run switches and the wiring is exercised.
     busy = scenario(staleness=8, groups_per_step=2, smoothing=0.0, hysteresis=0.1)
-    sim = Simulation(busy, Prorsa(), emit_events=True)
+    sim = Simulation(busy, _PerHorizon(), emit_events=True)
     result = sim.run()
     # Every emitted event reached the Controller, except those after its last tick.
     assert seen["events"] + len(sim.trainer.outbox) == result.events

@@ -36,7 +36,7 @@ from prorsa.core.forecast.model import ForecastConfig, Forecaster
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa.core.switch_cost import Persistence, Regret, SwitchCosts
+from prorsa.core.switch_cost import CycleProfile, Load, Persistence, Regret, SwitchCosts
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import (
     Demand,
@@ -113,6 +113,7 @@ class Controller:
         self.switch_costs = SwitchCosts()
         self.regret = Regret()
         self.persistence = Persistence(prior=spec.switching.payoff_seconds)
+        self.cycle = CycleProfile()
         self._payoff_prior = spec.switching.payoff_seconds
         # The latest Decision: one reference to a frozen object, safe to read from any task.
         self.last_decision: Decision | None = None
@@ -299,11 +300,17 @@ class Controller:
         demand = self.demand_source(inputs)
         # 7. Eq. 1: the best split for the demand expected to persist.
         sizing = self._size(now, demand, roles)
-        # 8-9. Hold rules, then the switch plan, priced: the moves toward it that pay.
+        # The step-scale target (switching.stepCycle) learns from the trainer's events.
+        step_cycle = self.spec.switching.step_cycle and demand.mode == "predictive"
+        if step_cycle:
+            self._record_cycle(now, sizing, roles)
+        # 8-9. Hold rules, then the switch plan, priced: the moves toward it that pay (once
+        # a weight update has closed a step: toward the split the last step favours).
         plan = plan_switches(
             self._plan_inputs(now, roles, sizing, inputs.calibration),
             persistence=self.persistence,
             regret=self.regret,
+            cycle=self.cycle if step_cycle else None,
         )
         self._start(plan.switches, at=now)
         if not self._engines:  # no engine has answered: the split assumed next tick
@@ -434,6 +441,23 @@ class Controller:
             min_prefill=min_p,
             min_decode=min_d,
             best=best,
+        )
+
+    def _record_cycle(self, now: float, sizing: Sizing, roles: RoleCounts) -> None:
+        """Step 7: this tick's load at the split in use, for :class:`CycleProfile`."""
+        load = Load(
+            a=sizing.now_demand[0],
+            b=sizing.demand.b,
+            knees=sizing.knees,
+            decode_share=sizing.decode_share,
+        )
+        self.cycle.record(
+            now,
+            load,
+            (roles.prefill, roles.decode),
+            drain=sizing.demand.a * self.horizon,
+            update_started=self.table.weight_update.started_at,
+            max_gap=3 * self.horizon,
         )
 
     def _plan_inputs(

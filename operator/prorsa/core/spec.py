@@ -479,6 +479,16 @@ class SwitchingSpec(_Spec):
         "(the measured switch duration, the prefix cache it flushes, the decodes it aborts "
         "and what a move back would cost).",
     )
+    step_cycle: bool = Field(
+        True,
+        alias="stepCycle",
+        description="Size the split for the training step as a whole: once the trainer's "
+        "events have run for two minutes, and from each weight update on, move toward the "
+        "split that would have served the last two steps best (the re-prefill burst after "
+        "each weight update and the calm once prefix caches refill), rather than toward Eq. "
+        "1 on the next minutes' demand, which moves instances into each burst and back. "
+        "false: Eq. 1 on the smoothed demand of each horizon.",
+    )
 
 
 class RouterSpec(_Spec):

@@ -20,7 +20,9 @@ throw away), spread over the prefill side.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 # Before any switch was measured, about 13 s: smg 1.13.0 (measured against the real binary,
 # tests/test_smg_router.py) drops a worker relabelled ``draining`` ~6 s after the relabel
@@ -305,3 +307,140 @@ def price_move(
         busy = min(demand.a / n_p, 1.0)
         cost += lost * prefill_seconds_per_token / n_p * busy
     return Move(instance=instance, src=src, dst=dst, gain=gain, cost=cost, lost_tokens=lost)
+
+
+class CycleProfile:
+    """What each split would make of a training step: the step-scale target.
+
+    An RL step is a cycle: each weight update flushes every prefix cache, so the live
+    trajectories re-prefill their contexts in a burst that asks for most of the instances
+    for a minute, and then the caches refill and prefill demand falls to a fraction of one
+    instance while decode carries the step. Eq. 1 on the demand of the next minutes chases
+    each phase: it moves instances to prefill into the burst and back once the caches are
+    full again, paying a switch (and a flushed cache) each way, every step. The best static
+    split is instead the one compromise that serves the whole cycle, and the foresight
+    reference (``prorsa bench rollout``) rarely moves away from it.
+
+    So the Controller keeps each tick's recurring load (arrivals, without work drained
+    once) and the work drained once (re-prefill bursts, queued prompts), and once a weight
+    update has closed a cycle it asks what every split would make of the next one
+    (:meth:`totals`): the last cycle's calm ticks, each ``dt`` seconds at the split then in
+    use stretched by the ratio of per-turn times (:func:`turn_time`), plus the largest
+    burst, drained by the prefill side alone. The ratio form needs no absolute calibration.
+    The run's start counts as a cycle start (the first prompts prefill from empty caches,
+    as after an update).
+    """
+
+    __slots__ = ("_first", "_last", "_last_update", "_starts", "ticks")
+
+    def __init__(self) -> None:
+        # (time, seconds since the previous tick, recurring load, split in use, drained once)
+        self.ticks: deque[tuple[float, float, Load, tuple[int, int], float]] = deque()
+        self._starts: list[float] = []
+        self._last: float | None = None
+        self._last_update: float | None = None
+        self._first: tuple[int, int] | None = None
+
+    def record(
+        self,
+        now: float,
+        load: Load,
+        current: tuple[int, int],
+        *,
+        drain: float,
+        update_started: float | None,
+        max_gap: float,
+    ) -> None:
+        """One tick: its recurring ``load`` at the split in use, the prefill work to drain
+        once (instance-seconds), and the start of the trainer's latest weight update (a
+        new one closes a cycle)."""
+        if not self._starts:
+            self._starts.append(now)
+            self._first = current
+        if update_started is not None and update_started != self._last_update:
+            self._last_update = update_started
+            if update_started > self._starts[-1]:
+                self._starts.append(update_started)
+        dt = 0.0 if self._last is None else min(max(now - self._last, 0.0), max_gap)
+        self._last = now
+        if dt > 0:
+            self.ticks.append((now, dt, load, current, drain))
+        del self._starts[: -(CYCLES + 1)]
+        oldest = self._starts[0] if len(self._starts) > 1 else now - OPEN_CYCLE_SECONDS
+        while self.ticks and self.ticks[0][0] <= oldest:
+            self.ticks.popleft()
+
+    @property
+    def first_split(self) -> tuple[int, int] | None:
+        """The split in use at the first tick recorded (None: none yet)."""
+        return self._first
+
+    @property
+    def after_update(self) -> bool:
+        """Whether a whole cycle that began at a weight update has closed: before, the
+        ticks read hold no re-prefill burst, the one phase of a step that only more
+        prefill instances serve."""
+        return len(self._starts) > CYCLES
+
+    def window(self, now: float, *, least: float) -> tuple[float, float] | None:
+        """The ticks :meth:`totals` reads: the last ``CYCLES`` cycles weight updates
+        closed, else the one under way once it is ``least`` seconds long, at most its last
+        ``OPEN_CYCLE_SECONDS`` (a trainer that never updates its weights still sees its
+        split follow a lasting shift of demand within minutes); None: neither."""
+        if len(self._starts) >= 2:
+            return self._starts[0], self._starts[-1]
+        if self._starts and now - self._starts[0] >= least:
+            return max(self._starts[0], now - OPEN_CYCLE_SECONDS), now
+        return None
+
+    def totals(self, splits: Sequence[tuple[int, int]], window: tuple[float, float]) -> list[float]:
+        """Seconds a cycle like ``window``'s would take at each split (∞: a split that
+        leaves a role with demand empty)."""
+        first, end = window
+        length = end - first
+        if length <= 0:
+            return [0.0] * len(splits)
+        # The largest burst since the window began (the one a weight update just started
+        # included: its re-prefill is forecast at once), spread over the cycle: its
+        # contexts come back for their next turns over minutes, not all at once.
+        burst = max((drain for t, _dt, _l, _c, drain in self.ticks if t > first), default=0.0)
+        # A step under way is taken to last at least OPEN_CYCLE_SECONDS / 2.
+        closed = len(self._starts) > 1 and end == self._starts[-1]
+        spread = burst / (length if closed else max(length, OPEN_CYCLE_SECONDS / 2))
+        out = [0.0] * len(splits)
+        for t, dt, load, cur, _drain in self.ticks:
+            if not first < t <= end:
+                continue
+            both = replace(load, a=load.a + spread)
+            base = turn_time(*cur, both)
+            if not (math.isfinite(base) and base > 0):
+                continue
+            for i, split in enumerate(splits):
+                out[i] += dt * turn_time(*split, both) / base
+        return out
+
+
+# The closed cycles (training steps) the step-scale target is read from: one step's
+# calm phase can be short (a fast step) or long (the tail of a slow one).
+CYCLES = 2
+# Before the first weight update: how much of the cycle under way is read.
+OPEN_CYCLE_SECONDS = 600.0
+# A prefill side busier than this is read as this busy: queueing is then dominated by
+# bursts no average describes.
+MAX_PREFILL_BUSY = 0.9
+
+
+def turn_time(n_prefill: int, n_decode: int, load: Load) -> float:
+    """A turn's time at this split relative to its demand (∞: a role with demand is empty).
+
+    :func:`slowdown`, with the prefill part of a turn waiting in its queue: at busy share
+    u = a/n_P of the prefill side a prompt spends about 1/(1 − u) of its prefill time
+    there (a single-server queue's response time), so a split whose prefill side "keeps
+    up" at 90% is still slow at every turn.
+    """
+    base = slowdown(n_prefill, n_decode, load)
+    if math.isinf(base) or n_prefill <= 0:
+        return base
+    busy = min(max(load.a, 0.0) / n_prefill, MAX_PREFILL_BUSY)
+    share = min(max(load.decode_share, 0.0), 1.0)
+    return base + base * (1.0 - share) * (1.0 / (1.0 - busy) - 1.0)

@@ -6,18 +6,25 @@ toward the target is then one instance, priced in seconds of wall time against w
 saves over the payoff horizon (:mod:`prorsa.core.switch_cost`), and made while it pays.
 The plan's memory, how long demand keeps leaning one way (:class:`Persistence`) and what
 holding has cost so far (:class:`Regret`), is passed in and updated.
+
+With ``switching.stepCycle`` (the default) and the trainer's events flowing, the target
+is the step's instead (:class:`CycleProfile`): the split that would have served the last
+training steps best, re-prefill bursts and calm alike, so that the Controller does not
+move instances into each burst after a weight update and back once caches refill.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from prorsa.core.allocate import Allocation, keep_split
 from prorsa.core.decision import Switch, Target
 from prorsa.core.measure import CACHE_FILL
 from prorsa.core.spec import SwitchingSpec
 from prorsa.core.switch_cost import (
+    CycleProfile,
     Load,
     Move,
     Persistence,
@@ -29,11 +36,45 @@ from prorsa.core.switch_cost import (
 from prorsa.core.types import Plan, PlanInputs
 from prorsa_contract.agent_api import EngineState, Role
 
+# Before a weight update closes the first cycle, the one under way is read once it is this
+# many horizons long (a minute at the default 10 s).
+CYCLE_LEAST_HORIZONS = 12
+HOLD_WHILE_LEARNING = True
+# A move toward the step-scale target must save this many times what it costs: the target
+# is read from a window that slides, and a move that barely pays is within its noise.
+CYCLE_MARGIN = 2.0
 
-def plan_switches(inputs: PlanInputs, *, persistence: Persistence, regret: Regret) -> Plan:
-    """Where the split goes this tick and the switches that take it there."""
+
+def plan_switches(
+    inputs: PlanInputs,
+    *,
+    persistence: Persistence,
+    regret: Regret,
+    cycle: CycleProfile | None = None,
+) -> Plan:
+    """Where the split goes this tick and the switches that take it there.
+
+    Once a weight update has closed a training step, the target is the split that would
+    have served the last step's cycle best (:class:`CycleProfile`), not Eq. 1 on the next
+    minutes: the re-prefill burst after each update and the calm once caches refill are
+    two phases of one cycle, and chasing each pays a switch both ways every step.
+    """
     sized = inputs.sizing
     cur_p, cur_d = inputs.current
+    forced = cur_p < sized.min_prefill or cur_d < sized.min_decode
+    if cycle is not None and not forced:
+        plan = _cycle_plan(inputs, cycle)
+        if plan is not None:
+            return plan
+        if HOLD_WHILE_LEARNING:
+            why = f"holding {cur_p}P:{cur_d}D: learning the step's cycle"
+            return Plan(
+                target=Target(prefill=cur_p, decode=cur_d),
+                switches=(),
+                moves=(),
+                held=why,
+                notes=(),
+            )
     target, held = hold(
         sized.best,
         inputs.current,
@@ -43,7 +84,6 @@ def plan_switches(inputs: PlanInputs, *, persistence: Persistence, regret: Regre
         min_decode=sized.min_decode,
         switching=inputs.switching,
     )
-    forced = cur_p < sized.min_prefill or cur_d < sized.min_decode
     # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
     best = sized.best
     lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
@@ -82,6 +122,83 @@ def plan_switches(inputs: PlanInputs, *, persistence: Persistence, regret: Regre
         moves=tuple(moves),
         held=held,
         notes=tuple(notes),
+    )
+
+
+def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
+    """The plan toward the split the last step's cycle favours (None: no cycle closed yet).
+
+    Each move toward it is credited with the share of a cycle it saves (one split nearer
+    the best) over the payoff horizon, and priced as any other move, without the cost of a
+    move back: the target is the step's, not the minute's, so it is not expected to turn.
+    """
+    sized = inputs.sizing
+    cur_p, cur_d = inputs.current
+    total = cur_p + cur_d
+    window = cycle.window(inputs.now, least=CYCLE_LEAST_HORIZONS * inputs.horizon)
+    splits = [(p, total - p) for p in range(sized.min_prefill, total - sized.min_decode + 1)]
+    if window is None or (cur_p, cur_d) not in splits:
+        return None
+    length = window[1] - window[0]
+    totals = cycle.totals(splits, window)
+    if length <= 0:
+        return None
+    seconds = dict(zip(splits, totals, strict=True))
+    here = seconds[(cur_p, cur_d)]
+    best = min(splits, key=lambda sp: (seconds[sp], abs(sp[0] - cur_p)))
+    if not seconds[best] < here:
+        best = (cur_p, cur_d)
+    first = cycle.first_split
+    if not cycle.after_update and first is not None:
+        # Not yet seen: the re-prefill burst after a weight update. Prefill is not given
+        # up on a window that lacks it (a step's calm alone favours decode), and on so
+        # little of the run at most one instance is added to the start split.
+        top = max(cur_p, first[0] + 1)
+        p = min(max(best[0], cur_p), top)
+        best = (p, total - p)
+    target = Target(prefill=best[0], decode=best[1])
+    if best == (cur_p, cur_d):
+        why = f"holding {cur_p}P:{cur_d}D: the split the last step's cycle ({length:.0f}s) favours"
+        return Plan(target=target, switches=(), moves=(), held=why, notes=())
+    payoff = inputs.switching.payoff_seconds
+
+    def gain_of(before: tuple[int, int], after: tuple[int, int]) -> float:
+        if after not in seconds:
+            return -math.inf
+        return (seconds[before] - seconds[after]) / length * payoff
+
+    load = window_demand(
+        backlog=sized.backlog,
+        queued=sized.queued,
+        prefill_instances=cur_p,
+        now=sized.now_demand,
+        ahead=sized.ahead,
+        horizon=inputs.horizon,
+        seconds=payoff,
+        knees=sized.knees,
+        decode_share=sized.decode_share,
+    )
+    switches, moves = _priced_moves(
+        inputs,
+        target,
+        demand=load,
+        forced=False,
+        regret=0.0,
+        payoff=payoff,
+        gain_of=gain_of,
+        margin=CYCLE_MARGIN,
+    )
+    made = moves[: len(switches)]
+    notes = [f"the last step's cycle ({length:.0f}s) favours {best[0]}P:{best[1]}D"]
+    if made:
+        notes.append("switching: " + "; ".join(m.describe() for m in made))
+    if len(made) < len(moves):
+        notes.append("holding: " + moves[len(made)].describe())
+        step = (best[0] > cur_p) - (best[0] < cur_p)
+        reached = cur_p + step * len(made)
+        target = Target(prefill=reached, decode=total - reached)
+    return Plan(
+        target=target, switches=tuple(switches), moves=tuple(moves), held="", notes=tuple(notes)
     )
 
 
@@ -127,6 +244,8 @@ def _priced_moves(
     forced: bool,
     regret: float,
     payoff: float,
+    gain_of: Callable[[tuple[int, int], tuple[int, int]], float] | None = None,
+    margin: float = 1.0,
 ) -> tuple[list[Switch], list[Move]]:
     """Appendix C step 1, priced: the cheapest eligible instances, while worth it.
 
@@ -166,6 +285,8 @@ def _priced_moves(
     # A move back later would throw away what a typical instance of the other role holds.
     others = [lost_by(s) for s in inputs.engines if s.role == dst]
     back = sum(others) / len(others) if others else 0.0
+    if gain_of is not None:
+        back = 0.0  # a step-scale target is not expected to turn back
     if src == "decode":
         eligible.sort(
             key=lambda s: (
@@ -200,12 +321,15 @@ def _priced_moves(
             prefill_seconds_per_token=per_token,
             regret=regret if not moves else 0.0,
         )
+        step = 1 if src == "decode" else -1
+        after = (split[0] + step, split[1] - step)
+        if gain_of is not None:
+            move = replace(move, gain=gain_of(split, after))
         moves.append(move)
-        if not (forced or move.worth_it):
+        if not (forced or move.gain > margin * move.cost):
             break
         switches.append(Switch(instance=s.instance, from_=src, to=dst))
-        step = 1 if src == "decode" else -1
-        split = (split[0] + step, split[1] - step)
+        split = after
     return switches, moves
 
 
