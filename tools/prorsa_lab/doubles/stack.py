@@ -91,6 +91,10 @@ def cluster_manifest(
             "drainTimeoutSeconds": 1,
             "hysteresis": 0.05,
             "smoothingSeconds": 0,  # the tests check each horizon's decision
+            # Eq. 1 on each horizon, as the tests expect: the step-scale target sizes the
+            # split for whole training steps, and these scenarios run minutes, not steps
+            # (tests/test_step_cycle.py covers it in the Controller and the simulator).
+            "stepCycle": False,
         },
         "router": {"enabled": False},
         "trainer": {"tokenSecretRef": {"name": TOKEN_SECRET, "key": "token"}},
