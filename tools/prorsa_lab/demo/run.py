@@ -85,13 +85,13 @@ class EngineModel:
     event loop is busy. Coarse decode steps (40 ms, half the tokens of a real engine in the
     time) make that overshoot a small share of each step and halve the tokens streamed,
     and prompts of a few thousand tokens keep the engines' timing, not the CPU, the
-    bottleneck. The KV pool holds a reasoning phase's decodes on three instances with room
-    to spare, but not on two: a decode side near full makes prompts wait for admission,
-    which the forecast counts as prefill demand (docs/demo.md, "Sizing").
+    bottleneck. A reasoning phase's decodes fill two instances' KV and fit in three, and a
+    tools phase's prompts arrive faster than one instance prefills them (docs/demo.md,
+    "Sizing").
     """
 
-    prefill_tokens_per_second: float = 16_000.0
-    kv_tokens: int = 50_000
+    prefill_tokens_per_second: float = 10_000.0
+    kv_tokens: int = 40_000
     decode_step_seconds: float = 0.04
     decode_step_seconds_per_request: float = 0.001
     switch_seconds: float = 0.3

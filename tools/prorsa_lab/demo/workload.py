@@ -76,8 +76,8 @@ class DemoTask:
         return rng.choices([t.name for t in tools], [t.weight for t in tools])[0]
 
 
-# Sized for the demo's engine doubles (``EngineModel`` in run.py: 16,000 prefill tokens/s,
-# 50,000 KV tokens and 40 ms decode steps per instance) at 6 live trajectories per
+# Sized for the demo's engine doubles (``EngineModel`` in run.py: 10,000 prefill tokens/s,
+# 40,000 KV tokens and 40 ms decode steps per instance) at 6 live trajectories per
 # instance, so that on four instances Eq. 1 wants more prefill in the tools phases than in
 # the reasoning ones and a move pays for itself within a phase (docs/demo.md, "Sizing").
 # Reasoning outputs vary widely (sigma 0.45): the trajectories that all turned to
