@@ -52,8 +52,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=Path("bench-out/demo"),
         metavar="DIR",
-        help="where timeline.png, summary.json, requests.jsonl, demo.log and (while it "
-        "runs) kubeconfig go (default bench-out/demo)",
+        help="where timeline.png, summary.json, requests.jsonl, decisions.jsonl, "
+        "samples.jsonl, demo.log and (while it runs) kubeconfig go (default bench-out/demo)",
     )
     parser.add_argument(
         "--no-live",

@@ -80,16 +80,20 @@ class EngineModel:
     The demo runs about ten times faster than a real rollout, so the horizon, the control
     period, the cooldown and the drain timeout are scaled down alike.
 
-    The doubles are slow, small engines on purpose: everything runs in one Python process
-    on a shared machine, where an asyncio sleep of a few milliseconds takes several times
-    as long as asked. Decode steps of 20 ms (rather than 4) and prompts of a few thousand
-    tokens keep the engines' timing, not the CPU, the bottleneck (docs/demo.md, "Sizing").
+    The doubles are slow engines on purpose: everything runs in one Python process on a
+    shared machine, where an asyncio sleep takes longer than asked by however long the
+    event loop is busy. Coarse decode steps (40 ms, half the tokens of a real engine in the
+    time) make that overshoot a small share of each step and halve the tokens streamed,
+    and prompts of a few thousand tokens keep the engines' timing, not the CPU, the
+    bottleneck. A reasoning phase's decodes fill two instances' KV and fit in three, and a
+    tools phase's prompts arrive faster than one instance prefills them (docs/demo.md,
+    "Sizing").
     """
 
     prefill_tokens_per_second: float = 10_000.0
     kv_tokens: int = 40_000
-    decode_step_seconds: float = 0.02
-    decode_step_seconds_per_request: float = 0.0005
+    decode_step_seconds: float = 0.04
+    decode_step_seconds_per_request: float = 0.001
     switch_seconds: float = 0.3
     graph_capture_seconds: float = 0.2
     horizon_seconds: float = 1.0
@@ -139,18 +143,22 @@ class EngineModel:
         )
 
 
-# Live trajectories per instance by default: on four instances the tools phases then need
-# about two prefill instances and the reasoning phases about three decode instances, so
-# Eq. 1 moves the split both ways, and each side is loaded enough that a switch pays for
-# itself within a phase (smg drains a worker for about 6 s before it flips).
+# Live trajectories per instance by default: on four instances the tools phases then ask
+# for more than one prefill instance and the reasoning phases for more KV than two decode
+# instances hold, so Eq. 1 moves the split both ways, and each side is loaded enough that
+# a switch pays for itself within a phase (smg drains a worker for about 6 s before it
+# flips); docs/demo.md, "Sizing".
 TRAJECTORIES_PER_INSTANCE = 6
 
 ENGINES = ("double", "sglang")
 MAX_REAL_ENGINES = 3
 SGLANG_TRAJECTORIES_PER_INSTANCE = 3
 SGLANG_TOKEN_SCALE = 0.1
+SGLANG_OUTPUT_SCALE = 0.2
 """Real engines on a CPU: about 16k KV tokens each and tens of tokens a second, so the
-task's token counts are a tenth of the doubles' (times unchanged)."""
+task's prompts and tool results are a tenth of the doubles', its outputs a fifth (the
+doubles decode in coarse 40 ms steps, so their outputs are half as long as the tokens a
+real engine would decode in the time; times unchanged)."""
 SGLANG_SERVED_NAME = "tiny"
 SGLANG_MODEL = EngineModel(
     # The RolloutCluster's profiled figures for the tiny model on one CPU core: the KV pool
@@ -809,7 +817,7 @@ async def _rollout(
                 )
             )
             trainer = DemoTrainer(
-                task=task.scaled(SGLANG_TOKEN_SCALE) if real else task,
+                task=task.scaled(SGLANG_TOKEN_SCALE, output=SGLANG_OUTPUT_SCALE) if real else task,
                 token_ids=real is not None,
                 schedule=options.phases,
                 emitter=emitter,
@@ -832,9 +840,13 @@ async def _rollout(
                 trainer.stop()
 
             watcher = asyncio.create_task(interrupt())
+            cpu_at_start = time.process_time()
             try:
                 async with view:
                     await trainer.run(duration=options.duration)
+                    # Every thread of this process (operator, doubles, agents, emulator,
+                    # trainer); smg runs in its own process.
+                    cpu = (time.process_time() - cpu_at_start) / max(time.time() - trainer.t0, 1e-9)
                     view.note("rollout over: waiting for the last events and one more tick")
                     await emitter.flush(timeout=15)
                     await asyncio.sleep(model.tick_seconds * 1.5)
@@ -848,7 +860,7 @@ async def _rollout(
         summary = _summarise(
             options, monitor=monitor, trainer=trainer.stats, router=router,
             router_version=smg_version(binary) or "unknown", trainer_t0=trainer.t0, engine=engine,
-            seconds=seconds, finish_seconds=finish, emitter=stats,
+            seconds=seconds, finish_seconds=finish, emitter=stats, cpu_share=cpu,
         )  # fmt: skip
         summary = replace(summary, pods=len(await env.pods(CLUSTER)))
         timeline = out / "timeline.png"
@@ -875,6 +887,10 @@ async def _rollout(
     with (out / "decisions.jsonl").open("w", encoding="utf-8") as f:
         for decision in monitor.decisions:
             f.write(json.dumps(decision) + "\n")
+    with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for sample in monitor.samples:
+            f.write(json.dumps(asdict(sample) | {"since_start": round(sample.t - trainer.t0, 2)}))
+            f.write("\n")
     return Rollout(
         summary=summary, trainer=trainer.stats, monitor=monitor, t0=trainer.t0, seconds=seconds
     )
@@ -896,6 +912,7 @@ def _summarise(
     seconds: float,
     finish_seconds: float,
     emitter: Any,
+    cpu_share: float,
 ) -> DemoSummary:
     # Scored over the last horizons of the rollout itself: read when dispatching stopped.
     accuracy = monitor.accuracy_at(trainer_t0 + seconds)
@@ -951,7 +968,13 @@ def _summarise(
         decode_kv_peak_tokens=max((x.kv_used_decode for x in monitor.samples), default=0),
         degraded_seconds=round(monitor.degraded_seconds, 1),
         follows_phases=follows_phases(changes),
-        machine={"cpus": os.cpu_count(), "load_average": load_average(during)},
+        machine={
+            "cpus": os.cpu_count(),
+            "load_average": load_average(during),
+            # What the demo itself used: its process's CPU seconds per second of the
+            # rollout and its last requests (near 1, one Python process cannot keep up).
+            "demo_cpu_per_second": round(cpu_share, 2),
+        },
     )
 
 

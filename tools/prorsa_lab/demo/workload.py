@@ -47,17 +47,18 @@ class DemoTask:
     accept: float
     max_context: int  # a trajectory whose next prompt would exceed this ends
 
-    def scaled(self, factor: float) -> DemoTask:
-        """The same shape with every token count times ``factor`` (times unchanged): the
-        real engines on a CPU hold about 16k KV tokens and decode tens of tokens a second."""
+    def scaled(self, factor: float, *, output: float | None = None) -> DemoTask:
+        """The same shape with every token count times ``factor`` (times unchanged), and
+        the outputs times ``output`` (default ``factor``): the real engines on a CPU hold
+        about 16k KV tokens and decode tens of tokens a second."""
 
-        def tokens(d: LogNormal) -> LogNormal:
-            return LogNormal(
-                d.median * factor, d.sigma, max(1.0, d.lo * factor), max(1.0, d.hi * factor)
-            )
+        def tokens(d: LogNormal, f: float = factor) -> LogNormal:
+            return LogNormal(d.median * f, d.sigma, max(1.0, d.lo * f), max(1.0, d.hi * f))
+
+        out = factor if output is None else output
 
         def shape(p: PhaseShape) -> PhaseShape:
-            return replace(p, output=tokens(p.output), result_tokens=tokens(p.result_tokens))
+            return replace(p, output=tokens(p.output, out), result_tokens=tokens(p.result_tokens))
 
         return replace(
             self,
@@ -76,10 +77,12 @@ class DemoTask:
 
 
 # Sized for the demo's engine doubles (``EngineModel`` in run.py: 10,000 prefill tokens/s,
-# 40,000 KV tokens and 20 ms decode steps per instance) at 6 live trajectories per
+# 40,000 KV tokens and 40 ms decode steps per instance) at 6 live trajectories per
 # instance, so that on four instances Eq. 1 wants more prefill in the tools phases than in
 # the reasoning ones and a move pays for itself within a phase (docs/demo.md, "Sizing").
-# Contexts stay under 8,000 tokens: a longer one would hold a decode instance's KV alone.
+# Reasoning outputs vary widely (sigma 0.45): the trajectories that all turned to
+# reasoning at a phase change do not all end that turn, and prefill again, at once.
+# Contexts stay under 8,000 tokens: a longer one would hold much of a decode instance's KV.
 CODING_DEMO = DemoTask(
     name="coding",
     profile=CODING,
@@ -87,13 +90,13 @@ CODING_DEMO = DemoTask(
     turns_min=4,
     turns_max=10,
     tools=PhaseShape(
-        output=LogNormal(20, 0.5, 5, 60),  # one short command per turn
+        output=LogNormal(10, 0.5, 2.5, 30),  # one short command per turn
         tool_seconds=LogNormal(3.0, 0.3, 1.5, 6.0),  # bash: builds, test runs
         result_tokens=LogNormal(400, 0.4, 100, 1000),  # file contents, test logs
     ),
     reasoning=PhaseShape(
-        output=LogNormal(600, 0.2, 350, 900),  # think, then write a patch
-        tool_seconds=LogNormal(0.3, 0.5, 0.05, 1.5),
+        output=LogNormal(300, 0.45, 120, 600),  # think, then write a patch
+        tool_seconds=LogNormal(0.5, 0.6, 0.1, 3.0),  # apply the patch, a quick check
         result_tokens=LogNormal(80, 0.5, 10, 300),
     ),
     startup_seconds=LogNormal(0.4, 0.3, 0.1, 2.0),
@@ -109,12 +112,12 @@ GENERAL_DEMO = DemoTask(
     turns_min=3,
     turns_max=9,
     tools=PhaseShape(
-        output=LogNormal(25, 0.5, 5, 80),
+        output=LogNormal(12.5, 0.5, 2.5, 40),
         tool_seconds=LogNormal(3.2, 0.3, 1.5, 6.0),  # search, browse, MCP calls
         result_tokens=LogNormal(500, 0.5, 100, 1200),  # search results, web pages
     ),
     reasoning=PhaseShape(
-        output=LogNormal(550, 0.25, 300, 900),
+        output=LogNormal(275, 0.45, 110, 550),
         tool_seconds=LogNormal(0.4, 0.5, 0.1, 2.0),
         result_tokens=LogNormal(100, 0.6, 20, 400),
     ),
@@ -131,12 +134,12 @@ MATH_DEMO = DemoTask(
     turns_min=3,
     turns_max=8,
     tools=PhaseShape(
-        output=LogNormal(30, 0.5, 10, 100),  # a short code cell
+        output=LogNormal(15, 0.5, 5, 50),  # a short code cell
         tool_seconds=LogNormal(1.5, 0.4, 0.5, 4.0),
         result_tokens=LogNormal(700, 0.5, 100, 1500),  # interpreter output
     ),
     reasoning=PhaseShape(
-        output=LogNormal(700, 0.2, 400, 900),  # long chains of thought
+        output=LogNormal(350, 0.45, 140, 700),  # long chains of thought
         tool_seconds=LogNormal(0.2, 0.5, 0.05, 1.0),
         result_tokens=LogNormal(50, 0.6, 10, 300),
     ),
@@ -183,7 +186,7 @@ def default_phase_seconds(duration: float) -> float:
     """Four phases per run (tools, reasoning, tools, reasoning), each 5 to 60 seconds.
 
     Sixty seconds is what a phase needs for the split to settle in it behind smg: the
-    workload itself turns over a reasoning turn (about 15 s), the planned demand over
+    workload itself turns over a reasoning turn (15 s and more), the planned demand over
     ``smoothingSeconds``, then each switch waits for smg's drain (about 6 s) and flips."""
     return min(60.0, max(5.0, duration / 4.0))
 

@@ -1,0 +1,110 @@
+"""The demo's default sizing, checked without running it (docs/demo.md, "Sizing").
+
+What the demo must show depends on its numbers: each phase must lean one way within what
+four instances serve, and the RolloutCluster must declare what the engine doubles serve.
+A steady-state estimate from the seeded trajectories (every turn in one phase, no queueing,
+no CPU lag) says what each phase asks for, in Eq. 1's units: prefill instances (prompt
+tokens sent per second over the declared prefill rate) and decode instances (KV held over
+the declared KV pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prorsa.core.allocate import solve
+from prorsa_lab.demo.run import (
+    SGLANG_OUTPUT_SCALE,
+    SGLANG_TOKEN_SCALE,
+    TRAJECTORIES_PER_INSTANCE,
+    DemoOptions,
+    EngineModel,
+    demo_manifest,
+)
+from prorsa_lab.demo.workload import CODING_DEMO, DemoTask, PhaseName, draw_trajectory
+from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
+
+INSTANCES = 4
+DECODE_INSTANCES = 3  # where a reasoning phase runs, for the decode batch per engine
+
+
+@dataclass(frozen=True)
+class Ask:
+    prefill: float  # instances
+    decode_kv: float  # instances
+
+
+def steady_state(task: DemoTask, phase: PhaseName, model: EngineModel, *, live: int) -> Ask:
+    """What ``live`` trajectories ask for when every turn starts in ``phase``."""
+    running = 5.0  # requests decoding per decode engine: iterated to a fixed point
+    for _ in range(5):
+        wall = prefill = kv_seconds = decoding = 0.0
+        for index in range(300):
+            draw = draw_trajectory(task, seed=0, index=index)
+            context = draw.prompt
+            wall += draw.startup_seconds + draw.reward_seconds
+            for turn, turn_draw in enumerate(draw.turn_draws):
+                want = min(turn_draw.output[phase], task.max_context - context)
+                if want < 1:
+                    break
+                step = model.decode_step_seconds + model.decode_step_seconds_per_request * running
+                seconds = want * step
+                wall += context / model.prefill_tokens_per_second + seconds
+                prefill += context / model.prefill_tokens_per_second
+                kv_seconds += (context + want / 2) * seconds
+                decoding += seconds
+                context += want
+                if turn == draw.turns - 1 or context >= task.max_context:
+                    break
+                wall += turn_draw.tool_seconds[phase]
+                context += turn_draw.result_tokens[phase] + TEMPLATE_TOKENS
+                if context >= task.max_context:
+                    break
+        running = live * decoding / wall / DECODE_INSTANCES
+    return Ask(prefill=live * prefill / wall, decode_kv=live * kv_seconds / wall / model.kv_tokens)
+
+
+def eq1(ask: Ask) -> tuple[int, int]:
+    split = solve(ask.prefill, ask.decode_kv, budget=INSTANCES, min_prefill=1, min_decode=1)
+    return split.prefill, split.decode
+
+
+def test_each_phase_of_the_default_workload_leans_its_own_way() -> None:
+    model, live = EngineModel(), TRAJECTORIES_PER_INSTANCE * INSTANCES
+    tools = steady_state(CODING_DEMO, "tools", model, live=live)
+    reasoning = steady_state(CODING_DEMO, "reasoning", model, live=live)
+    # Tools: new prompts at well over one prefill instance's rate (a second one pays for
+    # its switch only if the first cannot keep up with the arrivals), little KV held.
+    assert tools.prefill > 1.5 and tools.decode_kv < 0.5, tools
+    assert eq1(tools)[0] >= 2, tools
+    # Reasoning: about two decode instances' KV, so that two are full (a move from decode
+    # to prefill is then priced a loss, whatever a burst of prompts asks) and three hold
+    # it; prompts for about half a prefill instance.
+    assert reasoning.prefill < 0.6, reasoning
+    assert 1.8 < reasoning.decode_kv < 2.6, reasoning
+    assert eq1(reasoning) == (1, 3), reasoning
+
+
+def test_the_rollout_cluster_declares_what_the_doubles_serve() -> None:
+    options = DemoOptions()
+    model = options.model
+    capacity = demo_manifest(options)["spec"]["capacity"]
+    assert capacity["prefillTokensPerSecond"] == model.prefill_tokens_per_second
+    assert capacity["decodeKvTokens"] == model.kv_tokens
+    config = model.engine_config()
+    assert config.kv_capacity_tokens == model.kv_tokens
+    timing = config.timing
+    assert timing.prefill_tokens_per_second == model.prefill_tokens_per_second
+    # A decode step over n requests takes t0·(1 + n/k): k is the declared knee.
+    knee = timing.decode_step_seconds / timing.decode_step_seconds_per_request
+    assert capacity["decodeConcurrency"] == round(knee)
+
+
+def test_real_engines_get_the_task_at_their_scale() -> None:
+    # Prompts and tool results a tenth, outputs a fifth of the doubles' (the doubles decode
+    # half the tokens a real engine would in the time): a reasoning answer of ~60 tokens.
+    task = CODING_DEMO.scaled(SGLANG_TOKEN_SCALE, output=SGLANG_OUTPUT_SCALE)
+    assert task.prompt.median == CODING_DEMO.prompt.median * SGLANG_TOKEN_SCALE
+    assert task.reasoning.output.median == CODING_DEMO.reasoning.output.median * 0.2
+    assert task.tools.result_tokens.median == CODING_DEMO.tools.result_tokens.median * 0.1
+    assert task.max_context == int(CODING_DEMO.max_context * SGLANG_TOKEN_SCALE)
