@@ -305,6 +305,10 @@ def demo_manifest(
             "smoothingSeconds": m.smoothing_seconds,
             # The default 300 s is 30 horizons; the demo runs ten times faster.
             "payoffSeconds": 30 * m.horizon_seconds,
+            # Eq. 1 on each horizon: the demo's phases swing within what would be one
+            # training step, with no weight update, and the step-scale target (which sizes
+            # the split for whole steps) would hold the split the first two minutes favour.
+            "stepCycle": False,
         },
     )
 
