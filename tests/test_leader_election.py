@@ -53,18 +53,21 @@ async def lease(kube: Kube) -> dict[str, Any]:
 
 
 async def test_one_leader_and_a_standby_that_takes_over_when_it_stops_renewing(kube) -> None:
-    a, b = elector(kube, "a"), elector(kube, "b")
+    # A renew deadline of seconds, not tenths: with both cores busy one renewal round trip
+    # to the emulator has taken over 0.6 s, and a leader that misses its deadline stops.
+    timing = {"lease_duration": 3.0, "renew_deadline": 2.0, "retry_period": 0.1}
+    a, b = elector(kube, "a", **timing), elector(kube, "b", **timing)
     assert await a.try_acquire_or_renew()
     assert not await b.try_acquire_or_renew()
     spec = await lease(kube)
-    assert spec["holderIdentity"] == "a" and spec["leaseDurationSeconds"] == 1
+    assert spec["holderIdentity"] == "a" and spec["leaseDurationSeconds"] == 3
     assert spec["leaseTransitions"] == 0 and spec["acquireTime"] == spec["renewTime"]
 
     # a renews: b keeps standing by for as long as it does.
     stop = asyncio.Event()
     holding = asyncio.create_task(a.hold())
     taking = asyncio.create_task(b.acquire(stop))
-    await asyncio.sleep(2.5)  # more than two lease durations
+    await asyncio.sleep(6.5)  # more than two lease durations
     assert not taking.done() and b.holder == "a"
     # a dies (stops renewing): b takes over once a lease duration passed unchanged.
     holding.cancel()
@@ -73,12 +76,12 @@ async def test_one_leader_and_a_standby_that_takes_over_when_it_stops_renewing(k
     await asyncio.sleep(0.2)  # a renewal already in a worker thread lands meanwhile
     last = await lease(kube)
     assert last["holderIdentity"] == "a"  # nobody may take it this soon
-    assert await asyncio.wait_for(taking, 10)
+    assert await asyncio.wait_for(taking, 20)
     spec = await lease(kube)
     assert spec["holderIdentity"] == "b" and spec["leaseTransitions"] == 1
     # Both times come from this process's clock: b waited a lease duration after a's last
     # renewal, however late it saw it.
-    assert at(spec["acquireTime"]) - at(last["renewTime"]) >= datetime.timedelta(seconds=1)
+    assert at(spec["acquireTime"]) - at(last["renewTime"]) >= datetime.timedelta(seconds=3)
     # a comes back believing it leads: its next renewal sees b and gives up at once.
     with pytest.raises(LeadershipLost, match="b holds the Lease"):
         await asyncio.wait_for(a.hold(), 5)
