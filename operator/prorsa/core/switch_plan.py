@@ -88,17 +88,7 @@ def plan_switches(
     best = sized.best
     lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
     payoff = min(persistence.update(inputs.now, toward=lean), inputs.switching.payoff_seconds)
-    load = window_demand(
-        backlog=sized.backlog,
-        queued=sized.queued,
-        prefill_instances=cur_p,
-        now=sized.now_demand,
-        ahead=sized.ahead,
-        horizon=inputs.horizon,
-        seconds=payoff,
-        knees=sized.knees,
-        decode_share=sized.decode_share,
-    )
+    load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff)
     step = (target.prefill > cur_p) - (target.prefill < cur_p)
     toward = {1: "prefill", -1: "decode"}.get(step)
     rate = 1.0 - slowdown(cur_p + step, cur_d - step, load) / slowdown(cur_p, cur_d, load)
@@ -167,17 +157,7 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
             return -math.inf
         return (seconds[before] - seconds[after]) / length * payoff
 
-    load = window_demand(
-        backlog=sized.backlog,
-        queued=sized.queued,
-        prefill_instances=cur_p,
-        now=sized.now_demand,
-        ahead=sized.ahead,
-        horizon=inputs.horizon,
-        seconds=payoff,
-        knees=sized.knees,
-        decode_share=sized.decode_share,
-    )
+    load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff)
     switches, moves = _priced_moves(
         inputs,
         target,
@@ -199,6 +179,22 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
         target = Target(prefill=reached, decode=total - reached)
     return Plan(
         target=target, switches=tuple(switches), moves=tuple(moves), held="", notes=tuple(notes)
+    )
+
+
+def _window_load(inputs: PlanInputs, *, prefill_instances: int, seconds: float) -> Load:
+    """The demand a move is priced on over ``seconds``, from the tick's sizing."""
+    sized = inputs.sizing
+    return window_demand(
+        backlog=sized.backlog,
+        queued=sized.queued,
+        prefill_instances=prefill_instances,
+        now=sized.now_demand,
+        ahead=sized.ahead,
+        horizon=inputs.horizon,
+        seconds=seconds,
+        knees=sized.knees,
+        decode_share=sized.decode_share,
     )
 
 
