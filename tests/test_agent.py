@@ -180,6 +180,38 @@ async def test_an_unreachable_engine_is_reported_not_hidden(client, tmp_path):
         assert RoleResult.model_validate(response.json()).ok is False
 
 
+async def test_a_busy_engine_answers_state_in_time_with_its_last_loads(client):
+    """SGLang answers /v1/loads between forward steps; on a busy host that can take longer
+    than the operator waits for /v1/state (2 s), which would count a busy engine as
+    unavailable. The agent answers in time with its last read instead, and reports the
+    engine unhealthy only once that read is older than ``state_max_age``."""
+    timeouts = replace(FAST_TIMEOUTS, request=60.0, state=0.2, state_max_age=3.0)
+    async with EnginePod(instance="e-9", token=TOKEN, timeouts=timeouts) as pod:
+        streams = [_stream(client, pod.engine_url, LONG) for _ in range(2)]
+        await _running(client, pod, 2)
+        pod.double.faults.hang_loads = True
+        started = time.monotonic()
+        state = await _state(client, pod.agent_url)
+        # Not the 60 s the engine call itself may take: the last read, at once.
+        assert time.monotonic() - started < 10.0
+        assert state.healthy is True and state.running_requests == 2
+
+        async def unhealthy() -> bool:
+            return not (await _state(client, pod.agent_url)).healthy
+
+        await _until(unhealthy, timeout=30.0)
+        pod.double.faults.hang_loads = False
+
+        async def back() -> bool:
+            state = await _state(client, pod.agent_url)
+            return state.healthy and state.running_requests == 2
+
+        await _until(back, timeout=30.0)
+        await client.post(f"{pod.engine_url}/abort_request", json={"abort_all": True})
+        for stream in streams:
+            await stream
+
+
 # ------------------------------------------------------------------ switches that work
 
 

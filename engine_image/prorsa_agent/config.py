@@ -99,6 +99,12 @@ class Timeouts:
     health_interval: float = 5.0
     health_probe: float = 30.0
     """One ``/health`` probe (it runs a one-token generation)."""
+    state: float = 1.5
+    """How long ``GET /v1/state`` waits for the engine's ``/v1/loads`` before it answers
+    with the last read (the operator gives an agent 2 s)."""
+    state_max_age: float = 30.0
+    """The oldest ``/v1/loads`` read ``GET /v1/state`` answers with; past it, the engine is
+    reported unhealthy."""
     client_headers: float = 30.0
     """A client's request line and headers, from its connect (or its previous reply on a
     kept-alive connection); then the agent closes the connection."""

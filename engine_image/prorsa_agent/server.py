@@ -43,6 +43,7 @@ from prorsa_agent.agent_metrics import AgentMetrics
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import EngineClient, EngineUnavailable
 from prorsa_agent.health import EngineHealth
+from prorsa_agent.loads_reader import LoadsReader
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult, as_role
@@ -153,6 +154,7 @@ class Agent:
         self.supervisor: EngineSupervisor | None = None
         self._engine: EngineClient | None = None
         self._switcher: Switcher | None = None
+        self._loads: LoadsReader | None = None
         self._token = TokenFile(config.token_file)
         self._job: _Job | None = None
         self._last: RoleResult | None = None
@@ -188,6 +190,11 @@ class Agent:
             config.engine_url,
             timeout=config.timeouts.request,
             api_key_file=config.engine_api_key_file,
+        )
+        self._loads = LoadsReader(
+            self._engine,
+            wait=config.timeouts.state,
+            max_age=config.timeouts.state_max_age,
         )
         self._switcher = Switcher(
             engine=self._engine, config=config, health=self.health, metrics=self.metrics
@@ -245,6 +252,8 @@ class Agent:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._loads is not None:
+            self._loads.close()
         if self._engine is not None:
             await self._engine.aclose()
 
@@ -317,7 +326,9 @@ class Agent:
         del request
         health = self.health
         try:
-            loads = await self.engine.loads()
+            if self._loads is None:
+                raise EngineUnavailable("the agent is not started")
+            loads = await self._loads.loads()
         except EngineUnavailable as exc:
             log.debug("no loads from the engine: %s", exc)
             state = EngineState(

@@ -366,7 +366,27 @@ class Stack:
             if last:
                 return last
             await asyncio.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        why = await self._last_reason()
+        raise AssertionError(
+            f"timed out after {timeout}s waiting for {what} (last: {last!r}); {why}"
+        )
+
+    async def _last_reason(self) -> str:
+        """The operator's last word on the split, for a failure message: a test that times
+        out waiting for a switch says why the Controller held."""
+        try:
+            status = (await self.get_cluster()).get("status") or {}
+        except Exception as exc:  # a failure message, never a second failure
+            return f"cluster status unreadable: {exc!r}"
+        target = status.get("target") or {}
+        history = [
+            f"{h.get('pod')} {h.get('from')}->{h.get('to')} {h.get('result')}"
+            for h in (status.get("switchHistory") or [])[-4:]
+        ]
+        return (
+            f"operator's target {target.get('split')} ({target.get('mode')}): "
+            f"{target.get('reason')}; last switches: {history}"
+        )
 
     async def wait_for_event(self, reason: str, *, timeout: float = PATIENCE) -> list[str]:
         """Wait until an Event with ``reason`` is posted; the reasons of every Event then.
