@@ -17,6 +17,7 @@ from prorsa.core.demand import forecast_demand
 from prorsa.core.diagnostics import Diagnostics
 from prorsa.core.forecast.model import ForecastConfig, Forecaster
 from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.measure import awaiting_decode
 from prorsa.core.switch_cost import Persistence, Regret
 from prorsa.core.switch_plan import lost_tokens, plan_switches
 from prorsa.core.types import Demand, DemandInputs, PlanInputs, Sizing
@@ -105,6 +106,41 @@ def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> Non
         ("c-engine-6", "decode", "prefill")
     ]  # maxConcurrent = 1: one at a time, the least loaded first
     assert "best margin" in d.reason
+
+
+def test_prompts_waiting_for_decode_room_ask_for_decode_not_prefill(log) -> None:
+    """A streaming trainer behind a PD router sees a request's first token only once decode
+    has admitted it. With the decode side full, the prompts decode holds for KV room stay
+    in the trainer's prefill set horizon after horizon: decode demand, not prefill."""
+    c = Controller(spec8())
+    for i in range(40):  # 40 prompts of 20k sent 19 s ago, no first token yet
+        log("request_queued", f"w{i}", 1.0, prompt_tokens=20_000, turn=0)
+        log("prefill_started", f"w{i}", 1.0)
+    c.observe(log.take())
+    full = {"kvUsedTokens": 1_000_000, "waitingRequests": 10}
+    c.observe_engines(engines(4, 4, **{f"c-engine-{i}": full for i in range(4, 8)}))
+    d = c.tick(20.0)
+    # All 40 wait at decode: no prefill demand left, and K_D + their 800k tokens of KV.
+    assert d.forecast.components.inflight == 0
+    assert d.forecast.decode_kv_tokens == 4 * 1_000_000 + 40 * 20_000
+    assert d.target.decode > 4
+    assert [(s.from_, s.to) for s in d.switches] == [("prefill", "decode")]
+
+
+def test_only_a_trainer_blind_to_prefill_ends_has_prompts_waiting_in_prefill(log) -> None:
+    """Decode holds 6 requests, 4 of them waiting for KV room. A trainer that reports each
+    prefill's end already counts all 6 as decoding; one that sees first tokens only has
+    seen 2 start and still counts the 4 waiting among its prompts in prefill."""
+    decode = [EngineState(instance="d", role="decode", runningRequests=2, waitingRequests=4)]
+    for reports_ends, expected in ((True, 0), (False, 4)):
+        table = TrajectoryTable(observer=Forecaster(ForecastConfig()))
+        for i in range(8):
+            log("request_queued", f"r{i}", 1.0, prompt_tokens=100, turn=0)
+            log("prefill_started", f"r{i}", 1.0)
+            if i < (6 if reports_ends else 2):
+                log("prefill_finished", f"r{i}", 2.0)
+        table.apply(log.take())
+        assert awaiting_decode(decode, table) == expected
 
 
 def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> None:

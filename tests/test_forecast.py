@@ -189,6 +189,25 @@ def test_eq8_eq12_ready_and_inflight_are_observed_volumes(log) -> None:
     assert (out.ready, out.inflight) == (4000.0, 7000.0)
 
 
+def test_eq12_prompts_waiting_for_decode_room_are_decode_demand(log) -> None:
+    """A streaming trainer behind a PD router keeps a request in prefill until its first
+    token: with decode full, the two requests decode holds for KV room are the two that
+    have waited longest; they leave W_P and the admission forecast for K̂_D, whole."""
+    f, t = setup(kv_per_token=2.0)
+    for name, sent, tokens in (("old", 1.0, 5000), ("older", 0.5, 3000), ("new", 9.0, 700)):
+        log("request_queued", name, sent, prompt_tokens=tokens, turn=0)
+        log("prefill_started", name, sent)
+    t.apply(log.take())
+    every = f.forecast(t, now=10.0, site=SITE)
+    out = f.forecast(t, now=10.0, site=SITE, awaiting_decode=2)
+    assert every.inflight == 8700.0 and every.awaiting_decode == 0.0
+    assert (out.inflight, out.awaiting_decode, out.awaiting_decode_kv) == (700.0, 8000.0, 16000.0)
+    assert out.prefill == pytest.approx(every.prefill - 8000.0)
+    assert out.raw_admission == pytest.approx(700.0)
+    # Decode cannot hold more of them than the trainer has in prefill.
+    assert f.forecast(t, now=10.0, site=SITE, awaiting_decode=9).inflight == 0.0
+
+
 def test_eq11_tool_arrivals_within_horizon(log) -> None:
     f, t = setup(horizon=10.0, tool_min_samples=1)
     # Teach τ for bash: one observation of 12 s seeds the EMA at 12.

@@ -127,6 +127,22 @@ def decoding(engines: Sequence[EngineState], table: TrajectoryTable) -> float:
     return float(table.counts[DECODE])
 
 
+def awaiting_decode(engines: Sequence[EngineState], table: TrajectoryTable) -> int:
+    """Requests the trainer counts in prefill that a decode engine holds for KV room.
+
+    The decode engines hold their running requests and those waiting for KV room; the
+    trainer has seen decode start for some of them. The rest, at most those waiting, are
+    still in the trainer's prefill set: a trainer that sees only the first token (behind
+    a PD router) keeps a request there until decode admits it. A trainer that reports
+    each prefill's end has none there.
+    """
+    decode = [s for s in engines if s.role == "decode" and s.healthy]
+    waiting = sum(s.waiting_requests for s in decode)
+    held = sum(s.running_requests for s in decode) + waiting
+    unseen = held - int(table.counts[DECODE])
+    return max(0, min(waiting, unseen, int(table.counts[PREFILL])))
+
+
 def decode_waiting(engines: Sequence[EngineState]) -> int:
     """Requests queued on the decode engines: prefilled prompts waiting for KV room."""
     return sum(s.waiting_requests for s in engines if s.role == "decode" and s.healthy)

@@ -134,7 +134,12 @@ class ForecastResult:
     startup: float  # Eq. 7
     ready: float  # Eq. 8
     tool: float  # Eq. 11
-    inflight: float  # Eq. 12
+    inflight: float  # Eq. 12, less the prompts waiting for decode admission
+    # Prompts in Q^P that a decode engine holds, waiting for KV room: their prefill waits on
+    # decode (SGLang prefills a PD request once decode has preallocated its KV), so they
+    # are decode demand, observed (not bias-corrected), and no prefill demand.
+    awaiting_decode: float
+    awaiting_decode_kv: float
     # Live contexts that re-prefill once a pending weight update ends (paper §3.1); a
     # term of Eq. 15 beyond the paper, observed like the ready queue (not bias-corrected).
     reprefill: float
@@ -321,15 +326,26 @@ class Forecaster:
 
     # -- the forecast ------------------------------------------------------------------------
 
-    def forecast(self, table: TrajectoryTable, *, now: float, site: PrefillSite) -> ForecastResult:
-        """Eq. 15 and Eq. 13–14 for the horizon after ``now``, one demand source at a time."""
+    def forecast(
+        self,
+        table: TrajectoryTable,
+        *,
+        now: float,
+        site: PrefillSite,
+        awaiting_decode: int = 0,
+    ) -> ForecastResult:
+        """Eq. 15 and Eq. 13–14 for the horizon after ``now``, one demand source at a time.
+
+        ``awaiting_decode``: how many of the requests the trainer counts in prefill the
+        decode engines hold, waiting for KV room (``measure.awaiting_decode``).
+        """
         c = self.config
         view = _TableView.of(table, now=now, horizon=c.horizon, doubling=site.doubling_tokens)
         arrivals = _Arrivals()
         sampler = self._sampler_demand(view, arrivals)
         w_start = self._startup_demand(view, arrivals)
         ready = self._ready_demand(view)
-        inflight = self._inflight_demand(view)
+        inflight, awaiting = self._inflight_demand(view, awaiting_decode=awaiting_decode)
         w_tool = self._tool_demand(view, arrivals)
         update = table.weight_update
         updating = update.in_progress(now)
@@ -366,6 +382,8 @@ class Forecaster:
             ready=ready.tokens,
             tool=a_factor * w_tool,
             inflight=inflight.tokens,
+            awaiting_decode=awaiting.tokens,
+            awaiting_decode_kv=awaiting.tokens * c.kv_per_token,
             reprefill=reprefill.tokens,
             prefill=prefill,
             prefill_seconds=float(work) * site.seconds_per_token,
@@ -451,9 +469,22 @@ class Forecaster:
         return _Observed.of(v, idx)
 
     @staticmethod
-    def _inflight_demand(v: _TableView) -> _Observed:
-        """In-flight prefill, Eq. 12: observed full prompts."""
-        return _Observed.of(v, np.flatnonzero(v.state == PREFILL))
+    def _inflight_demand(v: _TableView, *, awaiting_decode: int) -> tuple[_Observed, _Observed]:
+        """In-flight prefill, Eq. 12: observed full prompts; and those waiting for decode.
+
+        Eq. 12 counts every prompt in Q^P on the assumption that a prefill is short next to
+        the horizon. A trainer that sees only the first token (a streaming client behind a
+        PD router) keeps a request in Q^P until decode admits it; with the decode side full
+        those requests stay for many horizons and Eq. 12 would count them again in each,
+        as prefill demand that more prefill instances cannot serve. The decode engines say
+        how many they hold: the longest-waiting requests of Q^P are those.
+        """
+        idx = np.flatnonzero(v.state == PREFILL)
+        held = min(max(awaiting_decode, 0), len(idx))
+        if not held:
+            return _Observed.of(v, idx), _Observed.of(v, idx[:0])
+        idx = idx[np.argsort(v.since[idx], kind="stable")]
+        return _Observed.of(v, idx[held:]), _Observed.of(v, idx[:held])
 
     def _tool_demand(self, v: _TableView, arrivals: _Arrivals) -> float:
         """Tool execution, Eq. 9–11: r_i = max(0, τ_i − e_i); count those with r_i < S."""
