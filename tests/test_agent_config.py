@@ -292,6 +292,24 @@ def test_loads_are_summed_over_dp_ranks():
         Loads.parse({"loads": [{"num_running_reqs": 1}]})
 
 
+def test_a_decode_engine_reports_the_prompt_tokens_waiting_for_its_kv_room():
+    """SGLang counts no uncached tokens on a decode rank; its prealloc queue's prompts are
+    what ``num_total_tokens`` holds beyond ``num_used_tokens``."""
+    rank = {
+        "num_running_reqs": 3,
+        "num_waiting_reqs": 4,  # prealloc and transfer queues
+        "num_waiting_uncached_tokens": 0,
+        "num_used_tokens": 4000,
+        "num_total_tokens": 6500,  # 2,500 prompt tokens wait for KV room
+        "max_total_num_tokens": 5000,
+        "total_prefill_busy_us": 0,
+        "total_prefill_uncached_tokens": 0,
+        "disaggregation": {"mode": "decode"},
+    }
+    loads = Loads.parse({"loads": [rank, {**rank, "num_total_tokens": 4000}]})
+    assert loads.role == "decode" and loads.waiting == 8 and loads.waiting_tokens == 2500
+
+
 OPTIONAL_EXTRAS = ("kopf", "kubernetes", "kmock", "matplotlib", "schemathesis", "hypothesis")
 
 

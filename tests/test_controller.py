@@ -15,9 +15,9 @@ from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision, Forecast, Target
 from prorsa.core.demand import forecast_demand
 from prorsa.core.diagnostics import Diagnostics
-from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.model import DecodeBacklog, ForecastConfig, Forecaster
 from prorsa.core.forecast.table import TrajectoryTable
-from prorsa.core.measure import awaiting_decode
+from prorsa.core.measure import decode_backlog
 from prorsa.core.switch_cost import Persistence, Regret
 from prorsa.core.switch_plan import lost_tokens, plan_switches
 from prorsa.core.types import Demand, DemandInputs, PlanInputs, Sizing
@@ -117,21 +117,41 @@ def test_prompts_waiting_for_decode_room_ask_for_decode_not_prefill(log) -> None
         log("request_queued", f"w{i}", 1.0, prompt_tokens=20_000, turn=0)
         log("prefill_started", f"w{i}", 1.0)
     c.observe(log.take())
-    full = {"kvUsedTokens": 1_000_000, "waitingRequests": 10}
+    # Each decode engine full, with 10 of the prompts (200k tokens) waiting for KV room.
+    full = {"kvUsedTokens": 1_000_000, "waitingRequests": 10, "waitingTokens": 200_000}
     c.observe_engines(engines(4, 4, **{f"c-engine-{i}": full for i in range(4, 8)}))
     d = c.tick(20.0)
-    # All 40 wait at decode: no prefill demand left, and K_D + their 800k tokens of KV.
+    # All 40 wait at decode: no prefill demand left, and K_D counts their 800k tokens.
     assert d.forecast.components.inflight == 0
     assert d.forecast.decode_kv_tokens == 4 * 1_000_000 + 40 * 20_000
     assert d.target.decode > 4
     assert [(s.from_, s.to) for s in d.switches] == [("prefill", "decode")]
 
 
+def test_prompts_waiting_for_their_prefill_stay_prefill_demand(log) -> None:
+    """Decode engines also count the requests whose KV has not come from prefill yet
+    (SGLang's transfer queue); those wait for prefill, and stay its demand."""
+    c = Controller(spec8())
+    queue(log, 40, 20_000, 1.0)
+    for i in range(40):
+        log("prefill_started", f"t{i}", 1.0)
+    c.observe(log.take())
+    room = {"waitingRequests": 10, "waitingTokens": 0}  # no prompt waits for KV room
+    c.observe_engines(engines(4, 4, **{f"c-engine-{i}": room for i in range(4, 8)}))
+    d = c.tick(20.0)
+    assert d.forecast.components.inflight == 40 * 20_000
+    assert d.target.prefill >= 4
+
+
 def test_only_a_trainer_blind_to_prefill_ends_has_prompts_waiting_in_prefill(log) -> None:
-    """Decode holds 6 requests, 4 of them waiting for KV room. A trainer that reports each
-    prefill's end already counts all 6 as decoding; one that sees first tokens only has
-    seen 2 start and still counts the 4 waiting among its prompts in prefill."""
-    decode = [EngineState(instance="d", role="decode", runningRequests=2, waitingRequests=4)]
+    """Decode holds 6 requests, 4 of them waiting. A trainer that reports each prefill's
+    end already counts all 6 as decoding; one that sees first tokens only has seen 2
+    start and still counts the 4 waiting among its prompts in prefill."""
+    decode = [
+        EngineState(
+            instance="d", role="decode", runningRequests=2, waitingRequests=4, waitingTokens=400
+        )
+    ]
     for reports_ends, expected in ((True, 0), (False, 4)):
         table = TrajectoryTable(observer=Forecaster(ForecastConfig()))
         for i in range(8):
@@ -140,7 +160,7 @@ def test_only_a_trainer_blind_to_prefill_ends_has_prompts_waiting_in_prefill(log
             if i < (6 if reports_ends else 2):
                 log("prefill_finished", f"r{i}", 2.0)
         table.apply(log.take())
-        assert awaiting_decode(decode, table) == expected
+        assert decode_backlog(decode, table) == DecodeBacklog(requests=expected, tokens=400)
 
 
 def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> None:

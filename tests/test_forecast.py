@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from prorsa.core.forecast.admission import predict_admissions
-from prorsa.core.forecast.model import ForecastConfig, Forecaster, PrefillSite, prefill_work
+from prorsa.core.forecast.model import (
+    DecodeBacklog,
+    ForecastConfig,
+    Forecaster,
+    PrefillSite,
+    prefill_work,
+)
 from prorsa.core.forecast.stats import ClassedDistributions, EmaTable, EmpiricalDistribution, Prior
 from prorsa.core.forecast.table import TrajectoryTable
 
@@ -191,21 +197,24 @@ def test_eq8_eq12_ready_and_inflight_are_observed_volumes(log) -> None:
 
 def test_eq12_prompts_waiting_for_decode_room_are_decode_demand(log) -> None:
     """A streaming trainer behind a PD router keeps a request in prefill until its first
-    token: with decode full, the two requests decode holds for KV room are the two that
-    have waited longest; they leave W_P and the admission forecast for K̂_D, whole."""
-    f, t = setup(kv_per_token=2.0)
+    token: with decode full, the prompts decode holds for KV room are the ones that have
+    waited longest, as many as its waiting tokens cover; they leave W_P and Eq. 13-14."""
+    f, t = setup()
     for name, sent, tokens in (("old", 1.0, 5000), ("older", 0.5, 3000), ("new", 9.0, 700)):
         log("request_queued", name, sent, prompt_tokens=tokens, turn=0)
         log("prefill_started", name, sent)
     t.apply(log.take())
     every = f.forecast(t, now=10.0, site=SITE)
-    out = f.forecast(t, now=10.0, site=SITE, awaiting_decode=2)
+    out = f.forecast(t, now=10.0, site=SITE, backlog=DecodeBacklog(requests=3, tokens=8000))
     assert every.inflight == 8700.0 and every.awaiting_decode == 0.0
-    assert (out.inflight, out.awaiting_decode, out.awaiting_decode_kv) == (700.0, 8000.0, 16000.0)
+    assert (out.inflight, out.awaiting_decode) == (700.0, 8000.0)
     assert out.prefill == pytest.approx(every.prefill - 8000.0)
     assert out.raw_admission == pytest.approx(700.0)
-    # Decode cannot hold more of them than the trainer has in prefill.
-    assert f.forecast(t, now=10.0, site=SITE, awaiting_decode=9).inflight == 0.0
+    # No more requests than decode holds, and none its waiting tokens do not cover.
+    one = f.forecast(t, now=10.0, site=SITE, backlog=DecodeBacklog(requests=1, tokens=9e9))
+    assert one.awaiting_decode == 3000.0
+    part = f.forecast(t, now=10.0, site=SITE, backlog=DecodeBacklog(requests=3, tokens=7999))
+    assert part.awaiting_decode == 3000.0
 
 
 def test_eq11_tool_arrivals_within_horizon(log) -> None:

@@ -69,7 +69,7 @@ class Loads:
                 running=sum(int(load["num_running_reqs"]) for load in loads),
                 waiting=sum(int(load["num_waiting_reqs"]) for load in loads),
                 inflight=inflight,
-                waiting_tokens=sum(int(load["num_waiting_uncached_tokens"]) for load in loads),
+                waiting_tokens=sum(_waiting_tokens(load) for load in loads),
                 kv_used=sum(int(load["num_used_tokens"]) for load in loads),
                 kv_capacity=sum(int(load["max_total_num_tokens"]) for load in loads),
                 prefill_busy_seconds=sum(int(load["total_prefill_busy_us"]) for load in loads)
@@ -79,6 +79,19 @@ class Loads:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineProtocolError(f"unexpected /v1/loads body: {exc!r}") from exc
+
+
+def _waiting_tokens(load: dict[str, Any]) -> int:
+    """Prompt tokens waiting on one DP rank: for prefill, those still to compute; for
+    decode, those waiting for KV room.
+
+    SGLang 0.5.23 (``load_inquirer.py``) reports no uncached tokens on a decode rank, and
+    counts its prealloc and retracted queues' prompts in ``num_total_tokens`` beyond
+    ``num_used_tokens``: requests that wait for this engine's KV, not for a prefill.
+    """
+    if (load.get("disaggregation") or {}).get("mode") == "decode":
+        return max(0, int(load["num_total_tokens"]) - int(load["num_used_tokens"]))
+    return int(load["num_waiting_uncached_tokens"])
 
 
 @dataclass(frozen=True, kw_only=True)

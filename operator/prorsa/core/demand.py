@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prorsa.core.decision import Components, Forecast
 from prorsa.core.forecast.model import Forecaster, PrefillSite
 from prorsa.core.forecast.table import TrajectoryTable
-from prorsa.core.measure import awaiting_decode, decoding, prefilling
+from prorsa.core.measure import decode_backlog, decoding, prefilling
 from prorsa.core.types import Demand, DemandInputs
 from prorsa_contract.agent_api import EngineState
 
@@ -64,12 +64,9 @@ def _predictive(inputs: DemandInputs, *, table: TrajectoryTable, forecaster: For
         doubling_tokens=cap.prefill_cost_doubling_tokens,
         ranks=inputs.ranks,
     )
-    f = forecaster.forecast(
-        table, now=now, site=site, awaiting_decode=awaiting_decode(engines, table)
-    )
-    # K_D + K̂_D: what decode holds, the admissions forecast, and the prompts that already
-    # wait for decode's KV room (observed, so never scaled by the admission correction).
-    kv = inputs.kv_now + f.admission_kv + f.awaiting_decode_kv
+    f = forecaster.forecast(table, now=now, site=site, backlog=decode_backlog(engines, table))
+    # K_D (with the prompts waiting for decode's KV room) + K̂_D.
+    kv = inputs.kv_now + f.admission_kv
     b = kv / inputs.kv_capacity
     # Requests queued for or in prefill decode next: a prefill burst hands its whole
     # backlog to decode, not only this horizon's admissions.

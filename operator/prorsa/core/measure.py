@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from prorsa.core.forecast.model import DecodeBacklog
 from prorsa.core.forecast.table import DECODE, PREFILL, READY, TOOL, TrajectoryTable
 from prorsa.core.switch_cost import PRIOR_DECODE_SHARE
 from prorsa.core.types import RoleCounts
@@ -127,20 +128,22 @@ def decoding(engines: Sequence[EngineState], table: TrajectoryTable) -> float:
     return float(table.counts[DECODE])
 
 
-def awaiting_decode(engines: Sequence[EngineState], table: TrajectoryTable) -> int:
+def decode_backlog(engines: Sequence[EngineState], table: TrajectoryTable) -> DecodeBacklog:
     """Requests the trainer counts in prefill that a decode engine holds for KV room.
 
-    The decode engines hold their running requests and those waiting for KV room; the
-    trainer has seen decode start for some of them. The rest, at most those waiting, are
-    still in the trainer's prefill set: a trainer that sees only the first token (behind
-    a PD router) keeps a request there until decode admits it. A trainer that reports
-    each prefill's end has none there.
+    The decode engines hold their running requests and those waiting; the trainer has seen
+    decode start for some of them. The rest are still in the trainer's prefill set: a
+    trainer that sees only the first token (behind a PD router) keeps a request there until
+    decode admits it; one that reports each prefill's end has none there. Of those, only
+    the prompts waiting for KV room (a decode engine's waiting tokens) wait on decode; the
+    others wait for their prefill.
     """
     decode = [s for s in engines if s.role == "decode" and s.healthy]
+    held = sum(s.running_requests + s.waiting_requests for s in decode)
     waiting = sum(s.waiting_requests for s in decode)
-    held = sum(s.running_requests for s in decode) + waiting
     unseen = held - int(table.counts[DECODE])
-    return max(0, min(waiting, unseen, int(table.counts[PREFILL])))
+    requests = max(0, min(waiting, unseen, int(table.counts[PREFILL])))
+    return DecodeBacklog(requests=requests, tokens=float(sum(s.waiting_tokens for s in decode)))
 
 
 def decode_waiting(engines: Sequence[EngineState]) -> int:

@@ -94,6 +94,15 @@ class ForecastConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeBacklog:
+    """Prompts the decode engines hold for KV room that the trainer still counts in
+    prefill: at most ``requests`` of them, ``tokens`` in all (``measure.decode_backlog``)."""
+
+    requests: int = 0
+    tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillSite:
     """The prefill instances the recurrence of Eq. 13 schedules onto, and g(x).
 
@@ -134,12 +143,11 @@ class ForecastResult:
     startup: float  # Eq. 7
     ready: float  # Eq. 8
     tool: float  # Eq. 11
-    inflight: float  # Eq. 12, less the prompts waiting for decode admission
+    inflight: float  # Eq. 12, less the prompts waiting for decode's KV room
     # Prompts in Q^P that a decode engine holds, waiting for KV room: their prefill waits on
-    # decode (SGLang prefills a PD request once decode has preallocated its KV), so they
-    # are decode demand, observed (not bias-corrected), and no prefill demand.
+    # decode (SGLang prefills a PD request once decode has preallocated its KV). They are
+    # decode demand, in K_D already (the decode engines' waiting tokens), not prefill demand.
     awaiting_decode: float
-    awaiting_decode_kv: float
     # Live contexts that re-prefill once a pending weight update ends (paper §3.1); a
     # term of Eq. 15 beyond the paper, observed like the ready queue (not bias-corrected).
     reprefill: float
@@ -332,12 +340,12 @@ class Forecaster:
         *,
         now: float,
         site: PrefillSite,
-        awaiting_decode: int = 0,
+        backlog: DecodeBacklog = DecodeBacklog(),
     ) -> ForecastResult:
         """Eq. 15 and Eq. 13–14 for the horizon after ``now``, one demand source at a time.
 
-        ``awaiting_decode``: how many of the requests the trainer counts in prefill the
-        decode engines hold, waiting for KV room (``measure.awaiting_decode``).
+        ``backlog``: the requests the trainer counts in prefill that the decode engines
+        hold, waiting for KV room.
         """
         c = self.config
         view = _TableView.of(table, now=now, horizon=c.horizon, doubling=site.doubling_tokens)
@@ -345,7 +353,7 @@ class Forecaster:
         sampler = self._sampler_demand(view, arrivals)
         w_start = self._startup_demand(view, arrivals)
         ready = self._ready_demand(view)
-        inflight, awaiting = self._inflight_demand(view, awaiting_decode=awaiting_decode)
+        inflight, awaiting = self._inflight_demand(view, backlog=backlog)
         w_tool = self._tool_demand(view, arrivals)
         update = table.weight_update
         updating = update.in_progress(now)
@@ -383,7 +391,6 @@ class Forecaster:
             tool=a_factor * w_tool,
             inflight=inflight.tokens,
             awaiting_decode=awaiting.tokens,
-            awaiting_decode_kv=awaiting.tokens * c.kv_per_token,
             reprefill=reprefill.tokens,
             prefill=prefill,
             prefill_seconds=float(work) * site.seconds_per_token,
@@ -469,7 +476,7 @@ class Forecaster:
         return _Observed.of(v, idx)
 
     @staticmethod
-    def _inflight_demand(v: _TableView, *, awaiting_decode: int) -> tuple[_Observed, _Observed]:
+    def _inflight_demand(v: _TableView, *, backlog: DecodeBacklog) -> tuple[_Observed, _Observed]:
         """In-flight prefill, Eq. 12: observed full prompts; and those waiting for decode.
 
         Eq. 12 counts every prompt in Q^P on the assumption that a prefill is short next to
@@ -477,13 +484,15 @@ class Forecaster:
         PD router) keeps a request in Q^P until decode admits it; with the decode side full
         those requests stay for many horizons and Eq. 12 would count them again in each,
         as prefill demand that more prefill instances cannot serve. The decode engines say
-        how many they hold: the longest-waiting requests of Q^P are those.
+        how many prompt tokens wait for their KV room: the longest-waiting prompts of Q^P,
+        as many as those tokens cover, are those.
         """
         idx = np.flatnonzero(v.state == PREFILL)
-        held = min(max(awaiting_decode, 0), len(idx))
-        if not held:
+        if backlog.requests <= 0 or backlog.tokens <= 0 or not len(idx):
             return _Observed.of(v, idx), _Observed.of(v, idx[:0])
         idx = idx[np.argsort(v.since[idx], kind="stable")]
+        covered = int(np.searchsorted(np.cumsum(v.x[idx]), backlog.tokens, side="right"))
+        held = min(covered, backlog.requests)
         return _Observed.of(v, idx[held:]), _Observed.of(v, idx[:held])
 
     def _tool_demand(self, v: _TableView, arrivals: _Arrivals) -> float:
