@@ -127,9 +127,10 @@ async def condition(env: Stack, kind: str) -> dict[str, Any]:
 
 async def test_an_agent_that_times_out_degrades_the_cluster_for_all_to_see(caplog) -> None:
     caplog.set_level(logging.INFO, logger="prorsa.runtime")
-    # The agent waits longer for its engine than the operator waits for the agent: a hung
-    # engine scheduler (/v1/loads) makes the operator's health poll time out.
-    patient = replace(FAST_TIMEOUTS, request=30.0)
+    # The agent waits longer for its engine than the operator waits for the agent (an
+    # agent configured past the operator's 2 s, as a hung agent or a slow network would
+    # be): a hung engine scheduler (/v1/loads) makes the operator's health poll time out.
+    patient = replace(FAST_TIMEOUTS, request=30.0, state=30.0)
     async with stack(agent_timeouts=patient) as env:
         await env.create_cluster(cluster_manifest())
         await env.kubelet.wait_running(4)
