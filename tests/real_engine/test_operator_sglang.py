@@ -21,14 +21,16 @@ of its flip; the prefill engine lost with its bootstrap port while requests keep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from prorsa_contract.labels import DRAINING
 from prorsa_lab.doubles.stack import Stack
@@ -104,6 +106,43 @@ class Load:
 
 LIVE: set[str] = set()
 """Trajectories a test's demand phases left live: the next phase drops them first."""
+
+KEEPALIVE_SECONDS = 5.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", autouse=True)
+async def _the_trainer_keeps_talking(cluster: Stack) -> AsyncIterator[None]:
+    """The rest of a trainer's job goes on while a test waits for a switch.
+
+    A demand phase is posted once; a trainer silent for three horizons sends the Controller
+    to its reactive mode, where these phases (prompts no real engine holds) are no demand.
+    On a loaded machine a switch can take longer than that (CI once waited 300 s for a
+    flip back, reactive from 30 s on), so one small trajectory keeps cycling through a
+    one-token turn and a tool call, as a live job's events do: a few tokens of demand.
+    """
+
+    async def cycle() -> None:
+        turn = 0
+        while True:
+            t = "keepalive"
+            events = [] if turn == 0 else [cluster.event("tool_finished", t, result_tokens=1)]
+            events += [
+                cluster.event("request_queued", t, prompt_tokens=8 + 2 * turn, turn=turn),
+                cluster.event("prefill_started", t),
+                cluster.event("prefill_finished", t),
+                cluster.event("decode_finished", t, output_tokens=1, finish="tool"),
+                cluster.event("tool_started", t, tool="wait"),
+            ]
+            with contextlib.suppress(httpx.HTTPError):
+                await cluster.post(events)
+            turn += 1
+            await asyncio.sleep(KEEPALIVE_SECONDS)
+
+    task = asyncio.create_task(cycle())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def demand(env: Stack, events: list[dict[str, Any]]) -> None:
