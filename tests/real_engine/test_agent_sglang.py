@@ -332,7 +332,9 @@ async def test_a_health_check_passes_idle_and_while_busy(engine: Engine, client)
     arrives after the check began when busy (``http_server.py`` ``health_generate``): a busy
     engine is never reported unhealthy because its check waited behind the batch."""
     assert (await client.get(f"{engine.url}/health_generate")).status_code == 200
-    tasks = engine.busy()
+    # Long enough to be still running after the check on an idle machine (300 tokens took
+    # under 3.5 s there and had ended); aborted below.
+    tasks = engine.busy(1200)
     await _until_running(client, engine)
     assert (await client.get(f"{engine.url}/health_generate")).status_code == 200
     assert await engine.running(client)  # the check cut nothing
