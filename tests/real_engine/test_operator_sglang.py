@@ -70,12 +70,24 @@ class Load:
     each test bounds the whole by its own wait.
     """
 
-    def __init__(self, env: Stack, *, count: int, tokens: int) -> None:
+    def __init__(self, env: Stack, *, count: int, tokens: int, repeat: bool = False) -> None:
         assert env.router_url is not None
         self.tokens = tokens
         self.resumes = 0
         self.retries = 0
-        self.tasks = [asyncio.create_task(self._one(env.router_url, i)) for i in range(count)]
+        # With ``repeat``, each caller sends its next generation as soon as one is answered,
+        # until :meth:`finished`: a switch finds generations running however fast the
+        # engines decode (CI's finished 4 x 1,200 tokens before the operator's first flip).
+        self._stop = asyncio.Event()
+        if not repeat:
+            self._stop.set()
+        self.tasks = [asyncio.create_task(self._caller(env.router_url, i)) for i in range(count)]
+
+    async def _caller(self, router: str, i: int) -> list[dict[str, Any]]:
+        outs = [await self._one(router, i)]
+        while not self._stop.is_set():
+            outs.append(await self._one(router, i))
+        return outs
 
     async def _one(self, router: str, i: int) -> dict[str, Any]:
         async with httpx.AsyncClient(base_url=router, timeout=900, trust_env=False) as http:
@@ -96,7 +108,9 @@ class Load:
                 self.retries += gen.retries
 
     async def finished(self) -> list[dict[str, Any]]:
-        outs = await asyncio.gather(*self.tasks)
+        """Stop sending (with ``repeat``), then every answer: each with its whole budget."""
+        self._stop.set()
+        outs = [out for caller in await asyncio.gather(*self.tasks) for out in caller]
         for out in outs:
             assert len(out["output_ids"]) == self.tokens, "tokens lost"
             assert out["meta_info"]["finish_reason"]["type"] == "length"
@@ -231,10 +245,11 @@ async def test_the_operator_switches_both_ways_under_load(
     assert await split(env, 1, 2)
     aborted_before = await agent_counts(env, "prorsa_agent_aborted_requests_total")
     agent_before = await _agent_switch_seconds(env)
-    # Longer than smg's drain (5 s) and the agents' (2 s) at this CPU's 40-90 tokens/s (13 s
-    # and more): the first switch finds generations running and aborts them. No longer: on
-    # busy cores the engines decode at a tenth of that, and the test waits for every token.
-    load = Load(env, count=4, tokens=1200)
+    # Each generation longer than smg's drain (5 s) and the agents' (2 s) at this CPU's 40-90
+    # tokens/s (13 s and more), and sent again until both flips are done: each switch finds
+    # generations running on the engine it drains and aborts them. No longer: on busy cores
+    # the engines decode at a tenth of that, and the test waits for the last one's tokens.
+    load = Load(env, count=4, tokens=1200, repeat=True)
     started = time.monotonic()
     await demand(env, prefill_heavy(env))
     await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="a flip to 2P:1D")
