@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="SECONDS",
-        help="length of each tools / reasoning phase (default: duration / 4, 5 to 60 s)",
+        help="length of each tools / reasoning phase (default: duration / 3, 5 to 80 s)",
     )
     parser.add_argument(
         "--trajectories",

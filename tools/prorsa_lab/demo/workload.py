@@ -183,12 +183,16 @@ class PhaseSchedule:
 
 
 def default_phase_seconds(duration: float) -> float:
-    """Four phases per run (tools, reasoning, tools, reasoning), each 5 to 60 seconds.
+    """Three phases per run (tools, reasoning, tools), each 5 to 80 seconds.
 
-    Sixty seconds is what a phase needs for the split to settle in it behind smg: the
-    workload itself turns over a reasoning turn (15 s and more), the planned demand over
-    ``smoothingSeconds``, then each switch waits for smg's drain (about 6 s) and flips."""
-    return min(60.0, max(5.0, duration / 4.0))
+    A phase needs about a minute for the split to settle in it behind smg: the workload
+    itself turns over a reasoning turn (15 s and more), the planned demand over
+    ``smoothingSeconds``, then each switch waits for smg's drain (about 6 s) and flips. At
+    60 s (four phases in 240 s) a burst late in a reasoning phase, or the reasoning turns
+    still decoding early in a tools phase, often left the split where the phase before
+    wanted it when the phase ended; 80 s leaves time to come back (docs/demo.md, "Sizing").
+    """
+    return min(80.0, max(5.0, duration / 3.0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
