@@ -134,7 +134,7 @@ def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
     assert summary["switches"] >= 2, summary
     assert summary["switch_results"].get("succeeded", 0) >= 1, summary
     # Switches by direction. Whether a run this short moves back after its first tools
-    # phase depends on how loaded the machine is (the default 60 s phases are sized for
+    # phase depends on how loaded the machine is (the default 80 s phases are sized for
     # it, docs/demo.md "Sizing"); following the phases is pinned on hand-made records
     # below, and the switch executor's two directions by test_operator_e2e.py.
     directions = summary["switch_directions"]

@@ -21,7 +21,14 @@ from prorsa_lab.demo.run import (
     EngineModel,
     demo_manifest,
 )
-from prorsa_lab.demo.workload import CODING_DEMO, DemoTask, PhaseName, draw_trajectory
+from prorsa_lab.demo.workload import (
+    CODING_DEMO,
+    DemoTask,
+    PhaseName,
+    PhaseSchedule,
+    default_phase_seconds,
+    draw_trajectory,
+)
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
 INSTANCES = 4
@@ -83,6 +90,20 @@ def test_each_phase_of_the_default_workload_leans_its_own_way() -> None:
     assert reasoning.prefill < 0.6, reasoning
     assert 1.8 < reasoning.decode_kv < 2.6, reasoning
     assert eq1(reasoning) == (1, 3), reasoning
+
+
+def test_a_default_run_judges_following_on_phases_long_enough_to_settle() -> None:
+    """The default 240 s run: a reasoning phase between two tools phases, each 80 s (60 s
+    left a burst's move in place at the phase end in two runs of three), so the summary
+    has a tools phase with a reasoning phase before it to judge following by."""
+    duration = DemoOptions().duration
+    spans = PhaseSchedule(seconds=default_phase_seconds(duration)).spans(duration)
+    assert [phase for _, _, phase in spans] == ["tools", "reasoning", "tools"]
+    assert all(end - start == 80.0 for start, end, _ in spans)
+    # Longer runs repeat 80 s phases; short ones keep three phases of at least 5 s.
+    assert default_phase_seconds(600.0) == 80.0
+    assert default_phase_seconds(60.0) == 20.0
+    assert default_phase_seconds(6.0) == 5.0
 
 
 def test_the_rollout_cluster_declares_what_the_doubles_serve() -> None:
