@@ -99,6 +99,14 @@ def profile(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_profile_measures_capacity_and_prints_the_snippet(target: Target) -> None:
+    check_profile(target)
+
+
+def check_profile(target: Target) -> tuple[CapacitySpec, str]:
+    """Profile ``target`` as a user would; the checks that hold for any engine, then (with a
+    ground truth) that the figures are the engine's own. The real engine runs these in
+    ``tests/real_engine/test_profile_sglang.py``; returns the snippet's capacity and the
+    progress the profile printed."""
     out = profile("--url", target.url, *target.args)
     assert out.returncode == 0, out.stderr
     capacity = yaml.safe_load(out.stdout)["capacity"]
@@ -125,7 +133,7 @@ def test_profile_measures_capacity_and_prints_the_snippet(target: Target) -> Non
 
     truth = target.truth
     if truth is None:
-        return
+        return spec, out.stderr
     assert spec.prefill_tokens_per_second == pytest.approx(truth.prefill_tokens_per_second, rel=0.2)
     assert spec.prefill_cost_doubling_tokens == pytest.approx(truth.doubling_tokens, rel=0.3)
     # An asyncio double's step lasts its model's time plus the event loop's lag, per step
@@ -134,6 +142,7 @@ def test_profile_measures_capacity_and_prints_the_snippet(target: Target) -> Non
     assert spec.decode_kv_tokens == truth.kv_pool - knee * GROWTH_RESERVE_TOKENS
     # The most requests it decoded together is what the engine admits.
     assert max(decode) == truth.max_running
+    return spec, out.stderr
 
 
 def test_an_engine_in_a_pd_role_is_refused_with_what_to_do(tmp_path: Path) -> None:

@@ -237,6 +237,11 @@ async def measure_decode(
                     f"{first.total('num_waiting_reqs'):.0f}); lower --decode-context"
                 )
             await asyncio.sleep(0.05)
+        decoding = await _first_decode_step(probe, first, job, deadline=deadline, window=window)
+        if decoding is None:
+            await job
+            return None
+        first = decoding
         await asyncio.sleep(window)
         last = await probe.read()
         if last.total("num_running_reqs") < batch or job.done():
@@ -252,6 +257,40 @@ async def measure_decode(
     if rate <= 0:
         raise ProfileError(f"decode batch {batch}: no tokens generated in the window")
     return DecodeRun(tokens_per_second=rate, step_seconds=batch / rate)
+
+
+def _decode_steps(reading: Reading) -> float:
+    """Decode steps SGLang has counted (``decode_moments[0]``, summed over the ranks)."""
+    return sum(float((load.get("decode_moments") or [0.0])[0]) for load in reading.loads)
+
+
+async def _first_decode_step(
+    probe: Probe, running: Reading, job: asyncio.Task[None], *, deadline: float, window: float
+) -> Reading | None:
+    """The first reading after the batch's first decode step (None: the batch finished).
+
+    SGLang counts a request running from its first prefill chunk, so the batch is
+    "running together" while the last prompts are still prefilling: on a CPU engine that
+    took longer than a KV-bounded batch's window, which then saw no decode step at all.
+    Waits until ``deadline``; an engine that has reported no ``decode_moments`` yet (none
+    before its first decode step, or none at all) only for one ``window``."""
+    steps = _decode_steps(running)
+    if not any(load.get("decode_moments") for load in running.loads):
+        deadline = min(deadline, time.monotonic() + window)
+    while True:
+        reading = await probe.read()
+        if _decode_steps(reading) > steps:
+            return reading
+        if time.monotonic() > deadline:
+            if not steps:
+                return reading
+            raise ProfileError(
+                f"{running.total('num_running_reqs'):.0f} requests ran without a decode step "
+                "until the settle timeout"
+            )
+        if job.done():
+            return None
+        await asyncio.sleep(0.02)
 
 
 def _rate_from_moments(first: Reading, last: Reading) -> float | None:
