@@ -48,9 +48,21 @@ def stop_requested() -> Iterator[asyncio.Event]:
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a background task and wait until it has ended, so nothing outlives its owner."""
+    """Cancel a background task and wait until it has ended, so nothing outlives its owner.
+
+    The task's own CancelledError ends here; the caller's does not. A caller cancelled
+    while it waits (its owner shutting it down) is cancelled still: swallowing that made a
+    loop calling this carry on forever, and whoever awaited the loop with it (a test
+    stack's teardown once hung on the fake kubelet this way)."""
     if task is None:
         return
+    current = asyncio.current_task()
+    # Cancellations the caller already had (cleanup in a `finally` of a cancelled task
+    # ends several tasks in turn) are not new ones.
+    before = current.cancelling() if current is not None else 0
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await task
+    except asyncio.CancelledError:
+        if current is not None and current.cancelling() > before:
+            raise
