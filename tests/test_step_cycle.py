@@ -116,6 +116,36 @@ def test_before_a_whole_step_is_seen_at_most_one_instance_is_added_to_the_start(
     assert held.switches == () and held.target == Target(prefill=3, decode=5)
 
 
+def test_a_step_that_outlasts_the_closed_ones_is_read_and_the_split_follows_it() -> None:
+    """A step whose prefill side falls behind for good (its prefix caches thrash, every
+    turn recomputes its context) runs many times longer than the step before it. Once it
+    has outlasted that step it is read, and the split moves toward prefill instead of
+    holding what a calm first step favoured (deepseek-v3-tp16 coding held 3P for nine
+    hours of a run the best static split, 4P, finished in ten)."""
+    cycle = CycleProfile()
+    for k in range(1, 40):  # the first step: calm at 3P:5D, weight update at 400 s
+        cycle.record(10.0 * k, CALM, (3, 5), drain=9.0, update_started=None, max_gap=30)
+    behind = Load(a=20.0, b=2.0, knees=3.0, decode_share=0.5)
+    t = 400.0
+    while t <= 700.0:  # the next step: prefill far behind, 300 s in (< the 390 s closed)
+        cycle.record(t, behind, (3, 5), drain=120.0, update_started=400.0, max_gap=30)
+        t += 10
+    assert not cycle.overdue and cycle.window(700.0, least=120) == (10.0, 400.0)
+    held = plan(plan_inputs(current=(3, 5), now=700.0), cycle)
+    assert held.switches == () and held.target == Target(prefill=3, decode=5)
+    while t <= 1_200.0:  # ... and on, twice the closed step's length
+        cycle.record(t, behind, (3, 5), drain=120.0, update_started=400.0, max_gap=30)
+        t += 10
+    assert cycle.overdue and cycle.after_update
+    assert cycle.window(1_200.0, least=120) == (10.0, 1_200.0)
+    assert best_split(cycle, 1_200.0) > 4  # past the one-instance bound of an unseen step
+    moved = plan(plan_inputs(current=(3, 5), now=1_200.0), cycle)
+    assert [s.to for s in moved.switches][:1] == ["prefill"] and moved.target.prefill > 3
+    # A weight update closes it: the closed steps are read again, the new one is not.
+    cycle.record(1_210.0, CALM, (4, 4), drain=9.0, update_started=1_210.0, max_gap=30)
+    assert not cycle.overdue and cycle.window(1_210.0, least=120) == (10.0, 1_210.0)
+
+
 def test_the_first_minutes_of_a_run_hold_the_start_split_while_the_step_is_learned() -> None:
     cycle = CycleProfile()
     for k in range(1, 6):  # 50 s of trainer events: not yet a step to size for

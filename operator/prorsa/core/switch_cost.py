@@ -377,18 +377,34 @@ class CycleProfile:
 
     @property
     def after_update(self) -> bool:
-        """Whether a whole cycle that began at a weight update has closed: before, the
+        """Whether a whole cycle that began at a weight update has been seen: before, the
         ticks read hold no re-prefill burst, the one phase of a step that only more
-        prefill instances serve."""
-        return len(self._starts) > CYCLES
+        prefill instances serve. A step under way that has outlasted the closed ones
+        counts: its burst is behind it, and it is read (:meth:`window`)."""
+        return len(self._starts) > CYCLES or self.overdue
+
+    @property
+    def overdue(self) -> bool:
+        """Whether the step under way has run longer than the closed steps on average.
+
+        The target is read from the closed steps because a step under way is only part of
+        a cycle; one that has outlasted them is not like them (a prefill side whose
+        prefix caches thrash, say, makes a step many times longer), and holding the
+        split they favoured would keep it so.
+        """
+        if len(self._starts) < 2 or self._last is None:
+            return False
+        mean = (self._starts[-1] - self._starts[0]) / (len(self._starts) - 1)
+        return self._last - self._starts[-1] > mean
 
     def window(self, now: float, *, least: float) -> tuple[float, float] | None:
         """The ticks :meth:`totals` reads: the last ``CYCLES`` cycles weight updates
-        closed, else the one under way once it is ``least`` seconds long, at most its last
-        ``OPEN_CYCLE_SECONDS`` (a trainer that never updates its weights still sees its
-        split follow a lasting shift of demand within minutes); None: neither."""
+        closed (and the one under way once it is :attr:`overdue`), else the one under way
+        once it is ``least`` seconds long, at most its last ``OPEN_CYCLE_SECONDS`` (a
+        trainer that never updates its weights still sees its split follow a lasting
+        shift of demand within minutes); None: neither."""
         if len(self._starts) >= 2:
-            return self._starts[0], self._starts[-1]
+            return self._starts[0], (now if self.overdue else self._starts[-1])
         if self._starts and now - self._starts[0] >= least:
             return max(self._starts[0], now - OPEN_CYCLE_SECONDS), now
         return None
