@@ -95,3 +95,25 @@ async def test_cleanup_of_a_cancelled_task_ends_every_child() -> None:
     await asyncio.wait({task}, timeout=5)
     assert task.cancelled()
     assert all(child.cancelled() for child in children) and all(e.is_set() for e in events)
+
+
+async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:
+    """A loop whose client turns a cancellation into an error it logs and carries on from
+    (the fake kubelet polling the API server through aiohttp hung a `make test` so) still
+    ends: it is cancelled again until it does."""
+    swallowed = 0
+
+    async def poller() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1  # "TimeoutError: logged, polling on"
+
+    task = asyncio.create_task(poller())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(task), timeout=10)
+    assert task.cancelled() and swallowed == 1

@@ -47,22 +47,39 @@ def stop_requested() -> Iterator[asyncio.Event]:
         drop_stop_signals()
 
 
+# A task still running this long after its cancellation is cancelled again: something
+# it awaited swallowed the first one (a client's timeout that turns a cancellation into a
+# TimeoutError, caught by a loop that logs errors and carries on).
+RECANCEL_SECONDS = 1.0
+
+
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancel a background task and wait until it has ended, so nothing outlives its owner.
 
     The task's own CancelledError ends here; the caller's does not. A caller cancelled
     while it waits (its owner shutting it down) is cancelled still: swallowing that made a
     loop calling this carry on forever, and whoever awaited the loop with it (a test
-    stack's teardown once hung on the fake kubelet this way)."""
+    stack's teardown once hung on the fake kubelet this way). A task that swallows its
+    cancellation is cancelled again every ``RECANCEL_SECONDS`` until it ends.
+    """
     if task is None:
         return
     current = asyncio.current_task()
     # Cancellations the caller already had (cleanup in a `finally` of a cancelled task
     # ends several tasks in turn) are not new ones.
     before = current.cancelling() if current is not None else 0
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        if current is not None and current.cancelling() > before:
-            raise
+    interrupted = False
+    while not task.done():
+        task.cancel()
+        try:
+            await asyncio.wait({task}, timeout=RECANCEL_SECONDS)
+        except asyncio.CancelledError:
+            # The caller is being cancelled: it still waits for the task to end, then
+            # carries its cancellation on.
+            interrupted = True
+    if interrupted or (current is not None and current.cancelling() > before):
+        raise asyncio.CancelledError
+    if not task.cancelled():
+        error = task.exception()
+        if error is not None:
+            raise error
