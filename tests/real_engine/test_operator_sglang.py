@@ -245,11 +245,14 @@ async def test_the_operator_switches_both_ways_under_load(
     assert await split(env, 1, 2)
     aborted_before = await agent_counts(env, "prorsa_agent_aborted_requests_total")
     agent_before = await _agent_switch_seconds(env)
-    # Each generation longer than smg's drain (5 s) and the agents' (2 s) at this CPU's 40-90
-    # tokens/s (13 s and more), and sent again until both flips are done: each switch finds
-    # generations running on the engine it drains and aborts them. No longer: on busy cores
-    # the engines decode at a tenth of that, and the test waits for the last one's tokens.
-    load = Load(env, count=4, tokens=1200, repeat=True)
+    # Each generation longer than smg's drain (about 6 s) and the agents' (2 s) at this CPU's
+    # 40-90 tokens/s (22 s and more), and sent again until both flips are done, eight at a
+    # time: the operator drains the decode engine running the fewest, and it still runs
+    # several, most with more than the drains' 8 s to go, so the flip aborts some (with four
+    # of 1,200 tokens an idle machine's flip once found none). No longer: on busy cores the
+    # engines decode at a tenth of that, and the test waits for the last one's tokens; eight
+    # of 2,000 fit each engine's 16,384-token KV pool.
+    load = Load(env, count=8, tokens=2000, repeat=True)
     started = time.monotonic()
     await demand(env, prefill_heavy(env))
     await env.wait_for(lambda: split(env, 2, 1), timeout=300, what="a flip to 2P:1D")
