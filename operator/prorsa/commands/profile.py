@@ -244,6 +244,18 @@ async def measure_decode(
         first = decoding
         await asyncio.sleep(window)
         last = await probe.read()
+        # A short window (a KV-bounded batch's) can close before the engine has counted a
+        # step in it (batch 46 of the real CPU engine once read none): it runs on until one
+        # is counted, while the batch still runs together.
+        counted = any(load.get("decode_moments") for load in first.loads)
+        while (
+            counted
+            and _decode_steps(last) <= _decode_steps(first)
+            and last.total("num_running_reqs") >= batch
+            and not job.done()
+        ):
+            await asyncio.sleep(0.02)
+            last = await probe.read()
         if last.total("num_running_reqs") < batch or job.done():
             await job
             return None
