@@ -68,16 +68,13 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     # Cancellations the caller already had (cleanup in a `finally` of a cancelled task
     # ends several tasks in turn) are not new ones.
     before = current.cancelling() if current is not None else 0
-    interrupted = False
     while not task.done():
         task.cancel()
-        try:
+        # A caller cancelled here still waits for the task to end; its cancelling() count
+        # says so below, and the cancellation is carried on.
+        with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait({task}, timeout=RECANCEL_SECONDS)
-        except asyncio.CancelledError:
-            # The caller is being cancelled: it still waits for the task to end, then
-            # carries its cancellation on.
-            interrupted = True
-    if interrupted or (current is not None and current.cancelling() > before):
+    if current is not None and current.cancelling() > before:
         raise asyncio.CancelledError
     if not task.cancelled():
         error = task.exception()
