@@ -13,6 +13,7 @@ import pytest
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import (
     AgentConfig,
+    BootstrapGateConfig,
     ConfigError,
     RestartBackoff,
     Timeouts,
@@ -225,14 +226,55 @@ def test_command_line_to_config(tmp_path: Path):
     assert config.launch is not None
     argv = list(config.launch.argv)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
+    # SGLang's bootstrap server moves behind the agent's gate, which serves SGLang's default.
     assert argv[3:] == [
-        "--tp-size", "4", "--model-path", "/m", "--disaggregation-mode", "decode",
-        "--enable-pd-role-switch", "--enable-metrics",
+        "--tp-size", "4", "--model-path", "/m", "--disaggregation-bootstrap-port", "9998",
+        "--disaggregation-mode", "decode", "--enable-pd-role-switch", "--enable-metrics",
         "--disaggregation-decode-enable-radix-cache", "--enable-hierarchical-cache",
         "--port", "30001",
     ]  # fmt: skip
+    assert config.bootstrap_gate == BootstrapGateConfig(port=8998, engine_port=9998, hold=15.0)
     attach = build_config(_args(["--token-file", "t"]), env={})
-    assert attach.launch is None
+    assert attach.launch is None and attach.bootstrap_gate is None
+
+
+def test_the_bootstrap_gate_serves_the_pods_port_and_moves_sglangs(tmp_path: Path):
+    """The pod announces PRORSA_BOOTSTRAP_PORT: the agent serves it, SGLang's server moves a
+    fixed offset up (every pod of a multi-node group registers with its head there), given
+    once whichever way the user wrote it; the hold follows SGLang's heartbeat settings."""
+    env = {
+        "PRORSA_BOOTSTRAP_PORT": "7000",
+        "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
+    }
+    args = _args(
+        [
+            "--engine-url", "http://127.0.0.1:30001", "--token-file", str(tmp_path / "t"),
+            "--instance", "rc-engine-0", "--launch", "--", "--model-path", "/m",
+        ]
+    )  # fmt: skip
+    config = build_config(args, env=env)
+    assert config.bootstrap_gate == BootstrapGateConfig(port=7000, engine_port=8000, hold=8.0)
+    assert config.launch is not None
+    argv = list(config.launch.argv)
+    assert [a for a in argv if a.startswith("--disaggregation-bootstrap-port")] == [
+        "--disaggregation-bootstrap-port"
+    ]
+    assert argv[argv.index("--disaggregation-bootstrap-port") + 1] == "8000"
+    explicit = _launch_argv(tmp_path, {}, "--disaggregation-bootstrap-port=6000")
+    assert "--disaggregation-bootstrap-port=6000" not in explicit
+    assert explicit[explicit.index("--disaggregation-bootstrap-port") + 1] == "7000"
+    with pytest.raises(ConfigError, match="disaggregation-bootstrap-port"):
+        _launch_argv(tmp_path, {"PRORSA_BOOTSTRAP_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="share port"):
+        BootstrapGateConfig(port=9000, engine_port=9000, hold=1.0)
+    with pytest.raises(ConfigError, match="needs --launch"):
+        AgentConfig(
+            engine_url="http://127.0.0.1:1",
+            token_file=tmp_path / "t",
+            instance="x",
+            bootstrap_gate=BootstrapGateConfig(port=1, engine_port=2, hold=0.0),
+        )
 
 
 def _launch_argv(tmp_path: Path, env: dict[str, str], *engine: str) -> list[str]:

@@ -231,7 +231,12 @@ def test_prorsa_agent_runs_from_the_wheel_with_only_its_declared_dependencies(
                 "--health-interval", "0.1", "--poll-interval", "0.02",
                 "--launch", "--", "--double-switch-seconds", "0.01",
             ],
-            env=env | {"PRORSA_ENGINE_HOST": "127.0.0.1"},
+            env=env
+            | {
+                "PRORSA_ENGINE_HOST": "127.0.0.1",
+                "PRORSA_BOOTSTRAP_PORT": str(_free_port()),
+                "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.05",
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,

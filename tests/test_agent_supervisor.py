@@ -32,6 +32,11 @@ DOUBLE = (sys.executable, "-m", "prorsa_lab.doubles.sglang_double")
 FAST_BACKOFF = RestartBackoff(initial=0.05, factor=2.0, maximum=0.4, stable_after=30.0)
 
 
+def _bootstrap_env(port: int) -> dict[str, str]:
+    """The gate on a free port (not SGLang's 8998), opening within a fraction of a second."""
+    return {"PRORSA_BOOTSTRAP_PORT": str(port), "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.05"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,6 +215,7 @@ def test_prorsa_agent_command_launches_the_engine_from_the_environment(tmp_path)
         "PRORSA_ENGINE_HOST": "127.0.0.1",
         "PRORSA_EXTRA_ARGS": '["--max-total-tokens", "12345"]',
         "PRORSA_INSTANCE": "cli-engine-0",
+        **_bootstrap_env(bootstrap := _free_port()),
     }
     proc = subprocess.Popen(
         [
@@ -239,8 +245,23 @@ def test_prorsa_agent_command_launches_the_engine_from_the_environment(tmp_path)
             assert info["enable_pd_role_switch"] is True and info["enable_metrics"] is True
             assert info["internal_states"][0]["disaggregation_mode"] == "decode"
             assert c.get(f"{url}/v1/state").json()["instance"] == "cli-engine-0"
+            # The pod's bootstrap port is the agent's: closed to decode engines' heartbeats
+            # while this one is decode, SGLang's own server (always 200) behind it.
+            gate = f"http://127.0.0.1:{bootstrap}/health"
+            assert c.get(gate).status_code == 503
+            assert info["disaggregation_bootstrap_port"] == bootstrap + 1000
+            assert c.get(f"http://127.0.0.1:{bootstrap + 1000}/health").status_code == 200
             result = c.post(f"{url}/v1/role", json={"role": "prefill"}, headers=AUTH).json()
             assert result["ok"] is True and result["newRole"] == "prefill"
+            assert c.get(gate).status_code == 200
+            # Out of prefill and straight back: the gate closes, and the flip back is
+            # reported only once it has been closed for the hold (3 heartbeats of 0.05 s).
+            left = time.monotonic()
+            result = c.post(f"{url}/v1/role", json={"role": "decode"}, headers=AUTH).json()
+            assert result["ok"] is True and c.get(gate).status_code == 503
+            result = c.post(f"{url}/v1/role", json={"role": "prefill"}, headers=AUTH).json()
+            assert result["ok"] is True and time.monotonic() - left >= 0.15
+            assert c.get(gate).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         with pytest.raises(httpx.ConnectError):
@@ -262,6 +283,7 @@ def test_prorsa_agent_gives_the_engine_its_admin_key_and_keeps_it_out_of_the_log
         "PRORSA_ENGINE_API_KEY_FILE": str(key_file),
         "PRORSA_ENGINE_HOST": "127.0.0.1",
         "PRORSA_INSTANCE": "key-engine-0",
+        **_bootstrap_env(_free_port()),
     }
     proc = subprocess.Popen(
         [

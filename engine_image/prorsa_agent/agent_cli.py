@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from prorsa_agent.bootstrap_gate import hold_seconds
 from prorsa_agent.config import (
     ALLOW_HICACHE_STORAGE_ENV,
     DISABLE_HICACHE_ENV,
@@ -29,6 +30,7 @@ from prorsa_agent.config import (
     RestartBackoff,
     Timeouts,
     args_from_env,
+    bootstrap_gate_for,
     engine_argv,
     parse_listen,
 )
@@ -157,22 +159,25 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         explicit = explicit[1:]
     if explicit and not args.launch:
         raise ConfigError("engine flags after '--' need --launch")
-    launch = None
+    launch = gate = None
     if args.launch:
         command: Sequence[str] = (
             shlex.split(args.engine_command) if args.engine_command else SGLANG_COMMAND
         )
         admin_key = _read_key(args.engine_api_key_file) if args.engine_api_key_file else None
+        env_args = args_from_env(env)
+        gate = bootstrap_gate_for([*env_args, *explicit], hold=hold_seconds(env))
         launch = LaunchSpec(
             argv=tuple(
                 engine_argv(
                     command=command,
                     engine_url=args.engine_url,
-                    env_args=args_from_env(env),
+                    env_args=env_args,
                     explicit=explicit,
                     hicache=env.get(DISABLE_HICACHE_ENV, "") not in ("1", "true"),
                     allow_hicache_storage=env.get(ALLOW_HICACHE_STORAGE_ENV, "") in ("1", "true"),
                     admin_api_key=admin_key,
+                    bootstrap_gate=gate,
                 )
             ),
             secrets=(admin_key.strip(),) if admin_key else (),
@@ -206,6 +211,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         max_switch_attempts=args.max_switch_attempts,
         timeouts=timeouts,
         launch=launch,
+        bootstrap_gate=gate,
     )
 
 

@@ -154,6 +154,54 @@ class LaunchSpec:
         )
 
 
+BOOTSTRAP_FLAG = "--disaggregation-bootstrap-port"
+SGLANG_BOOTSTRAP_PORT = 8998
+"""SGLang's default for ``--disaggregation-bootstrap-port`` (``arg_groups/fields/disagg.py``)."""
+ENGINE_BOOTSTRAP_OFFSET = 1000
+"""SGLang's own bootstrap server listens this far above the port the agent serves: fixed,
+so that every pod of a multi-node group registers with its head on the same port."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootstrapGateConfig:
+    """The PD bootstrap port the agent serves in front of SGLang's (prorsa_agent.bootstrap_gate)."""
+
+    port: int
+    """The port the pod announces (``sglang.ai/bootstrap-port``); decode engines ask it."""
+    engine_port: int
+    """SGLang's own bootstrap server (``--disaggregation-bootstrap-port``, set by the agent)."""
+    hold: float
+    """Seconds closed before the gate opens after a flip to prefill."""
+
+    def __post_init__(self) -> None:
+        for name in ("port", "engine_port"):
+            value = getattr(self, name)
+            if not 0 < value < 65536:
+                raise ConfigError(f"bootstrap {name} out of range: {value}")
+        if self.port == self.engine_port:
+            raise ConfigError(f"the bootstrap gate and SGLang's server share port {self.port}")
+        if not math.isfinite(self.hold) or self.hold < 0:
+            raise ConfigError(f"bootstrap gate hold must be >= 0 seconds, got {self.hold}")
+
+
+def bootstrap_gate_for(
+    args: Sequence[str], *, hold: float, engine_port: int | None = None
+) -> BootstrapGateConfig:
+    """The gate for an engine launched with ``args``: it serves their bootstrap port (SGLang's
+    default when none is given), SGLang's server moves to ``engine_port`` (by default
+    :data:`ENGINE_BOOTSTRAP_OFFSET` above it)."""
+    given = flag_value(args, BOOTSTRAP_FLAG)
+    try:
+        port = int(given) if given is not None else SGLANG_BOOTSTRAP_PORT
+    except ValueError as exc:
+        raise ConfigError(f"{BOOTSTRAP_FLAG} must be a port number, got {given!r}") from exc
+    if engine_port is None:
+        engine_port = port + ENGINE_BOOTSTRAP_OFFSET
+        if engine_port > 65535:
+            engine_port = port - ENGINE_BOOTSTRAP_OFFSET
+    return BootstrapGateConfig(port=port, engine_port=engine_port, hold=hold)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     engine_url: str
@@ -172,6 +220,8 @@ class AgentConfig:
     """Consecutive failed probes before a healthy engine is reported unhealthy."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     launch: LaunchSpec | None = None
+    bootstrap_gate: BootstrapGateConfig | None = None
+    """With ``launch``: serve the engine's bootstrap port (``engine_argv`` moves SGLang's)."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.engine_url)
@@ -188,6 +238,8 @@ class AgentConfig:
         gb = self.decode_cuda_graph_memory_gb
         if gb is not None and (not math.isfinite(gb) or gb < 0):
             raise ConfigError("--decode-cuda-graph-memory-gb must be >= 0")
+        if self.bootstrap_gate is not None and self.launch is None:
+            raise ConfigError("the bootstrap gate needs --launch (the agent sets SGLang's port)")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -237,6 +289,20 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 
 def has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def without_flag(args: Sequence[str], flag: str) -> list[str]:
+    """``args`` less every ``--flag v`` and ``--flag=v``."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 DECODE_RADIX_CACHE = "--disaggregation-decode-enable-radix-cache"
@@ -380,6 +446,7 @@ def engine_argv(
     hicache: bool = True,
     allow_hicache_storage: bool = False,
     admin_api_key: str | None = None,
+    bootstrap_gate: BootstrapGateConfig | None = None,
 ) -> list[str]:
     """The full engine command line: command, env flags, explicit flags, required flags.
 
@@ -387,9 +454,13 @@ def engine_argv(
     ``allow_hicache_storage`` (``PRORSA_ALLOW_HICACHE_STORAGE=1``) accepts an L3 storage
     backend, see ``check_hicache_storage``; ``admin_api_key`` (read from
     ``PRORSA_ENGINE_API_KEY_FILE``) protects the engine's admin endpoints, see
-    ``admin_key_args``.
+    ``admin_key_args``; with ``bootstrap_gate`` SGLang's bootstrap server listens on the
+    gate's ``engine_port`` (the agent serves the announced port, prorsa_agent.bootstrap_gate).
     """
     args = [*env_args, *explicit]
+    if bootstrap_gate is not None:
+        moved = [BOOTSTRAP_FLAG, str(bootstrap_gate.engine_port)]
+        args = [*without_flag(args, BOOTSTRAP_FLAG), *moved]
     if admin_api_key is not None:
         args += admin_key_args(args, admin_api_key)
     port = urlsplit(engine_url).port or (443 if engine_url.startswith("https") else 80)

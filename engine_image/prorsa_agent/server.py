@@ -35,11 +35,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from prorsa_agent.agent_metrics import AgentMetrics
+from prorsa_agent.bootstrap_gate import BootstrapGate
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import EngineClient, EngineUnavailable
 from prorsa_agent.health import EngineHealth
@@ -163,6 +165,7 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self._port = config.listen_port
         self._tls: ServingCert | None = None
+        self.gate: BootstrapGate | None = None
 
     # ---------------------------------------------------------------- lifecycle
     @property
@@ -196,8 +199,21 @@ class Agent:
             wait=config.timeouts.state,
             max_age=config.timeouts.state_max_age,
         )
+        if config.bootstrap_gate is not None:
+            gate = config.bootstrap_gate
+            self.gate = BootstrapGate(
+                host=config.listen_host,
+                port=gate.port,
+                engine_host=urlsplit(config.engine_url).hostname or "127.0.0.1",
+                engine_port=gate.engine_port,
+                hold=gate.hold,
+            )
         self._switcher = Switcher(
-            engine=self._engine, config=config, health=self.health, metrics=self.metrics
+            engine=self._engine,
+            config=config,
+            health=self.health,
+            metrics=self.metrics,
+            gate=self.gate,
         )
         app = web.Application()
         self._routes(app)
@@ -226,6 +242,12 @@ class Agent:
         self._runner = runner
         if self._port == 0:
             self._port = int(runner.addresses[0][1])
+        if self.gate is not None:
+            try:
+                await self.gate.start()
+            except BaseException:
+                await self.stop()
+                raise
         if config.launch is not None:
             self.supervisor = EngineSupervisor(
                 argv=config.launch.argv,
@@ -252,6 +274,8 @@ class Agent:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.gate is not None:
+            await self.gate.stop()
         if self._loads is not None:
             self._loads.close()
         if self._engine is not None:
@@ -267,6 +291,8 @@ class Agent:
     # ---------------------------------------------------------------- engine health
     def _engine_spawned(self, generation: int) -> None:
         self.health.engine_restarted(f"engine process started (start #{generation})")
+        if self.gate is not None:
+            self.gate.close()  # a fresh engine, in its launch role decode
 
     def _engine_exited(self, code: int | None, ran: float) -> None:
         self.metrics.restarts.inc()

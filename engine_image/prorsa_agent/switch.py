@@ -2,7 +2,8 @@
 
 Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a metrics label:
 
-* the engine flipped, reports the new role in ``/server_info`` and generates: ``ok``;
+* the engine flipped, reports the new role in ``/server_info`` and generates: ``ok`` (a flip
+  to prefill once the agent's bootstrap port is open again, see prorsa_agent.bootstrap_gate);
 * it refused before tearing anything down (``safe_to_restore: true``, e.g. a backend that
   cannot switch, no decode-graph headroom) or a control call was rejected: ``failed_safe``,
   the pod can take its old label back;
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa_agent.agent_metrics import AgentMetrics
+from prorsa_agent.bootstrap_gate import BootstrapGate
 from prorsa_agent.config import AgentConfig
 from prorsa_agent.engine_client import (
     EngineClient,
@@ -104,11 +106,13 @@ class Switcher:
         config: AgentConfig,
         health: EngineHealth,
         metrics: AgentMetrics,
+        gate: BootstrapGate | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.health = health
         self.metrics = metrics
+        self.gate = gate
 
     def _result(
         self, p: SwitchProgress, *, ok: bool, message: str, safe: bool = True
@@ -177,6 +181,16 @@ class Switcher:
                 self.health.mark_failed(reason)
                 return self._fail(p, reason, safe=False)
             self.health.last_role = p.target
+            if self.gate is not None:
+                if p.target != "prefill":
+                    self.gate.close()
+                else:
+                    # Reported (and routed to) only once every decode engine has dropped
+                    # what it kept of this engine's last prefill term (bootstrap_gate).
+                    p.phase = "opening the bootstrap port"
+                    if not await self.gate.open():
+                        reason = "engine restarted while its bootstrap port was opening"
+                        return self._fail(p, reason, safe=False)
             return self._result(p, ok=True, message="switched"), "ok"
         except EngineRefused as exc:
             return self._fail(p, f"engine rejected a control call: {exc}", safe=True)
@@ -212,6 +226,8 @@ class Switcher:
             await asyncio.sleep(min(poll, max(0.0, until - time.monotonic())))
 
     def _fail(self, p: SwitchProgress, message: str, *, safe: bool) -> tuple[RoleResult, str]:
+        if not safe and self.gate is not None:
+            self.gate.close()  # the role is unknown: no decode engine should keep this one
         log.error("switch to %s failed (safe_to_restore=%s): %s", p.target, safe, message)
         label = "failed_safe" if safe else "failed_unsafe"
         return self._result(p, ok=False, message=message, safe=safe), label

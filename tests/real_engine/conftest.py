@@ -39,6 +39,7 @@ MODULE_ORDER = (
     "test_operator_sglang",  # switches and failure cases on it
     "test_sglang_validation",  # no engine (the shared cluster stops first)
     "test_profile_sglang",  # one engine of its own, without a PD role
+    "test_prefill_reentry",  # two of its own behind smg
     "test_demo_sglang",  # its own three engines
     "test_launched_as_prefill",  # the study (not in make test-engine): its own three
 )

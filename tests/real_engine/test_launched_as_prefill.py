@@ -68,6 +68,9 @@ async def pods(engine_env: CpuEngineEnv, tmp_path_factory) -> AsyncIterator[list
             log_dir=logs,
             extra_flags=flags,
             without=without,
+            # The flips here are SGLang's own, not the agent's: SGLang serves its bootstrap
+            # port (behind the agent's gate, it would stay closed to the decode engines).
+            bootstrap_gate=False,
         )
 
     prefill_mode = ("--disaggregation-mode", "prefill")

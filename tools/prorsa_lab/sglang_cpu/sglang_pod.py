@@ -33,7 +33,15 @@ from pathlib import Path
 
 import httpx
 
-from prorsa_agent.config import AgentConfig, LaunchSpec, RestartBackoff, Timeouts, engine_argv
+from prorsa_agent.bootstrap_gate import hold_seconds
+from prorsa_agent.config import (
+    AgentConfig,
+    BootstrapGateConfig,
+    LaunchSpec,
+    RestartBackoff,
+    Timeouts,
+    engine_argv,
+)
 from prorsa_agent.server import Agent
 from prorsa_lab.sglang_cpu.environment import DECODE_GRAPH_MEMORY_GB, CpuEngineEnv
 
@@ -81,6 +89,7 @@ class SglangPod:
         agent_host: str | None = None,
         agent_port: int = 0,
         bootstrap_port: int | None = None,
+        bootstrap_gate: bool = True,
         engine_api_key: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
@@ -103,6 +112,17 @@ class SglangPod:
         self.engine_port = engine_port or free_port(host)
         self.bootstrap_port = bootstrap_port or free_port(host)
         self.engine_info_port = free_port(host)
+        # The agent serves the announced bootstrap port, SGLang's own server behind it; a
+        # test that flips SGLang itself, not through the agent, has SGLang serve it.
+        self.gate = (
+            BootstrapGateConfig(
+                port=self.bootstrap_port,
+                engine_port=free_port(host),
+                hold=hold_seconds(os.environ),
+            )
+            if bootstrap_gate
+            else None
+        )
         self.engine_api_key = engine_api_key
         self.served_model_name = served_model_name
         self._tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
@@ -161,6 +181,7 @@ class SglangPod:
             ),
             admin_api_key=self.engine_api_key,
             hicache=self._hicache,
+            bootstrap_gate=self.gate,
         )
         # A state the agent never makes, for the tests that show why (value-less flags).
         return [a for a in argv if a not in self._without]
@@ -200,6 +221,7 @@ class SglangPod:
                     backoff=RestartBackoff(initial=1.0, maximum=10.0),
                     stop_grace=20.0,
                 ),
+                bootstrap_gate=self.gate,
             )
         )
         await self.agent.start()
