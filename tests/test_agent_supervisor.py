@@ -21,7 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa_agent.config import AgentConfig, LaunchSpec, RestartBackoff, engine_argv
+from prorsa_agent.config import (
+    AgentConfig,
+    BootstrapGateConfig,
+    LaunchSpec,
+    RestartBackoff,
+    engine_argv,
+)
 from prorsa_agent.server import Agent
 from prorsa_contract.agent_api import EngineState, RoleResult
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS
@@ -48,17 +54,23 @@ def _config(
     *,
     extra: Sequence[str] = (),
     command: Sequence[str] = DOUBLE,
+    gate: bool = False,
 ) -> AgentConfig:
     token = tmp_path / "token"
     token.write_text(TOKEN)
     url = f"http://127.0.0.1:{_free_port()}"
+    bootstrap = (
+        BootstrapGateConfig(port=_free_port(), engine_port=_free_port(), hold=0.0) if gate else None
+    )
     argv = engine_argv(
         command=command,
         engine_url=url,
         env_args=["--host", "127.0.0.1"],
         explicit=["--double-switch-seconds", "0.01", "--double-health-timeout", "1", *extra],
+        bootstrap_gate=bootstrap,
     )
     return AgentConfig(
+        bootstrap_gate=bootstrap,
         engine_url=url,
         token_file=token,
         instance="launch-0",
@@ -96,26 +108,31 @@ def _gone(pid: int) -> bool:
 
 
 async def test_launch_switch_crash_restart(tmp_path):
-    config = _config(tmp_path)
+    config = _config(tmp_path, gate=True)
+    assert config.bootstrap_gate is not None
+    gate = f"http://127.0.0.1:{config.bootstrap_gate.port}/health"
     async with httpx.AsyncClient(timeout=10.0) as client, Agent(config) as agent:
         health = await _healthz(client, agent)
         assert health.status_code == 503 and health.json()["status"] == "starting"
         await _wait_healthy(client, agent)
         state = EngineState.model_validate((await client.get(f"{agent.url}/v1/state")).json())
         assert state.role == "decode" and state.healthy  # every engine starts as decode
+        assert (await client.get(gate)).status_code == 503  # decode: closed
         result = await client.post(f"{agent.url}/v1/role", json={"role": "prefill"}, headers=AUTH)
         assert RoleResult.model_validate(result.json()).ok
+        assert (await client.get(gate)).status_code == 200
         assert agent.supervisor is not None
         first_pid = agent.supervisor.pid
         assert first_pid is not None
 
-        # The engine process dies.
+        # The engine process dies: no prefill behind the bootstrap port any more.
         await client.post(f"{config.engine_url}/_double/crash")
 
         async def down() -> bool:
             return (await _healthz(client, agent)).json()["status"] in ("down", "starting")
 
         await _until(down)
+        assert (await client.get(gate)).status_code == 503
         await _wait_healthy(client, agent)
         assert agent.supervisor.restarts == 1 and agent.supervisor.pid != first_pid
         assert agent.supervisor.last_exit == 70

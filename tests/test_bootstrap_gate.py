@@ -5,6 +5,7 @@ route lookups get from it, closed and open."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -101,13 +102,37 @@ async def test_it_opens_only_once_closed_for_the_hold(sglang_bootstrap):
         await gate.stop()
 
 
-async def test_an_open_gate_reports_a_dead_bootstrap_server_as_a_failed_check():
+async def test_an_open_gate_answers_heartbeats_itself_and_reports_a_dead_server():
+    """The heartbeat is the gate's own answer (the agent closes it when the engine exits);
+    a route lookup that cannot reach SGLang's server fails as it would without the gate."""
     gate = _gate(_free_port(), hold=0.0)
     await gate.start()
     try:
         assert await gate.open()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gate.port}") as c:
-            assert (await c.get("/health")).status_code == 502
+            assert (await c.get("/health")).status_code == 200
+            assert (await c.get("/route", params={"engine_rank": 0})).status_code == 502
+    finally:
+        await gate.stop()
+
+
+async def test_heartbeats_are_answered_while_the_agents_loop_is_stalled(sglang_bootstrap):
+    """The gate serves on a thread of its own: a decode engine gives up on a heartbeat
+    after 3 s, and the agent's loop blocked longer than that must not drop a prefill."""
+    port, _ = sglang_bootstrap
+    gate = _gate(port, hold=0.0)
+    await gate.start()
+    try:
+        assert await gate.open()
+        url = f"http://127.0.0.1:{gate.port}/health"
+
+        def heartbeat() -> int:
+            return httpx.get(url, timeout=30.0).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # Waited for here, blocking this loop (the agent's) the whole time: a gate
+            # served on it could not answer, and this would raise after 30 s.
+            assert pool.submit(heartbeat).result(timeout=30.0) == 200
     finally:
         await gate.stop()
 

@@ -16,10 +16,11 @@ fails ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` (2) checks in a row, one e
 
 So the agent serves the bootstrap port the pod announces (``sglang.ai/bootstrap-port``) and
 SGLang's server listens on another one that the agent sets (``--disaggregation-bootstrap-port``):
-every request is passed through, but ``/health`` answers 503 while the engine is not serving
-as prefill. After a flip to prefill the gate opens only once it has been closed for ``hold``
-seconds, the decodes' failed checks and one more interval for their phase: by then every
-decode engine has dropped what it kept of the engine's last prefill term. The switch reports
+every request is passed through but ``/health``, which the gate answers itself: 503 while the
+engine is not serving as prefill (or not running), 200 otherwise. After a flip to prefill
+the gate opens only once it has been closed for ``hold`` seconds, the decodes' failed checks
+and one more interval for their phase: by then every decode engine has dropped what it kept
+of the engine's last prefill term. The switch reports
 success (the operator relabels the pod, smg routes to it) only once the gate is open, so a
 flip back within ``hold`` takes that much longer, and any later one nothing.
 """
@@ -27,7 +28,9 @@ flip back within ``hold`` takes that much longer, and any later one nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -60,8 +63,10 @@ def hold_seconds(env: Mapping[str, str]) -> float:
 
 
 class BootstrapGate:
-    """``await gate.start()``; ``close()`` when the engine leaves prefill (or restarts, in
-    its launch role decode); ``await gate.open()`` once it serves as prefill again."""
+    """``await gate.start()``; ``close()`` when the engine leaves prefill (or exits, or
+    restarts in its launch role decode); ``await gate.open()`` once it serves as prefill
+    again. ``close``/``open`` run on the agent's loop; the server on the gate's own thread
+    reads only whether it is open."""
 
     def __init__(
         self,
@@ -83,6 +88,8 @@ class BootstrapGate:
         self._closings = 0
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def is_open(self) -> bool:
@@ -117,6 +124,35 @@ class BootstrapGate:
         return True
 
     async def start(self) -> None:
+        """Serve on a thread and event loop of its own: a decode engine's heartbeat gives up
+        after 3 s (``timeout=(2, 3)``), and two late answers drop a prefill that serves. The
+        agent's loop (in tests, the whole stack's on a busy 2-core machine) once stalled that
+        long, and an open gate on it looked like a dead prefill."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=loop.run_forever, name=f"bootstrap-gate-{self.port}", daemon=True
+        )
+        thread.start()
+        self._loop, self._thread = loop, thread
+        try:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._serve(), loop))
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._loop = self._thread = None
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._shutdown(), loop))
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, 5.0)
+        if not thread.is_alive():
+            loop.close()
+
+    async def _serve(self) -> None:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=10), auto_decompress=False
         )
@@ -124,17 +160,12 @@ class BootstrapGate:
         app.router.add_route("*", "/{tail:.*}", self._forward)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        try:
-            await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
-        except BaseException:
-            await runner.cleanup()
-            await self._session.close()
-            raise
         self._runner = runner
+        await web.TCPSite(runner, self.host, self.port, reuse_address=True).start()
         if self.port == 0:
             self.port = int(runner.addresses[0][1])
 
-    async def stop(self) -> None:
+    async def _shutdown(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -143,8 +174,12 @@ class BootstrapGate:
             self._session = None
 
     async def _forward(self, request: web.Request) -> web.Response:
-        if request.path == "/health" and not self.is_open:
-            return web.Response(status=503, text="not serving as prefill")
+        if request.path == "/health":
+            # Answered here: the agent closes the gate whenever the engine is not running
+            # as prefill (an exit included), which is all a decode's heartbeat asks.
+            if not self.is_open:
+                return web.Response(status=503, text="not serving as prefill")
+            return web.Response(text="OK")
         assert self._session is not None
         body = await request.read()
         headers = {"Content-Type": request.content_type} if body else {}

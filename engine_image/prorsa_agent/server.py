@@ -295,6 +295,8 @@ class Agent:
             self.gate.close()  # a fresh engine, in its launch role decode
 
     def _engine_exited(self, code: int | None, ran: float) -> None:
+        if self.gate is not None:
+            self.gate.close()  # no prefill behind it until a flip says so again
         self.metrics.restarts.inc()
         self.health.down(f"engine exited with {code} after {ran:.1f}s; restarting")
         self.metrics.engine_healthy.set(0)

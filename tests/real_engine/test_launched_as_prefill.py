@@ -87,7 +87,13 @@ async def _flip(client: httpx.AsyncClient, pod: SglangPod, role: str) -> None:
     body: dict[str, object] = {"new_role": role}
     if role == "decode":
         body["decode_cuda_graph_memory_gb"] = 0
-    reply = await client.post(f"{pod.engine_url}/pd_role_switch", json=body, headers=ADMIN)
+    for _ in range(20):
+        reply = await client.post(f"{pod.engine_url}/pd_role_switch", json=body, headers=ADMIN)
+        # The agent's health probe (a one-token generation every 5 s) may be running: SGLang
+        # refuses a flip of a busy engine, untouched; ask again, as the agent itself does.
+        if reply.status_code != 400 or "not idle" not in reply.text:
+            break
+        await asyncio.sleep(0.5)
     assert reply.status_code == 200 and reply.json()["success"], reply.text
 
 
