@@ -290,7 +290,10 @@ async def test_a_switch_to_the_same_role(engine: Engine, client):
 
 
 async def test_busy_refusal_then_abort_with_partial_output(engine: Engine, client):
-    tasks = engine.busy()
+    # Long enough to be running when the abort lands: 300 tokens once finished first on an
+    # idle CPU engine (one request decodes at 300 tokens/s there).
+    tokens = 1200
+    tasks = engine.busy(tokens)
     await _until_running(client, engine)
     started = time.monotonic()
     reply = await client.post(
@@ -319,7 +322,7 @@ async def test_busy_refusal_then_abort_with_partial_output(engine: Engine, clien
     assert all(o["meta_info"]["finish_reason"]["type"] in ("abort", "length") for o in outs)
     # The generation on this engine (smg sent one to each decode engine) was cut.
     (out,) = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
-    assert 0 < len(out["output_ids"]) < 300
+    assert 0 < len(out["output_ids"]) < tokens
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"])
     if engine.real:
         TIMINGS.add("not_idle_refusal", refused)
