@@ -28,7 +28,7 @@ from prorsa_lab.sim.costmodel import ModelProfile, load_profile
 from prorsa_lab.sim.engine import DECODE, SimCluster
 from prorsa_lab.sim.loop import Loop, SimulationError
 from prorsa_lab.sim.trainer import OVER_DISPATCH, PrefillEvents, Trainer
-from prorsa_lab.sim.workloads import TaskProfile, get_task
+from prorsa_lab.sim.workloads import TaskProfile, TrajectoryScript, get_task
 
 # Mean trajectory duration used only to size fixed-rate injection (Little's law), paper §5.4:
 # coding 846 s, general agent 216 s; math from this simulator's own profile (~10k tokens).
@@ -114,6 +114,11 @@ class Scenario:
 
     def task_profile(self) -> TaskProfile:
         return get_task(self.task)
+
+    def scripts(self) -> tuple[TrajectoryScript, ...] | None:
+        """Trajectories to replay instead of the task profile's draws (``prorsa replay``'s
+        scenario overrides this; the benchmark's draws them)."""
+        return None
 
     def fixed_rate(self) -> float:
         """Little's law: the rate that keeps ``max_concurrent`` trajectories in flight."""
@@ -250,6 +255,7 @@ class Simulation:
             weight_update_events=scenario.weight_update_events,
             prefill_events=scenario.prefill_events,
             weight_update_seconds=scenario.update_seconds(),
+            scripts=scenario.scripts(),
         )
 
     def record_prediction(self, now: float, *, prefill: float, decode: float) -> None:
@@ -337,6 +343,10 @@ class Simulation:
             wape_prefill=err_p / act_p if act_p > 0 else None,
             wape_decode=err_d / act_d if act_d > 0 else None,
         )
+        if self.trainer.scripts is not None:  # a replay: what its verdict reads
+            result.extra["completedAt"] = list(stats.completed_at)
+            result.extra["cut"] = stats.cut
+            result.extra["ranOut"] = stats.ran_out
         if self._kv_samples:
             n = len(self._kv_samples)
             result.decode_kv_utilisation = sum(u for u, _q in self._kv_samples) / n

@@ -36,7 +36,8 @@ Rollout modes:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -98,6 +99,11 @@ class TrainerStats:
     events: int = 0
     steps: list[float] = field(default_factory=list)  # time each training step completed
     outputs: list[tuple[float, int]] = field(default_factory=list)  # decode done (t, tokens)
+    completed_at: list[float] = field(default_factory=list)  # reward_finished times
+    cut: int = 0  # replayed trajectories that stopped where their recording ended
+    # A replay that stopped before its last step: every trajectory still live had reached
+    # the end of its recording and nothing more could be dispatched.
+    ran_out: bool = False
 
 
 class Trainer:
@@ -121,7 +127,11 @@ class Trainer:
         weight_update_events: bool = True,
         prefill_events: PrefillEvents = "full",
         weight_update_seconds: float = 0.0,
+        scripts: Sequence[TrajectoryScript] | None = None,
     ) -> None:
+        """``scripts``: replay these trajectories (``prorsa replay``), in dispatch order and
+        grouped by their ``group`` (consecutive, numbered from 0), instead of drawing them
+        from ``task``; dispatching stops when they run out."""
         if prefill_events not in PREFILL_EVENTS:
             raise ValueError(f"unknown prefill events {prefill_events!r}: one of {PREFILL_EVENTS}")
         if staleness < 0 or steps < 1:
@@ -148,6 +158,8 @@ class Trainer:
         if weight_update_seconds < 0:
             raise ValueError("weight_update_seconds must be >= 0")
         self.weight_update_seconds = weight_update_seconds
+        self.scripts = tuple(scripts) if scripts is not None else None
+        self._group_sizes = Counter(x.group for x in self.scripts or ())
         # Requests sent while the engines load new weights: the client is paused and sends
         # them when the update ends (AReaL's pause()/resume(); None when not paused).
         self._held: list[Request] | None = None
@@ -204,6 +216,8 @@ class Trainer:
     # -- dispatch ----------------------------------------------------------------------------
 
     def _allowed(self, n: int = 1) -> bool:
+        if self.scripts is not None and self.next_index + n > len(self.scripts):
+            return False
         if self.on_policy:
             return True
         if len(self.live) + n > self.max_concurrent:
@@ -213,11 +227,14 @@ class Trainer:
     def _new_group(self) -> Group:
         gid = self.next_group
         self.next_group += 1
-        return Group(gid=gid, name=f"g{gid}", size=self.task.group_size)
+        size = self._group_sizes.get(gid, 0) if self.scripts is not None else 0
+        return Group(gid=gid, name=f"g{gid}", size=size or self.task.group_size)
 
     def _dispatch_step(self) -> None:
         self.step_groups = []
         for _ in range(self.groups_per_step):
+            if not self._allowed():  # a replay's trajectories ran out
+                break
             self.step_groups.append(self._dispatch_group())
 
     def _dispatch_group(self) -> Group:
@@ -243,6 +260,8 @@ class Trainer:
         return self._script(self.next_index, group).prompt
 
     def _script(self, index: int, group: int) -> TrajectoryScript:
+        if self.scripts is not None:
+            return self.scripts[index]
         return self.task.script(
             seed=self.seed, index=index, group=group, max_context=self.max_context
         )
@@ -271,7 +290,11 @@ class Trainer:
             task=self.task.name,
             prompt_tokens=script.prompt,
         )
-        if self.pool > 0:
+        if script.sandbox is not None:  # replayed: as recorded
+            mode = script.sandbox
+            delay = script.prewarm_seconds if mode == "prewarm" else script.cold_seconds
+            self.stats.cold_starts += mode == "cold"
+        elif self.pool > 0:
             self.pool -= 1
             mode, delay = "prewarm", script.prewarm_seconds
             self.loop.after(self.task.cold.draw(self._pool_rng), self._refill_pool)
@@ -289,6 +312,9 @@ class Trainer:
 
     def _sandbox_ready(self, t: Trajectory) -> None:
         if t.finished:
+            return
+        if not t.script.turns:  # replayed: its recording ends in the sandbox start
+            self._stop(t)
             return
         self._queue(t)
 
@@ -373,18 +399,28 @@ class Trainer:
         t.req = None
         t.context = req.prompt + out
         t.produced = 0
+        stop = t.script.stop if t.turn == len(t.script.turns) - 1 else None
+        if stop == "decode":  # replayed: its recording ends in this generation
+            self._stop(t)
+            return
         self._emit(
             ev.DecodeFinished, t, type="decode_finished", output_tokens=out, finish=turn.finish
         )
         if turn.finish == "tool":
             t.state = "tool"
             self._emit(ev.ToolStarted, t, type="tool_started", tool=turn.tool)
+            if stop == "tool":
+                self._stop(t)
+                return
             nxt = t.context + turn.result_tokens + TEMPLATE_TOKENS
             t.next_arrival = (now + turn.tool_seconds, nxt)
             self.loop.after(turn.tool_seconds, self._tool_done, t, t.turn)
         else:
             t.state = "reward"
             self._emit(ev.RewardStarted, t, type="reward_started")
+            if stop == "reward":
+                self._stop(t)
+                return
             t.reward_end = now + t.script.reward_seconds
             self.loop.after(t.script.reward_seconds, self._reward_done, t)
 
@@ -404,6 +440,7 @@ class Trainer:
         self._emit(ev.RewardFinished, t, type="reward_finished", accepted=accepted)
         now = self.loop.now
         self.stats.completions.append(now - t.dispatched_at)
+        self.stats.completed_at.append(now)
         self._retire(t)
         if accepted:
             t.group.accepted += 1
@@ -416,6 +453,33 @@ class Trainer:
             and self._allowed()
         ):
             self._dispatch_member()
+        self._check_ran_out()
+
+    def _stop(self, t: Trajectory) -> None:
+        """A replayed trajectory reached the end of its recording: dropped there if it was
+        dropped in the recording, else it stays as it is (cut by the recording's end)."""
+        t.req = None
+        t.next_arrival = None
+        t.reward_end = None
+        if t.script.drop_reason is not None:
+            self._drop(t, t.script.drop_reason)
+        else:
+            t.state = "cut"
+            self.stats.cut += 1
+        self._check_ran_out()
+
+    def _check_ran_out(self) -> None:
+        """End a replay that cannot go on: every live trajectory is cut and nothing can be
+        dispatched (only a fixed-rate injector dispatches without an event to wake it)."""
+        if self.scripts is None or self.finished_at is not None:
+            return
+        if any(t.state != "cut" for t in self.live.values()):
+            return
+        if self.injection == "fixedRate" and not self.on_policy and self._allowed():
+            return
+        self.finished_at = self.loop.now
+        self.stats.ran_out = True
+        self.loop.stop()
 
     def _retire(self, t: Trajectory) -> None:
         t.finished = True
@@ -497,6 +561,7 @@ class Trainer:
             self._top_up()
         else:
             self._top_up()
+        self._check_ran_out()
 
     @property
     def held(self) -> tuple[Request, ...]:

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Finish = Literal["tool", "stop", "length"]
+# Where a replayed trajectory's recording stops before its reward ended (prorsa replay):
+# during its sandbox start, in a generation, in a tool call, or in its reward.
+StopPhase = Literal["sandbox", "decode", "tool", "reward"]
 
 # Chat-template tokens around each appended message (role markers, tool-call wrapper);
 # a few tens in Qwen3 / DeepSeek chat templates.
@@ -73,6 +76,14 @@ class TrajectoryScript:
     cold_seconds: float  # ... on a cold start
     reward_seconds: float
     accepted: bool  # passes training admission (only if it did not hit the length cap)
+    # Replayed from a recording (prorsa replay): the sandbox mode it recorded (used instead
+    # of the prewarm pool), and where its recording stops when it never finished: the
+    # trajectory then goes no further (cut by the end of the recording), or is dropped
+    # there when ``drop_reason`` is set (it was dropped in the recording). Generated
+    # scripts leave all three unset.
+    sandbox: Literal["prewarm", "cold"] | None = None
+    stop: StopPhase | None = None
+    drop_reason: str | None = None
 
     def context_after(self, turn: int) -> int:
         """Prompt of request ``turn + 1``: everything so far plus the tool result."""
