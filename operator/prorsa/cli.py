@@ -23,12 +23,13 @@ COMMANDS: dict[str, str] = {
     "plan": "plan",
     "profile": "profile",
     "record": "record",
+    "replay": "replay",
 }
 
 # Subcommands that run the lab (package prorsa_lab, tools/ in the repository): the
 # simulator, the benchmarks, the demo and the test doubles. The operator and engine images
 # leave the lab out, so these commands load it only when they run.
-LAB_COMMANDS = frozenset({"bench", "demo", "engine-double"})
+LAB_COMMANDS = frozenset({"bench", "demo", "engine-double", "replay"})
 LAB_NEEDED = "needs the Prorsa lab (package prorsa_lab, tools/ in the repository)"
 LAB_MISSING = (
     f"{LAB_NEEDED}, which is not installed here; install a clone of the repository "
