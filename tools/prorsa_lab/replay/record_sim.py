@@ -6,8 +6,8 @@ them as the NDJSON ``prorsa record`` writes, next to the RolloutCluster manifest
 operator would run that scenario with (its ``capacity.*`` as the benchmark profiles it).
 The committed test recording (tests/data/replay/) was made with it:
 
-    python -m prorsa_lab.replay.record_sim --model qwen3-dp8 --task general \\
-        --staleness 2 --groups 2 --steps 3 --prefill 3 --out tests/data/replay/general
+    python -m prorsa_lab.replay.record_sim --model deepseek-v3-dp8 --task math \\
+        --staleness 2 --groups 3 --steps 3 --prefill 3 --out tests/data/replay/deepseek-math
 """
 
 from __future__ import annotations
