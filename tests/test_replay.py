@@ -182,8 +182,14 @@ def test_error_not_ndjson(tmp_path: Path) -> None:
 def test_error_decode_without_request(tmp_path: Path) -> None:
     events = [
         {"id": "t1#1", "ts": 0, "trajectory": "t1", "type": "sample_dispatched", "group": "g"},
-        {"id": "t1#2", "ts": 1, "trajectory": "t1", "type": "decode_finished",
-         "output_tokens": 5, "finish": "stop"},
+        {
+            "id": "t1#2",
+            "ts": 1,
+            "trajectory": "t1",
+            "type": "decode_finished",
+            "output_tokens": 5,
+            "finish": "stop",
+        },
     ]
     message = _error(tmp_path, "".join(json.dumps(e) + "\n" for e in events))
     assert "trajectory t1" in message and "decode_finished without its request_queued" in message
@@ -193,8 +199,14 @@ def test_error_decode_without_request(tmp_path: Path) -> None:
 def test_error_reward_without_decode(tmp_path: Path) -> None:
     events = [
         {"id": "t2#1", "ts": 0, "trajectory": "t2", "type": "sample_dispatched"},
-        {"id": "t2#2", "ts": 1, "trajectory": "t2", "type": "request_queued",
-         "prompt_tokens": 100, "turn": 0},
+        {
+            "id": "t2#2",
+            "ts": 1,
+            "trajectory": "t2",
+            "type": "request_queued",
+            "prompt_tokens": 100,
+            "turn": 0,
+        },
         {"id": "t2#3", "ts": 2, "trajectory": "t2", "type": "reward_finished", "accepted": True},
     ]
     message = _error(tmp_path, "".join(json.dumps(e) + "\n" for e in events))
@@ -203,8 +215,14 @@ def test_error_reward_without_decode(tmp_path: Path) -> None:
 
 def test_error_trajectory_without_dispatch(tmp_path: Path) -> None:
     events = [
-        {"id": "t3#1", "ts": 0, "trajectory": "t3", "type": "request_queued",
-         "prompt_tokens": 100, "turn": 0},
+        {
+            "id": "t3#1",
+            "ts": 0,
+            "trajectory": "t3",
+            "type": "request_queued",
+            "prompt_tokens": 100,
+            "turn": 0,
+        },
     ]
     message = _error(tmp_path, "".join(json.dumps(e) + "\n" for e in events))
     assert "trajectory t3" in message and "before its sample_dispatched" in message
@@ -235,8 +253,14 @@ def test_cli_error_exit_code(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 def test_recording_error_names_every_trajectory(tmp_path: Path) -> None:
     events = [
-        {"id": "a#1", "ts": 0, "trajectory": "a", "type": "request_queued",
-         "prompt_tokens": 1, "turn": 0},
+        {
+            "id": "a#1",
+            "ts": 0,
+            "trajectory": "a",
+            "type": "request_queued",
+            "prompt_tokens": 1,
+            "turn": 0,
+        },
         {"id": "b#1", "ts": 0, "trajectory": "b", "type": "tool_started"},
     ]
     path = tmp_path / "two.ndjson"

@@ -120,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_png(report, args.png)
         except ImportError:
-            print("prorsa replay: error: --png needs matplotlib (pip install -e '.[bench]')",
-                  file=sys.stderr)
+            print(
+                "prorsa replay: error: --png needs matplotlib (pip install -e '.[bench]')",
+                file=sys.stderr,
+            )
             return 2
     if args.json:
         doc = report.as_json()

@@ -77,9 +77,7 @@ class ReplayReport:
         common = self.common_count()
         return {
             "rows": self.rows(),
-            "bestStatic": None
-            if n_p is None
-            else {"prefill": n_p, "decode": self.instances - n_p},
+            "bestStatic": None if n_p is None else {"prefill": n_p, "decode": self.instances - n_p},
             "advice": self.advice,
             "commonCount": common,
             "timeToCommonCount": {

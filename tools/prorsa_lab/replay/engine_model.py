@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from prorsa.core.capacity_profile import GROWTH_RESERVE_TOKENS
 from prorsa.core.engine_flags import flag_values
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa_lab.sim.costmodel import ModelProfile, Table2D, load_profile
 from prorsa_lab.replay.recording import DecodeSample, Recording
+from prorsa_lab.sim.costmodel import ModelProfile, Table2D, load_profile
 
 KNEE_CONTEXT = 8192  # prorsa profile --decode-context default: the knee's request length
 # SGLang's --chunked-prefill-size on an H200 when the engine args leave it out (SGLang
@@ -86,8 +86,10 @@ def from_capacity(
     chunk = max(1, chunk // ranks)
     knee_rank = max(1.0, cap.decode_concurrency / ranks)
     pool = cap.decode_kv_tokens + cap.decode_concurrency * GROWTH_RESERVE_TOKENS
-    max_context = max((s.context_after(len(s.turns) - 1) for s in recording.scripts if s.turns),
-                      default=KNEE_CONTEXT)
+    max_context = max(
+        (s.context_after(len(s.turns) - 1) for s in recording.scripts if s.turns),
+        default=KNEE_CONTEXT,
+    )
     c0 = ranks / cap.prefill_tokens_per_second  # seconds per token on one rank
     doubling = cap.prefill_cost_doubling_tokens
     prefixes = (0.0, float(max(max_context, 2 * KNEE_CONTEXT)))
@@ -178,7 +180,7 @@ def lone_step(
         span = s.end - s.start
         if span <= 0:
             continue
-        mean = (area[bisect.bisect_left(edges, s.end)] - area[bisect.bisect_left(edges, s.start)])
+        mean = area[bisect.bisect_left(edges, s.end)] - area[bisect.bisect_left(edges, s.start)]
         batch = max(1.0, mean / span / decode_ranks)
         factor = 1 + batch * s.context / (knee_rank * KNEE_CONTEXT)
         values.append(span / s.tokens / factor)

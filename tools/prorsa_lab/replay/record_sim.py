@@ -39,7 +39,8 @@ def manifest(scenario: Scenario, *, name: str) -> str:
         "metadata": {"name": name, "namespace": "default"},
         "spec": spec,
     }
-    return yaml.safe_dump(doc, sort_keys=False)
+    text: str = yaml.safe_dump(doc, sort_keys=False)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from prorsa_contract import events as ev
 from prorsa_lab.sim.trainer import INJECTIONS
-from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, Finish, StopPhase, Turn, TrajectoryScript
+from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, Finish, StopPhase, TrajectoryScript, Turn
 
 # A dispatch this soon after an accepted reward is that reward's replacement (the SDK sends
 # both from the trainer's loop; the simulator's trainer sends them at the same instant).
@@ -75,9 +77,10 @@ class Dispatch:
 
     def describe(self) -> str:
         mode = "on-policy" if self.staleness == 0 else f"asynchronous, staleness {self.staleness}"
+        groups = f"{self.groups_per_step} group" + ("s" if self.groups_per_step != 1 else "")
         parts = [
             mode,
-            f"batch {self.batch} ({self.groups_per_step} groups of {self.group_size})",
+            f"batch {self.batch} ({groups} of {self.group_size})",
             f"{self.steps} steps",
         ]
         if self.staleness:
@@ -232,8 +235,12 @@ def rebuild_events(
         elif t.dispatched is None:
             if t.first_line == line:
                 problems.append(
-                    _fail(t.tid, f"{e.type} before its sample_dispatched: the recording "
-                          "must start before its trajectories do", line)
+                    _fail(
+                        t.tid,
+                        f"{e.type} before its sample_dispatched: the recording "
+                        "must start before its trajectories do",
+                        line,
+                    )
                 )
             continue
         elif isinstance(e, ev.SandboxStarted):
@@ -241,8 +248,14 @@ def rebuild_events(
         elif isinstance(e, ev.RequestQueued):
             if t.open_turn is None or e.turn != t.open_turn:
                 if t.open is not None:
-                    problems.append(_fail(t.tid, "request_queued for a new turn while "
-                                          "the last request has no decode_finished", line))
+                    problems.append(
+                        _fail(
+                            t.tid,
+                            "request_queued for a new turn while "
+                            "the last request has no decode_finished",
+                            line,
+                        )
+                    )
                     continue
                 t.open_turn = e.turn
                 t.produced = 0
@@ -329,9 +342,7 @@ def rebuild_events(
     )
     # Renumber groups 0.. in script order (the trainer opens them in that order).
     renumber: dict[int, int] = {}
-    scripts = tuple(
-        _with_group(s, renumber.setdefault(s.group, len(renumber))) for s in scripts
-    )
+    scripts = tuple(_with_group(s, renumber.setdefault(s.group, len(renumber))) for s in scripts)
     dispatch, inferred = _infer(
         dispatched,
         scripts,
@@ -357,8 +368,6 @@ def rebuild_events(
 
 
 def _with_group(s: TrajectoryScript, group: int) -> TrajectoryScript:
-    from dataclasses import replace
-
     return replace(s, group=group)
 
 
@@ -396,7 +405,7 @@ def _script(t: _Traj, *, index: int, group: int, start: float) -> TrajectoryScri
             )
         )
     sandbox = (t.queued[0] if t.queued else t.dispatched) - t.dispatched
-    mode = "prewarm" if t.mode == "prewarm" else "cold"
+    mode: Literal["prewarm", "cold"] = "prewarm" if t.mode == "prewarm" else "cold"
     return TrajectoryScript(
         task="replay",
         index=index,
@@ -478,7 +487,7 @@ def _infer(
     batch = group_size * groups_per_step
     count = 0
     seen = 0
-    for ts, kind, _tid in timeline:
+    for _ts, kind, _tid in timeline:
         if kind == "update":
             seen += 1
         elif kind == "dispatch":
@@ -542,8 +551,6 @@ def _infer(
 
 
 def _follows(accepted_at: list[float], ts: float) -> bool:
-    from bisect import bisect_right
-
     i = bisect_right(accepted_at, ts)
     return i > 0 and ts - accepted_at[i - 1] <= REPLACE_WINDOW_SECONDS
 
@@ -558,9 +565,10 @@ def _whole_groups(
         g = group_of[tid]
         at.setdefault(g, set()).add(round(ts, 6))
         count[g] += 1
-    return all(len(v) == 1 and count[g] == sizes[g] for g, v in at.items()) and sizes[
-        group_of[mid[0][1]]
-    ] > 1
+    return (
+        all(len(v) == 1 and count[g] == sizes[g] for g, v in at.items())
+        and sizes[group_of[mid[0][1]]] > 1
+    )
 
 
 def _update_seconds(updates: list[tuple[int, float, float | None]]) -> float:

@@ -40,7 +40,7 @@ class PolicyRun:
             dropped=int(r["dropped"]),
             cut=int(extra.get("cut", 0)),
             ran_out=bool(extra.get("ranOut", False)),
-            timeline=tuple(tuple(x) for x in r.get("timeline") or ()),  # type: ignore[misc]
+            timeline=tuple(tuple(x) for x in r.get("timeline") or ()),
         )
 
     def time_to_count(self, n: int) -> float | None:
