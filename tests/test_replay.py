@@ -103,6 +103,11 @@ def test_flags_override_the_inferred_dispatch() -> None:
     assert on_policy.makespan("static-2P") > inferred.makespan("static-2P")
 
 
+def test_fixed_rate_without_a_rate_is_refused() -> None:
+    with pytest.raises(ReplayError, match="fixedRate injection needs a rate"):
+        replay_recording(events=EVENTS, cluster=CLUSTER, injection="fixedRate", reference=False)
+
+
 def test_time_to_common_count() -> None:
     report = replay_recording(events=EVENTS, cluster=CLUSTER, static=[1, 4], reference=False)
     n = report.common_count()

@@ -24,6 +24,7 @@ from prorsa_lab.replay.recording import Dispatch, Recording, RecordingError, reb
 from prorsa_lab.replay.scenario import ReplayScenario, manifest_json
 from prorsa_lab.replay.verdict import PolicyRun
 from prorsa_lab.sim.runner import GridConfig, Job, run_jobs
+from prorsa_lab.sim.trainer import INJECTIONS
 
 
 class ReplayError(ValueError):
@@ -185,6 +186,15 @@ def replay_recording(
         d = replace(d, max_concurrent=max_concurrent)
     if steps is not None:
         d = replace(d, steps=steps)
+    if d.injection not in INJECTIONS:
+        raise ReplayError(f"unknown injection {d.injection!r}: one of {', '.join(INJECTIONS)}")
+    if d.staleness > 0 and d.injection == "fixedRate" and d.rate_per_second <= 0:
+        raise ReplayError(
+            "fixedRate injection needs a rate, and the recording shows no mid-step "
+            "dispatches to measure one from"
+        )
+    if d.staleness < 0:
+        raise ReplayError(f"staleness {d.staleness}: must be >= 0")
     if d.staleness > 0 and d.max_concurrent is None:
         d = replace(d, max_concurrent=2 * d.batch)
     n = spec.instances
