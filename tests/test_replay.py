@@ -165,10 +165,45 @@ def test_cut_recording_is_replayed_as_far_as_it_went(tmp_path: Path) -> None:
     stopped = [s for s in rec.scripts if s.stop is not None]
     assert len(stopped) == rec.cut
     report = replay_recording(events=cut, cluster=CLUSTER, static=[3], reference=False)
+    # No weight update in the excerpt: one step of every group, so every trajectory of it
+    # is replayed, and the replay ends when the last one reaches the recording's end.
+    assert rec.dispatch.steps == 1
+    assert rec.dispatch.groups_per_step == len({s.group for s in rec.scripts})
+    assert rec.dispatch.staleness >= 1  # it refilled slots inside the step
     run = report.runs["static-3P"]
     assert math.isfinite(run.makespan)
-    assert run.cut > 0
-    assert len(run.completed_at) <= len(rec.scripts) - rec.cut
+    assert run.ran_out
+    assert run.cut == rec.cut
+    assert len(run.completed_at) + run.cut == len(rec.scripts)
+
+
+def test_recorded_drop_is_replayed_as_a_drop(tmp_path: Path) -> None:
+    """A trajectory dropped in the recording (here: in its first tool call) is dropped at
+    the same point of the replay, on every policy."""
+    events = [json.loads(line) for line in EVENTS.read_text().splitlines()]
+    victim = next(e["trajectory"] for e in events if e["type"] == "tool_started")
+    kept, dropped = [], False
+    for e in events:
+        if e.get("trajectory") != victim or not dropped:
+            kept.append(e)
+        if e.get("trajectory") == victim and e["type"] == "tool_started" and not dropped:
+            dropped = True
+            kept.append(
+                {
+                    "id": f"{victim}#drop",
+                    "ts": e["ts"] + 0.5,
+                    "trajectory": victim,
+                    "type": "trajectory_dropped",
+                    "reason": "sandbox-error",
+                }
+            )
+    path = tmp_path / "drop.ndjson"
+    path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+    rec = rebuild(path)
+    script = next(s for s in rec.scripts if s.drop_reason is not None)
+    assert (script.stop, script.drop_reason, rec.dropped) == ("tool", "sandbox-error", 1)
+    report = replay_recording(events=path, cluster=CLUSTER, static=[3], reference=False)
+    assert all(run.dropped >= 1 for run in report.runs.values())
 
 
 def _error(tmp_path: Path, events: str, cluster: Path = CLUSTER) -> str:

@@ -439,9 +439,19 @@ def _infer(
     notes.append(f"{steps} steps: {len(updates)} weight updates recorded, then the last step")
     by_tid = {t.tid: t for t in trajs}
     group_of = {s_t.tid: s.group for s_t, s in zip(trajs, scripts, strict=True)}
-    spans = any(
+    # Dispatches inside a step (not at the start or at a weight update): an on-policy
+    # trainer dispatches a whole step at once, an asynchronous one refills as it goes.
+    update_times = {round(ts, 6) for _v, ts, _s in updates}
+    t0 = min(t.dispatched for t in trajs if t.dispatched is not None)
+    mid = [
+        (ts, tid)
+        for ts, kind, tid in timeline
+        if kind == "dispatch" and ts > t0 and round(ts, 6) not in update_times
+    ]
+    outlived = any(
         t.terminal_version is not None and t.terminal_version > t.version for t in trajs
     ) or any(t.terminal_version is None and t.version < len(updates) for t in trajs)
+    spans = outlived or bool(mid)
     # Groups complete at the first update (or by the end): a step's worth.
     first_update = updates[0][1] if updates else math.inf
     members: dict[int, list[_Traj]] = {}
@@ -455,12 +465,20 @@ def _infer(
             return False
         return not spans or any(m.accepted for m in ms)
 
-    complete = [g for g in members if complete_by(first_update, g)]
-    groups_per_step = max(1, len(complete))
-    when = "at the first weight update" if updates else "by the end of the recording"
-    notes.append(f"{groups_per_step} groups per step: groups complete {when}")
+    if updates:
+        complete = [g for g in members if complete_by(first_update, g)]
+        groups_per_step = max(1, len(complete))
+        notes.append(
+            f"{groups_per_step} groups per step: groups complete at the first weight update"
+        )
+    else:
+        groups_per_step = len(members)
+        notes.append(
+            f"{groups_per_step} groups per step: no weight update recorded, so one step of "
+            "every group (the replay ends when the recorded trajectories do)"
+        )
     if not spans:
-        notes.append("on-policy: no trajectory outlived a weight update")
+        notes.append("on-policy: every dispatch at a step's start, none outlived an update")
         dispatch = Dispatch(
             group_size=group_size,
             groups_per_step=groups_per_step,
@@ -493,10 +511,12 @@ def _infer(
         elif kind == "dispatch":
             count += 1
             staleness = max(staleness, math.ceil(count / batch) - seen - 1)
-    notes.append(
-        f"staleness {staleness}: the most weight versions a trajectory lived through "
-        "(at least; a longer recording can show more)"
+    why = (
+        "the most weight versions a trajectory lived through"
+        if outlived
+        else "trajectories dispatched inside a step"
     )
+    notes.append(f"staleness {staleness}: {why} (at least; a longer recording can show more)")
     live = peak = 0
     for _ts, kind, _tid in timeline:
         if kind == "dispatch":
@@ -505,13 +525,6 @@ def _infer(
         elif kind in ("accepted", "rejected", "dropped"):
             live -= 1
     notes.append(f"at most {peak} in flight: the most live trajectories recorded")
-    update_times = {round(ts, 6) for _v, ts, _s in updates}
-    t0 = min(t.dispatched for t in trajs if t.dispatched is not None)
-    mid = [
-        (ts, tid)
-        for ts, kind, tid in timeline
-        if kind == "dispatch" and ts > t0 and round(ts, 6) not in update_times
-    ]
     accepted_at = sorted(ts for ts, kind, _ in timeline if kind == "accepted")
     injection, rate = "replaceOnReward", 0.0
     if mid:
