@@ -156,6 +156,28 @@ def test_capacity_engine_model_is_sourced() -> None:
     assert report.makespan("static-3P") == pytest.approx(recorded, rel=0.15)
 
 
+def test_lone_decode_step_without_prefill_events(tmp_path: Path) -> None:
+    """A blocking client behind a PD router sends no prefill events (verl and AReaL today):
+    the lone decode step is then timed from request_queued less the modelled prefill."""
+    scenario = Scenario(
+        model="qwen3-dp8",
+        task="math",
+        staleness=2,
+        steps=2,
+        groups_per_step=2,
+        prefill_events="none",
+    )
+    lines, result = record(scenario, prefill=3)
+    assert not any('"prefill_finished"' in line for line in lines)
+    events, cluster = tmp_path / "rec.ndjson", tmp_path / "rc.yaml"
+    events.write_text("".join(line + "\n" for line in lines))
+    cluster.write_text(manifest(scenario, name="none"))
+    report = replay_recording(events=events, cluster=cluster, static=[3], reference=False)
+    assert report.dispatch.prefill_events == "none"
+    assert any("timed from request_queued" in source for source in report.engine.sources)
+    assert report.makespan("static-3P") == pytest.approx(result.makespan, rel=0.15)
+
+
 def test_cut_recording_is_replayed_as_far_as_it_went(tmp_path: Path) -> None:
     lines = EVENTS.read_text().splitlines()
     cut = tmp_path / "cut.ndjson"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prorsa.core.capacity_profile import GROWTH_RESERVE_TOKENS
@@ -45,6 +46,14 @@ _NEW = (1, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 class EngineModelError(ValueError):
     """The manifest cannot give an engine model (a capacity field is missing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    start: float
+    end: float
+    tokens: int
+    context: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,16 +122,26 @@ def from_capacity(
         decode_instances = spec.instances - recording.prefill_instances
         if recording.prefill_instances == 0 or decode_instances < 1:
             decode_instances = max(1, spec.instances // 2)
-        s0, n = lone_step(recording.decode_samples, decode_instances * ranks, knee_rank)
+        s0, n, queued = lone_step(
+            recording.decode_samples,
+            decode_instances * ranks,
+            knee_rank,
+            prefill_seconds=lambda new, prefix: prefill_ms(new, prefix) * 1e-3,
+        )
         if n == 0:
             raise EngineModelError(
-                f"{source}: the recording shows no generation's prefill end (no "
-                "prefill_finished events), so the lone decode step cannot be measured: "
-                "pass --decode-step-ms or --model NAME"
+                f"{source}: the recording shows no generation of 16 tokens or more to "
+                "measure the lone decode step from: pass --decode-step-ms or --model NAME"
             )
+        how = (
+            f" ({queued} timed from request_queued less the modelled prefill: no "
+            "prefill_finished for them)"
+            if queued
+            else ""
+        )
         sources.append(
             f"decode: lone step {s0 * 1e3:.2f} ms, the median over {n} recorded generations "
-            f"over {decode_instances} decode instance(s)"
+            f"over {decode_instances} decode instance(s){how}"
         )
     sources.append(
         f"decode: knee {cap.decode_concurrency} requests per instance at {KNEE_CONTEXT} tokens"
@@ -157,13 +176,29 @@ def from_capacity(
 
 
 def lone_step(
-    samples: tuple[DecodeSample, ...], decode_ranks: int, knee_rank: float
-) -> tuple[float, int]:
+    recorded: tuple[DecodeSample, ...],
+    decode_ranks: int,
+    knee_rank: float,
+    *,
+    prefill_seconds: Callable[[float, float], float],
+) -> tuple[float, int, int]:
     """s₀ from recorded generations: each one's seconds per token over the model's factor
     (1 + b·c/(K_r·8192)) at its rank batch b (the generations decoding beside it, averaged
-    over its span, over ``decode_ranks``) and context c. Returns (s₀, generations used)."""
+    over its span, over ``decode_ranks``) and context c. A generation decodes from its
+    prefill's end; where the trainer sent none, from its queueing plus the modelled prefill
+    of its uncached tokens (its wait for a prefill engine then counts as decode time).
+    Returns (s₀, generations used, of which timed from their queueing)."""
+    samples: list[_Span] = []
+    from_queue = 0
+    for r in recorded:
+        start = r.prefill_end
+        if start is None:
+            start = r.queued + prefill_seconds(r.new_tokens, r.prefix)
+        if r.end > start:
+            samples.append(_Span(start, r.end, r.tokens, r.context))
+            from_queue += r.prefill_end is None
     if not samples:
-        return 0.0, 0
+        return 0.0, 0, 0
     edges = sorted({s.start for s in samples} | {s.end for s in samples})
     delta = [0] * (len(edges) + 1)
     for s in samples:
@@ -185,5 +220,5 @@ def lone_step(
         factor = 1 + batch * s.context / (knee_rank * KNEE_CONTEXT)
         values.append(span / s.tokens / factor)
     if not values:
-        return 0.0, 0
-    return statistics.median(values), len(values)
+        return 0.0, 0, 0
+    return statistics.median(values), len(values), from_queue

@@ -21,6 +21,7 @@ import yaml
 
 from prorsa_lab.sim.policies import Static
 from prorsa_lab.sim.simulator import Scenario, SimResult, Simulation
+from prorsa_lab.sim.trainer import PREFILL_EVENTS
 
 
 def record(scenario: Scenario, *, prefill: int) -> tuple[list[str], SimResult]:
@@ -53,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--instances", type=int, default=8)
     parser.add_argument("--prefill", type=int, default=3, help="prefill instances recorded on")
+    parser.add_argument(
+        "--prefill-events",
+        choices=PREFILL_EVENTS,
+        default="full",
+        help="which prefill events the trainer sends (default full)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="writes OUT.ndjson, OUT.yaml")
     args = parser.parse_args(argv)
     scenario = Scenario(
@@ -63,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         instances=args.instances,
         groups_per_step=args.groups,
+        prefill_events=args.prefill_events,
     )
     lines, result = record(scenario, prefill=args.prefill)
     args.out.parent.mkdir(parents=True, exist_ok=True)

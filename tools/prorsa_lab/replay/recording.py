@@ -92,12 +92,18 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class DecodeSample:
-    """One generation whose prefill end the recording shows: (start, end, tokens, context)."""
+    """One recorded generation: queued, its prefill's end when the trainer sent it, its
+    decode's end, the tokens it produced, its mean context, and the prompt tokens its
+    prefill computed (those past the trajectory's last context, which a prefix cache holds)
+    on top of that cached prefix."""
 
-    start: float
+    queued: float
+    prefill_end: float | None
     end: float
     tokens: int
     context: float
+    new_tokens: int
+    prefix: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,6 +154,7 @@ def read_events(path: Path) -> tuple[list[ev.Event], list[int]]:
 class _Attempt:
     prompt: int
     queued: float
+    cached: int  # the trajectory's context when it was queued
     prefill_end: float | None = None
 
 
@@ -167,6 +174,7 @@ class _Traj:
     queued: list[float] = field(default_factory=list)  # first request_queued of each turn
     decode_end: list[float] = field(default_factory=list)
     open: _Attempt | None = None  # the request in flight
+    context: int = 0  # prompt + output of its last generation
     open_turn: int | None = None
     produced: int = 0  # tokens of the open turn from aborted attempts
     awaiting_next: bool = False  # last turn ended in a tool call
@@ -262,7 +270,9 @@ def rebuild_events(
                 t.prompts.append(e.prompt_tokens)
                 t.queued.append(e.ts)
                 t.awaiting_next = False
-            t.open = _Attempt(prompt=e.prompt_tokens, queued=e.ts)
+            t.open = _Attempt(
+                prompt=e.prompt_tokens, queued=e.ts, cached=min(t.context, e.prompt_tokens)
+            )
         elif isinstance(e, ev.PrefillStarted | ev.PrefillFinished):
             prefill_started |= isinstance(e, ev.PrefillStarted)
             prefill_finished |= isinstance(e, ev.PrefillFinished)
@@ -275,13 +285,17 @@ def rebuild_events(
                 problems.append(_fail(t.tid, "decode_finished without its request_queued", line))
                 continue
             attempt, t.open = t.open, None
-            if attempt.prefill_end is not None and e.output_tokens >= 16:
+            t.context = attempt.prompt + e.output_tokens
+            if e.output_tokens >= 16:
                 samples.append(
                     DecodeSample(
-                        attempt.prefill_end,
-                        e.ts,
-                        e.output_tokens,
-                        attempt.prompt + e.output_tokens / 2,
+                        queued=attempt.queued,
+                        prefill_end=attempt.prefill_end,
+                        end=e.ts,
+                        tokens=e.output_tokens,
+                        context=attempt.prompt + e.output_tokens / 2,
+                        new_tokens=max(1, attempt.prompt - attempt.cached),
+                        prefix=attempt.cached,
                     )
                 )
             if e.finish == "abort":
