@@ -95,6 +95,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload random seed")
     parser.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="save each run's trainer events (NDJSON) and RolloutCluster to DIR, replay them "
+        "in the simulator and set its prediction beside the measured times (summary's "
+        "`replay`; docs/benchmarks.md, 'How close the simulator is to the engines')",
+    )
+    parser.add_argument(
         "--engine",
         choices=("double", "sglang"),
         default="double",
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             concurrency=args.trajectories,
             nodes_per_instance=args.nodes_per_instance,
             baseline=args.baseline,
+            record=args.record,
         )
     except ValueError as exc:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from prorsa_lab.replay.api import ReplayReport
 
 HELP = "replay a recorded job on every P/D policy in the rollout simulator: does switching pay?"
-INJECTIONS = ("replaceOnReward", "fixedRate", "groupReplenish")
+INJECTIONS = ("replaceOnReward", "fixedRate", "groupReplenish", "replaceOnEnd")
 
 
 def _positive_int(value: str) -> int:
@@ -80,6 +80,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--no-reference", action="store_true", help="leave out the foresight reference"
     )
     parser.add_argument(
+        "--switch-seconds",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="the engine's own role switch, drain and router apart (default 5: the paper's "
+        "figure for SGLang on H200, Appendix C)",
+    )
+    parser.add_argument(
         "--workers",
         type=_positive_int,
         default=os.cpu_count() or 1,
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             static=args.static,
             reference=not args.no_reference,
+            switch_seconds=args.switch_seconds,
             workers=args.workers,
             progress=progress,
         )

@@ -42,6 +42,7 @@ import httpx
 from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_contract.labels import NODE_RANK_LABEL, ROLE_LABEL
+from prorsa_lab.demo import recorded, replay_check
 from prorsa_lab.demo.compare import compare, load_average, parse_split, split_text
 from prorsa_lab.demo.frame import wrap_lines
 from prorsa_lab.demo.monitor import Monitor
@@ -160,6 +161,9 @@ task's prompts and tool results are a tenth of the doubles', its outputs a fifth
 doubles decode in coarse 40 ms steps, so their outputs are half as long as the tokens a
 real engine would decode in the time; times unchanged)."""
 SGLANG_SERVED_NAME = "tiny"
+# The agent's idle flip of the tiny model's engine on this CPU (loads check, flip, verify):
+# 1.1-2.9 s measured (docs/sglang-role-switch.md, "Times"); what the replay takes for it.
+SGLANG_CPU_FLIP_SECONDS = 2.0
 SGLANG_MODEL = EngineModel(
     # The RolloutCluster's profiled figures for the tiny model on one CPU core: the KV pool
     # the engines are launched with, and a prefill speed of the order measured there.
@@ -188,6 +192,9 @@ class DemoOptions:
     baseline: str | None = None
     model: EngineModel = field(default_factory=EngineModel)
     engine: str = "double"  # "sglang": the real SGLang on this CPU (prorsa_lab.sglang_cpu)
+    # Where each run's trainer events (NDJSON, as `prorsa record` writes them) and the
+    # RolloutCluster it ran go, to be replayed in the simulator (None: not recorded).
+    record: Path | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -367,6 +374,9 @@ class DemoSummary:
     prorsa: dict[str, Any] | None = None
     switching_saved_seconds: float | None = None
     switching_saved_ratio: float | None = None
+    # With --record: each run's recording replayed in the simulator beside what it
+    # measured (prorsa_lab.demo.replay_check.summary).
+    replay: dict[str, Any] | None = None
     # This machine while the switching run went: CPUs and the 1-minute load average.
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -415,6 +425,7 @@ class DemoSummary:
             summary_line(self.phase_changes, self.prefill_backlog_at_phase_end),
             phases_line(self.phase_changes),
             *self._baseline_lines(),
+            *replay_check.lines(self.replay),
             f"  machine       {self._machine_text()}",
             f"  timeline      {self.timeline or 'not written'}",
         ]
@@ -680,8 +691,36 @@ async def _with_baseline(
         for s, r in static.items()
     }
     base = fastest.summary
+    replay = None
+    if common and switching.recording is not None and fastest.recording is not None:
+        print(
+            f"prorsa demo: replaying both runs' recordings in the simulator ({options.record})...",
+            file=stream,
+            flush=True,
+        )
+        flip = _flip_seconds(options)
+        checks = await asyncio.gather(
+            asyncio.to_thread(
+                replay_check.check,
+                switching.recording,
+                prefill=None,
+                count=common,
+                measured_seconds=time_to_common(switching),
+                switch_seconds=flip,
+            ),
+            asyncio.to_thread(
+                replay_check.check,
+                fastest.recording,
+                prefill=split[0],
+                count=common,
+                measured_seconds=time_to_common(fastest),
+                switch_seconds=flip,
+            ),
+        )
+        replay = replay_check.summary(switching=checks[0], static=checks[1])
     return replace(
         switching.summary,
+        replay=replay,
         baseline=asdict(result.static)
         | {
             "how": options.baseline or "default",
@@ -698,6 +737,15 @@ async def _with_baseline(
     )
 
 
+def _flip_seconds(options: DemoOptions) -> float:
+    """The engine's own role switch, for the replay: the double's timing model (the flip
+    and the CUDA-graph capture it simulates), or SGLang's on this CPU."""
+    if options.engine == "sglang":
+        return SGLANG_CPU_FLIP_SECONDS
+    m = options.model
+    return m.switch_seconds + m.graph_capture_seconds
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
     """One run of the trainer on a fresh deployment, and what was watched."""
@@ -707,6 +755,7 @@ class Rollout:
     monitor: Monitor
     t0: float  # wall clock of the first dispatch
     seconds: float  # of dispatching
+    recording: recorded.RecordedRun | None = None  # with --record
 
 
 async def _rollout(
@@ -789,6 +838,11 @@ async def _rollout(
                     token=env.server.token,
                 )
             )
+            recording = (
+                None
+                if options.record is None
+                else recorded.prepare(options.record, static=static, manifest=manifest)
+            )
             emitter = await stack_.enter_async_context(
                 AsyncEventEmitter(
                     url=env.webhook,
@@ -796,6 +850,7 @@ async def _rollout(
                     name=CLUSTER,
                     token=env.token,
                     track=True,
+                    record=None if recording is None else recording.events,
                 )
             )
             # The doubles stream incremental chunks (whole-output ones cost O(n²)); SGLang
@@ -896,7 +951,12 @@ async def _rollout(
             f.write(json.dumps(asdict(sample) | {"since_start": round(sample.t - trainer.t0, 2)}))
             f.write("\n")
     return Rollout(
-        summary=summary, trainer=trainer.stats, monitor=monitor, t0=trainer.t0, seconds=seconds
+        summary=summary,
+        trainer=trainer.stats,
+        monitor=monitor,
+        t0=trainer.t0,
+        seconds=seconds,
+        recording=recording,
     )
 
 

@@ -26,6 +26,9 @@ from prorsa_lab.replay.verdict import PolicyRun
 from prorsa_lab.sim.runner import GridConfig, Job, run_jobs
 from prorsa_lab.sim.trainer import INJECTIONS
 
+# The engine's own role switch (drain and router apart): about 5 s (paper, Appendix C).
+SWITCH_SECONDS = 5.0
+
 
 class ReplayError(ValueError):
     """Input the replay cannot use; the message names the file, field or trajectory."""
@@ -144,6 +147,8 @@ def replay_recording(
     steps: int | None = None,
     static: Sequence[int] | None = None,
     reference: bool = True,
+    policies: Sequence[str] | None = None,
+    switch_seconds: float = SWITCH_SECONDS,
     workers: int | None = 1,
     progress: Callable[[str], None] | None = None,
 ) -> ReplayReport:
@@ -151,8 +156,12 @@ def replay_recording(
 
     The dispatch rule is inferred from the recording; each keyword given overrides its
     part. ``model`` picks a committed cost table instead of the manifest's capacity.
+    ``policies``: run only these of the rows (e.g. ``("prorsa",)``); ``switch_seconds``:
+    the engine's own flip, drain and router apart (SGLang's ``/pd_role_switch``).
     ``workers``: simulations at once (None: one per CPU). Raises :class:`ReplayError`.
     """
+    if not (math.isfinite(switch_seconds) and switch_seconds >= 0):
+        raise ReplayError(f"switch seconds {switch_seconds}: must be finite and >= 0")
     rc, raw_capacity = _manifest(cluster)
     spec = rc.spec
     if not raw_capacity and model is None:
@@ -209,7 +218,11 @@ def replay_recording(
         injection=d.injection,
         groups_per_step=d.groups_per_step,
         max_concurrent=d.max_concurrent if d.staleness > 0 else None,
-        switch_seconds=5.0,
+        switch_seconds=switch_seconds,
+        # capacity.prefillCacheTokens: 0 declares engines without a prefix cache (the
+        # engine double): every turn then prefills its whole context.
+        prefix_cache=raw_capacity.get("prefillCacheTokens") != 0,
+        hicache_ratio=0.0 if raw_capacity.get("prefillCacheTokens") == 0 else 2.0,
         cooldown=spec.switching.cooldown_seconds,
         drain_timeout=spec.switching.drain_timeout_seconds,
         horizon=spec.forecast.horizon_seconds,
@@ -224,17 +237,22 @@ def replay_recording(
     )
     notes: list[str] = []
     same_gpus = spec.engine.prefill_gpus_per_instance in (None, spec.engine.gpus_per_instance)
-    policies = ["colocation"] if same_gpus else []
+    names = ["colocation"] if same_gpus else []
     if not same_gpus:
         notes.append("colocation left out: prefill and decode instances have different GPUs")
     splits = tuple(static) if static else tuple(range(1, n))
     bad = [p for p in splits if not 1 <= p <= n - 1]
     if bad:
         raise ReplayError(f"static split(s) {bad}: each needs 1..{n - 1} prefill instances")
-    policies += [f"static-{p}P" for p in splits] + ["prorsa"]
+    names += [f"static-{p}P" for p in splits] + ["prorsa"]
     if reference:
-        policies.append("reference")
-    todo = [Job(scenario, name, True) for name in policies]
+        names.append("reference")
+    if policies is not None:
+        unknown = sorted(set(policies) - set(names))
+        if unknown:
+            raise ReplayError(f"policies {unknown}: not among {', '.join(names)}")
+        names = [name for name in names if name in policies]
+    todo = [Job(scenario, name, True) for name in names]
     done = 0
 
     def tell(r: dict[str, Any]) -> None:

@@ -70,12 +70,19 @@ class Dispatch:
     weight_update_seconds: float
     weight_update_events: bool
     prefill_events: str
+    # No weight update recorded and a concurrency cap: one step over the whole recording.
+    capped: bool = False
 
     @property
     def batch(self) -> int:
         return self.group_size * self.groups_per_step
 
     def describe(self) -> str:
+        if self.capped:
+            return (
+                f"concurrency-capped, no weight update: {self.injection}, at most "
+                f"{self.max_concurrent} in flight, groups of {self.group_size}"
+            )
         mode = "on-policy" if self.staleness == 0 else f"asynchronous, staleness {self.staleness}"
         groups = f"{self.groups_per_step} group" + ("s" if self.groups_per_step != 1 else "")
         parts = [
@@ -491,6 +498,15 @@ def _infer(
             f"{groups_per_step} groups per step: no weight update recorded, so one step of "
             "every group (the replay ends when the recorded trajectories do)"
         )
+    live = peak = 0
+    for _ts, kind, _tid in timeline:
+        if kind == "dispatch":
+            live += 1
+            peak = max(peak, live)
+        elif kind in ("accepted", "rejected", "dropped"):
+            live -= 1
+    if not updates and peak < len(trajs):
+        return _capped(trajs, timeline, group_size, peak, notes, prefill_events=prefill_events)
     if not spans:
         notes.append("on-policy: every dispatch at a step's start, none outlived an update")
         dispatch = Dispatch(
@@ -531,13 +547,6 @@ def _infer(
         else "trajectories dispatched inside a step"
     )
     notes.append(f"staleness {staleness}: {why} (at least; a longer recording can show more)")
-    live = peak = 0
-    for _ts, kind, _tid in timeline:
-        if kind == "dispatch":
-            live += 1
-            peak = max(peak, live)
-        elif kind in ("accepted", "rejected", "dropped"):
-            live -= 1
     notes.append(f"at most {peak} in flight: the most live trajectories recorded")
     accepted_at = sorted(ts for ts, kind, _ in timeline if kind == "accepted")
     injection, rate = "replaceOnReward", 0.0
@@ -573,6 +582,60 @@ def _infer(
         weight_update_seconds=_update_seconds(updates),
         weight_update_events=bool(updates),
         prefill_events=prefill_events,
+    )
+    return dispatch, notes
+
+
+def _capped(
+    trajs: list[_Traj],
+    timeline: list[tuple[float, str, str]],
+    group_size: int,
+    peak: int,
+    notes: list[str],
+    *,
+    prefill_events: str,
+) -> tuple[Dispatch, list[str]]:
+    """No weight update, and never every trajectory in flight at once: the trainer capped
+    its concurrency. Replace-on-end when a new trajectory followed nearly every one that
+    ended, accepted or not; else replace-on-reward under the cap."""
+    ended = sorted(ts for ts, kind, _ in timeline if kind in ("accepted", "rejected", "dropped"))
+    # Replacements: dispatches once a first trajectory has ended (the ones before it filled
+    # the slots at the start).
+    first_end = ended[0] if ended else math.inf
+    mid = [ts for ts, kind, _ in timeline if kind == "dispatch" and ts >= first_end]
+    accepted = sorted(ts for ts, kind, _ in timeline if kind == "accepted")
+    after_end = sum(1 for ts in mid if _follows(ended, ts))
+    after_reward = sum(1 for ts in mid if _follows(accepted, ts))
+    notes.append(
+        f"no weight update recorded and at most {peak} of {len(trajs)} in flight: "
+        "a concurrency-capped trainer, replayed as one step (staleness does not apply)"
+    )
+    if mid and after_reward < REPLACE_SHARE * len(mid) <= after_end:
+        injection = "replaceOnEnd"
+        notes.append(
+            f"replaceOnEnd: {after_end} of {len(mid)} later dispatches follow a trajectory's "
+            f"end within {REPLACE_WINDOW_SECONDS:.0f} s, rejected and dropped ones included"
+        )
+    else:
+        injection = "replaceOnReward"
+        notes.append(
+            f"replaceOnReward: {after_reward} of {len(mid)} later dispatches follow an "
+            "accepted reward"
+        )
+    # One step over the whole recording: the dispatch cap (version + s + 1) x batch then
+    # never binds before the in-flight cap does.
+    dispatch = Dispatch(
+        group_size=group_size,
+        groups_per_step=max(1, len({t.group for t in trajs})),
+        staleness=1,
+        injection=injection,
+        max_concurrent=peak,
+        steps=1,
+        rate_per_second=0.0,
+        weight_update_seconds=0.0,
+        weight_update_events=False,
+        prefill_events=prefill_events,
+        capped=True,
     )
     return dispatch, notes
 

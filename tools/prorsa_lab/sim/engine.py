@@ -424,6 +424,8 @@ class Instance:
             over -= n
 
     def _remember(self, r: Rank, traj: str, tokens: int) -> None:
+        if not self.cluster.prefix_cache:
+            return
         self.cluster.home[traj] = r
         old = r.cache.pop(traj, 0)
         r.cache_tokens += tokens - old
@@ -658,6 +660,7 @@ class SimCluster:
         switch_seconds: float = 5.0,
         drain_timeout: float = 30.0,
         hicache_ratio: float = 0.0,
+        prefix_cache: bool = True,
         router_drain_seconds: float = 0.0,
         router_register_seconds: float = 0.0,
         dp_aware: bool = True,
@@ -674,6 +677,9 @@ class SimCluster:
         self.router_register_seconds = router_register_seconds
         self.drain_timeout = drain_timeout
         self.hicache_ratio = hicache_ratio
+        # False: an engine that keeps no prefix cache (the engine double; a RolloutCluster's
+        # capacity.prefillCacheTokens: 0), so every turn prefills its whole context.
+        self.prefix_cache = prefix_cache
         self.prefix = prefix
         self.gpus_per_rank = profile.gpus_per_rank
         self.times = StepTimes(profile)

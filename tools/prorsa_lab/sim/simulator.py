@@ -73,6 +73,8 @@ class Scenario:
     # HiCache host tier per rank over its GPU KV pool: SGLang 0.5.23's default ratio (2.0),
     # which the engine image enables (--enable-hierarchical-cache); 0 for a GPU-only cache.
     hicache_ratio: float = 2.0
+    # False: the engines keep no prefix cache (capacity.prefillCacheTokens: 0 in a replay).
+    prefix_cache: bool = True
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
@@ -234,6 +236,7 @@ class Simulation:
             switch_seconds=scenario.switch_seconds,
             drain_timeout=scenario.drain_timeout,
             hicache_ratio=scenario.hicache_ratio,
+            prefix_cache=scenario.prefix_cache,
             router_drain_seconds=scenario.router_drain_seconds,
             router_register_seconds=scenario.router_register_seconds,
             dp_aware=scenario.dp_aware(),

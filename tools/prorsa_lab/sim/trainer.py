@@ -28,9 +28,10 @@ Rollout modes:
   as ``groups_per_step`` more groups are complete; the weights then change, in-flight
   generations are interrupted and resent (carried-over trajectories re-prefill), trajectories
   dispatched more than s versions ago are dropped, and free slots are refilled. Within a
-  step new samples come by one of three injection policies: replace-on-reward (one per
-  trajectory that passes training admission), fixed-rate refresh, or group replenishment (a
-  whole group when a group completes).
+  step new samples come by one of four injection policies: replace-on-reward (one per
+  trajectory that passes training admission), fixed-rate refresh, group replenishment (a
+  whole group when a group completes), or replace-on-end (one per trajectory that ends,
+  whatever its reward: a trainer that only caps concurrency; replays infer it).
 """
 
 from __future__ import annotations
@@ -46,8 +47,12 @@ from prorsa_lab.sim.engine import Request, SimCluster
 from prorsa_lab.sim.loop import Loop
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScript
 
-Injection = Literal["replaceOnReward", "fixedRate", "groupReplenish"]
-INJECTIONS: tuple[str, ...] = ("replaceOnReward", "fixedRate", "groupReplenish")
+# replaceOnEnd: a fixed number in flight, a new trajectory whenever one ends (accepted,
+# rejected or dropped): a trainer that only caps concurrency, as AReaL's capacity does
+# between weight updates, and the demo's trainer (prorsa_lab.demo.trainer). Not a CRD
+# injection policy (the Controller forecasts it as replaceOnReward); replays infer it.
+Injection = Literal["replaceOnReward", "fixedRate", "groupReplenish", "replaceOnEnd"]
+INJECTIONS: tuple[str, ...] = ("replaceOnReward", "fixedRate", "groupReplenish", "replaceOnEnd")
 PrefillEvents = Literal["full", "first-token", "none"]
 PREFILL_EVENTS: tuple[str, ...] = ("full", "first-token", "none")
 # Asynchronous rollout keeps this many batches in flight by default ("sample over-dispatch",
@@ -501,6 +506,13 @@ class Trainer:
 
     def _terminal(self, g: Group) -> None:
         g.terminal += 1
+        if (
+            self.injection == "replaceOnEnd"
+            and self.finished_at is None
+            and not self.on_policy
+            and self._allowed()
+        ):
+            self._dispatch_member()
         if g.terminal < g.size or g.dispatched < g.size:
             return
         if g.accepted > 0:
