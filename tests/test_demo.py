@@ -20,8 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from test_operator_image import modules_outside
 
+from prorsa.cli import main as cli_main
 from prorsa_lab.demo.compare import compare, load_average, parse_split
 from prorsa_lab.demo.monitor import Sample
 from prorsa_lab.demo.phases import (
@@ -73,7 +75,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     args = [
         sys.executable, "-c", _DEMO_EXTRA_ONLY, ",".join(blocked),
         "demo", "--duration", "60", "--phase-seconds", "20", "--instances", "4", "--no-live",
-        "--baseline", "2:2", "--out", str(out),
+        "--baseline", "2:2", "--out", str(out), "--record", str(out / "recorded"),
     ]  # fmt: skip
     with (out / "stderr.txt").open("w+") as err:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -231,6 +233,39 @@ def test_demo_sets_switching_against_a_static_split(demo_run: Run) -> None:
         "decode->prefill",
         "prefill->decode",
     }
+
+
+def test_demo_replays_its_recordings_beside_what_it_measured(demo_run: Run) -> None:
+    """--record: both runs' trainer events and manifests are saved, each replayed in the
+    simulator on its own policy, and the summary sets the replay beside the measurement."""
+    proc, out = demo_run
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    recorded = out / "recorded"
+    for run in ("switching", "static-2P2D"):
+        assert (recorded / f"{run}.ndjson").stat().st_size > 0
+        manifest = yaml.safe_load((recorded / f"{run}-cluster.yaml").read_text())
+        assert manifest["kind"] == "RolloutCluster" and manifest["spec"]["capacity"]
+    base, prorsa, replay = summary["baseline"], summary["prorsa"], summary["replay"]
+    if base["completed"] == 0:  # on a loaded machine a 60 s run may finish no trajectory
+        assert replay is None
+        return
+    assert replay["static"]["policy"] == "static-2P" and replay["switching"]["policy"] == "prorsa"
+    for name, run in (("static", base), ("switching", prorsa)):
+        check = replay[name]
+        assert check["count"] == base["completed"] and check["measuredSeconds"] == run["seconds"]
+        assert "concurrency-capped" in check["inferred"], check  # the demo's trainer
+        assert check["predictedSeconds"] is None or check["predictedSeconds"] > 0, check
+    assert any(line.strip().startswith("replay ") for line in proc.stdout.splitlines())
+    # A user asks the same question of the same files.
+    code = cli_main(
+        [
+            "replay", "--cluster", str(recorded / "static-2P2D-cluster.yaml"),
+            "--events", str(recorded / "static-2P2D.ndjson"), "--json", "--no-reference",
+            "--static", "1,2,3", "--workers", "1",
+        ]
+    )  # fmt: skip
+    assert code == 0
 
 
 # -- the definitions, on hand-made records ---------------------------------------------------

@@ -330,3 +330,57 @@ def test_recording_error_names_every_trajectory(tmp_path: Path) -> None:
     with pytest.raises(RecordingError) as exc:
         rebuild(path)
     assert [p.split(":")[0] for p in exc.value.problems] == ["trajectory a", "trajectory b"]
+
+
+def test_a_concurrency_capped_trainer_is_replayed_as_one(tmp_path: Path) -> None:
+    """No weight update and never every trajectory in flight: the trainer only capped its
+    concurrency (the demo's, AReaL's between updates). A new trajectory replaced every one
+    that ended, rejected ones included: replace-on-end, under the recorded cap."""
+    scenario = Scenario(
+        model="qwen3-dp8",
+        task="general",
+        staleness=1,
+        steps=1,
+        groups_per_step=6,
+        injection="replaceOnEnd",
+        max_concurrent=12,
+    )
+    lines, result = record(scenario, prefill=3)
+    events, cluster = tmp_path / "rec.ndjson", tmp_path / "rc.yaml"
+    events.write_text("".join(line + "\n" for line in lines))
+    cluster.write_text(manifest(scenario, name="capped"))
+    rec = rebuild(events)
+    d = rec.dispatch
+    assert d.capped and d.max_concurrent == 12 and d.steps == 1, rec.inferred
+    assert d.injection == "replaceOnEnd", rec.inferred
+    assert "concurrency-capped" in d.describe()
+    report = replay_recording(
+        events=events, cluster=cluster, model="qwen3-dp8", static=[3], reference=False
+    )
+    # The same split, the same scripts, the same rule: what the original run took to
+    # complete the trajectories it completed.
+    t = report.time_to_count("static-3P", rec.completed)
+    assert t is not None and t == pytest.approx(result.makespan, rel=0.05)
+
+
+def test_a_manifest_without_a_prefix_cache_replays_every_context(tmp_path: Path) -> None:
+    """capacity.prefillCacheTokens: 0 (engines that keep no prefix cache, as the engine
+    double): every turn prefills its whole context, so multi-turn work takes longer."""
+    import yaml
+
+    doc = yaml.safe_load(CLUSTER.read_text())
+    doc["spec"]["capacity"]["prefillCacheTokens"] = 0
+    no_cache = tmp_path / "no-cache.yaml"
+    no_cache.write_text(yaml.safe_dump(doc))
+    kw: dict[str, object] = {"events": EVENTS, "static": [3], "reference": False}
+    cached = replay_recording(cluster=CLUSTER, policies=["static-3P"], **kw)  # type: ignore[arg-type]
+    uncached = replay_recording(cluster=no_cache, policies=["static-3P"], **kw)  # type: ignore[arg-type]
+    assert set(cached.runs) == {"static-3P"}  # the policy filter
+    assert uncached.makespan("static-3P") > cached.makespan("static-3P")
+
+
+def test_switch_seconds_and_policies_are_checked() -> None:
+    with pytest.raises(ReplayError, match="switch seconds"):
+        replay_recording(events=EVENTS, cluster=CLUSTER, switch_seconds=-1.0)
+    with pytest.raises(ReplayError, match="policies"):
+        replay_recording(events=EVENTS, cluster=CLUSTER, static=[3], policies=["static-9P"])

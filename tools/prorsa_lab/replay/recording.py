@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +44,10 @@ from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, Finish, StopPhase, Traject
 REPLACE_WINDOW_SECONDS = 1.0
 # Share of mid-step dispatches that must follow an accepted reward for replace-on-reward.
 REPLACE_SHARE = 0.9
+# A trainer that replaces every trajectory that ends dispatches the next one at once (the
+# demo's trainer within a millisecond; the simulator's at the same instant): a dispatch this
+# soon after a rejected or dropped trajectory is its replacement.
+REPLACE_END_SECONDS = 0.05
 
 
 class RecordingError(ValueError):
@@ -596,32 +600,39 @@ def _capped(
     prefill_events: str,
 ) -> tuple[Dispatch, list[str]]:
     """No weight update, and never every trajectory in flight at once: the trainer capped
-    its concurrency. Replace-on-end when a new trajectory followed nearly every one that
-    ended, accepted or not; else replace-on-reward under the cap."""
-    ended = sorted(ts for ts, kind, _ in timeline if kind in ("accepted", "rejected", "dropped"))
-    # Replacements: dispatches once a first trajectory has ended (the ones before it filled
-    # the slots at the start).
-    first_end = ended[0] if ended else math.inf
-    mid = [ts for ts, kind, _ in timeline if kind == "dispatch" and ts >= first_end]
-    accepted = sorted(ts for ts, kind, _ in timeline if kind == "accepted")
-    after_end = sum(1 for ts in mid if _follows(ended, ts))
-    after_reward = sum(1 for ts in mid if _follows(accepted, ts))
+    its concurrency. Replace-on-end when the trajectories that ended without an accepted
+    reward were replaced too (a dispatch right after most of them); else replace-on-reward
+    under the cap."""
+    dispatches = sorted(ts for ts, kind, _ in timeline if kind == "dispatch")
+    last = dispatches[-1] if dispatches else -math.inf
+    # Ends without an accepted reward while the trainer still dispatched (the drops of a
+    # run's end come after its last dispatch).
+    unrewarded = [ts for ts, kind, _ in timeline if kind in ("rejected", "dropped") and ts <= last]
+    replaced = sum(
+        1
+        for ts in unrewarded
+        if (i := bisect_left(dispatches, ts)) < len(dispatches)
+        and dispatches[i] - ts <= REPLACE_END_SECONDS
+    )
     notes.append(
         f"no weight update recorded and at most {peak} of {len(trajs)} in flight: "
         "a concurrency-capped trainer, replayed as one step (staleness does not apply)"
     )
-    if mid and after_reward < REPLACE_SHARE * len(mid) <= after_end:
+    if unrewarded and replaced >= REPLACE_SHARE * len(unrewarded):
         injection = "replaceOnEnd"
         notes.append(
-            f"replaceOnEnd: {after_end} of {len(mid)} later dispatches follow a trajectory's "
-            f"end within {REPLACE_WINDOW_SECONDS:.0f} s, rejected and dropped ones included"
+            f"replaceOnEnd: {replaced} of the {len(unrewarded)} trajectories that ended "
+            f"without an accepted reward were replaced within {REPLACE_END_SECONDS:.2f} s"
         )
     else:
         injection = "replaceOnReward"
-        notes.append(
-            f"replaceOnReward: {after_reward} of {len(mid)} later dispatches follow an "
-            "accepted reward"
+        why = (
+            f"{replaced} of the {len(unrewarded)} trajectories that ended without an "
+            "accepted reward were replaced"
+            if unrewarded
+            else "no trajectory ended without an accepted reward before the last dispatch"
         )
+        notes.append(f"replaceOnReward: {why}")
     # One step over the whole recording: the dispatch cap (version + s + 1) x batch then
     # never binds before the in-flight cap does.
     dispatch = Dispatch(

@@ -135,7 +135,10 @@ class Scenario:
         if self.staleness == 0:
             injection: dict[str, Any] = {"policy": "none", "groupSize": t.group_size}
         else:
-            injection = {"policy": self.injection, "groupSize": t.group_size}
+            # replaceOnEnd is no CRD policy: the operator forecasts it as replaceOnReward
+            # (one new sample per trajectory that ends with a reward).
+            policy = "replaceOnReward" if self.injection == "replaceOnEnd" else self.injection
+            injection = {"policy": policy, "groupSize": t.group_size}
             if self.injection == "fixedRate":
                 injection["ratePerSecond"] = self.fixed_rate()
         return RolloutClusterSpec.model_validate(
