@@ -430,3 +430,30 @@ def test_prefill_backlog_counts_prompts_not_yet_prefilled_at_each_phase_end() ->
     ]
     assert (backlogs[0].engine_waiting_requests, backlogs[0].engine_waiting_tokens) == (1, 2000)
     assert "2 req/5k, 1 req/2k" in summary_line([], backlogs)
+
+
+def test_the_replay_lines_say_how_far_the_simulator_was_and_whether_the_sign_agrees() -> None:
+    from prorsa_lab.demo.replay_check import Check, lines, summary
+
+    def check(policy: str, measured: float, predicted: float | None) -> Check:
+        return Check(
+            policy=policy,
+            count=40,
+            measured_seconds=measured,
+            predicted_seconds=predicted,
+            inferred="concurrency-capped",
+        )
+
+    # Measured: static 100 s, switching 90 s (saved 10 s); replayed 110 s and 95 s.
+    doc = summary(switching=check("prorsa", 90.0, 95.0), static=check("static-2P", 100.0, 110.0))
+    assert doc["static"]["relativeError"] == 0.1 and doc["savedSeconds"]["measured"] == 10.0
+    assert doc["savedSeconds"]["predicted"] == 15.0 and doc["signAgrees"] is True
+    text = "\n".join(lines(doc))
+    assert "100.0 s measured, 110.0 s replayed (+10%)" in text and "agrees" in text
+    # The replay says switching lost where it saved: said so.
+    doc = summary(switching=check("prorsa", 90.0, 120.0), static=check("static-2P", 100.0, 110.0))
+    assert doc["signAgrees"] is False and "DISAGREES" in "\n".join(lines(doc))
+    # No static run (--baseline none): the switching run alone.
+    doc = summary(switching=check("prorsa", 90.0, None), static=None)
+    assert doc["static"] is None and doc["signAgrees"] is None
+    assert "no prediction" in "\n".join(lines(doc))

@@ -90,9 +90,12 @@ def check(
     )
 
 
-def summary(*, switching: Check, static: Check) -> dict[str, Any]:
+def summary(*, switching: Check, static: Check | None) -> dict[str, Any]:
     """The summary's ``replay``: both checks, and whether the sign of "switching saved"
-    agrees between the measurement and the replay."""
+    agrees between the measurement and the replay (``static`` None: no static run)."""
+    if static is None:
+        return {"static": None, "switching": switching.wire(), "savedSeconds": None,
+                "signAgrees": None}  # fmt: skip
     measured = static.measured_seconds - switching.measured_seconds
     predicted = (
         None
@@ -117,6 +120,8 @@ def lines(replay: dict[str, Any] | None) -> list[str]:
     out = []
     for name in ("switching", "static"):
         c = replay[name]
+        if c is None:
+            continue
         if c["predictedSeconds"] is None:
             why = c["error"] or "the replay finished fewer trajectories"
             out.append(f"  replay        {name}: no prediction ({why.splitlines()[0]})")
@@ -127,7 +132,7 @@ def lines(replay: dict[str, Any] | None) -> list[str]:
             f"({c['relativeError']:+.0%})"
         )
     saved = replay["savedSeconds"]
-    if saved["predicted"] is not None:
+    if saved is not None and saved["predicted"] is not None:
         agree = "agrees" if replay["signAgrees"] else "DISAGREES"
         out.append(
             f"  replay        switching saved {saved['measured']:+.1f} s measured, "

@@ -628,6 +628,13 @@ async def _run(
         summary = await _with_baseline(
             options, switching, stream=stream, stop=stop, operator_started=operator_started
         )
+    elif switching.recording is not None and switching.trainer.finish_times and not stop.is_set():
+        # No static run: the switching run alone, to the trajectories it finished.
+        finished = sorted(switching.trainer.finish_times)
+        check = await _replay_checks(
+            options, [(switching, None)], count=len(finished), stream=stream
+        )
+        summary = replace(summary, replay=replay_check.summary(switching=check[0], static=None))
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     width = shutil.get_terminal_size().columns if stream.isatty() else None
     for line in wrap_lines(summary.lines(), width):
@@ -693,29 +700,8 @@ async def _with_baseline(
     base = fastest.summary
     replay = None
     if common and switching.recording is not None and fastest.recording is not None:
-        print(
-            f"prorsa demo: replaying both runs' recordings in the simulator ({options.record})...",
-            file=stream,
-            flush=True,
-        )
-        flip = _flip_seconds(options)
-        checks = await asyncio.gather(
-            asyncio.to_thread(
-                replay_check.check,
-                switching.recording,
-                prefill=None,
-                count=common,
-                measured_seconds=time_to_common(switching),
-                switch_seconds=flip,
-            ),
-            asyncio.to_thread(
-                replay_check.check,
-                fastest.recording,
-                prefill=split[0],
-                count=common,
-                measured_seconds=time_to_common(fastest),
-                switch_seconds=flip,
-            ),
+        checks = await _replay_checks(
+            options, [(switching, None), (fastest, split[0])], count=common, stream=stream
         )
         replay = replay_check.summary(switching=checks[0], static=checks[1])
     return replace(
@@ -734,6 +720,38 @@ async def _with_baseline(
         prorsa=asdict(result.switching) | {"seconds_of_rollout": round(switching.seconds, 1)},
         switching_saved_seconds=result.saved_seconds,
         switching_saved_ratio=result.saved_ratio,
+    )
+
+
+async def _replay_checks(
+    options: DemoOptions,
+    runs: list[tuple[Rollout, int | None]],
+    *,
+    count: int,
+    stream: TextIO,
+) -> list[replay_check.Check]:
+    """Each run's recording replayed on its own policy (``None``: Prorsa; N: static NP),
+    to ``count`` trajectories, in worker threads (the simulator is CPU-bound)."""
+    print(
+        f"prorsa demo: replaying the runs' recordings in the simulator ({options.record})...",
+        file=stream,
+        flush=True,
+    )
+    flip = _flip_seconds(options)
+
+    def one(run: Rollout, prefill: int | None) -> replay_check.Check:
+        assert run.recording is not None
+        times = sorted(run.trainer.finish_times)
+        return replay_check.check(
+            run.recording,
+            prefill=prefill,
+            count=count,
+            measured_seconds=times[count - 1],
+            switch_seconds=flip,
+        )
+
+    return list(
+        await asyncio.gather(*(asyncio.to_thread(one, run, prefill) for run, prefill in runs))
     )
 
 
