@@ -1,6 +1,9 @@
 """``prorsa demo --engine sglang`` as a user runs it (``make demo-sglang``): three real
 SGLang engines on this CPU, the operator, smg and the demo trainer; the summary names the
-engine and nothing is lost."""
+engine and nothing is lost. With ``--record``, the run's recording is replayed in the
+simulator on the manifest's profiled capacity and set beside what the real engines took
+(how close it came is a figure for docs/benchmarks.md, not an assertion: it depends on
+this machine's load)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def test_the_demo_runs_on_the_real_engine(engine_env, engines_stopped, tmp_path)
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "prorsa.cli", "demo", "--engine", "sglang"]
     command += ["--duration", "60", "--no-live", "--out", str(out)]
+    command += ["--record", str(out / "recorded")]
     # No static run: it would load three more engines (minutes in CI); the comparison
     # against a static split is tests/test_demo.py's, on the engine doubles.
     command += ["--baseline", "none"]
@@ -41,3 +45,11 @@ def test_the_demo_runs_on_the_real_engine(engine_env, engines_stopped, tmp_path)
     assert summary["requests_completed"] == summary["requests_sent"]
     assert summary["requests_failed"] == 0 and summary["tokens_lost"] == 0
     assert summary["events_dropped"] == 0
+    replay = summary["replay"]
+    if summary["trajectories_finished"] == 0:
+        assert replay is None  # nothing to time
+        return
+    check = replay["switching"]
+    assert check["policy"] == "prorsa" and check["count"] == summary["trajectories_finished"]
+    assert check["error"] is None and check["predictedSeconds"] > 0, check
+    print("replay of the real-engine run:", json.dumps(check))

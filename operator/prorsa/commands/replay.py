@@ -64,6 +64,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="the lone request's decode step (default: measured in the recording)",
     )
+    parser.add_argument(
+        "--knee-context",
+        type=_positive_int,
+        default=8192,
+        metavar="TOKENS",
+        help="the request length capacity.decodeConcurrency was measured at (prorsa "
+        "profile --decode-context; default its default, 8192)",
+    )
     parser.add_argument("--staleness", type=int, help="override the inferred staleness")
     parser.add_argument(
         "--groups-per-step", type=_positive_int, help="override the inferred GRPO groups per step"
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             model=args.model,
             decode_step_ms=args.decode_step_ms,
+            knee_context=args.knee_context,
             staleness=args.staleness,
             groups_per_step=args.groups_per_step,
             injection=args.injection,

@@ -16,6 +16,7 @@ from typing import Any
 
 from prorsa_lab.demo.recorded import RecordedRun
 from prorsa_lab.replay.api import ReplayError, replay_recording
+from prorsa_lab.replay.engine_model import KNEE_CONTEXT
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,10 +58,12 @@ def check(
     count: int,
     measured_seconds: float,
     switch_seconds: float,
+    knee_context: int = KNEE_CONTEXT,
 ) -> Check:
     """Replay ``run`` on its own policy: Prorsa (``prefill`` None) or static ``prefill``P.
 
-    ``switch_seconds``: the engine's own flip (the double's, or SGLang's on this CPU)."""
+    ``switch_seconds``: the engine's own flip (the double's, or SGLang's on this CPU);
+    ``knee_context``: the request length the manifest's decodeConcurrency was profiled at."""
     policy = "prorsa" if prefill is None else f"static-{prefill}P"
     try:
         report = replay_recording(
@@ -70,6 +73,7 @@ def check(
             reference=False,
             policies=(policy,),
             switch_seconds=switch_seconds,
+            knee_context=knee_context,
             workers=1,
         )
     except ReplayError as exc:

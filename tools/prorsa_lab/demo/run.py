@@ -64,6 +64,7 @@ from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_se
 from prorsa_lab.doubles.sglang_double import SGLANG_VERSION, EngineConfig, TimingModel
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, smg_version
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
+from prorsa_lab.replay.engine_model import KNEE_CONTEXT
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv, EngineEnvMissing
 from prorsa_lab.sglang_cpu.sglang_pod import CPU_TIMEOUTS
 from prorsa_sdk import AsyncEventEmitter
@@ -164,6 +165,9 @@ SGLANG_SERVED_NAME = "tiny"
 # The agent's idle flip of the tiny model's engine on this CPU (loads check, flip, verify):
 # 1.1-2.9 s measured (docs/sglang-role-switch.md, "Times"); what the replay takes for it.
 SGLANG_CPU_FLIP_SECONDS = 2.0
+# The request length the tiny model's decodeConcurrency is profiled at (its context is 4,096
+# tokens; tests/real_engine/test_profile_sglang.py's --decode-context).
+SGLANG_KNEE_CONTEXT = 256
 SGLANG_MODEL = EngineModel(
     # The RolloutCluster's profiled figures for the tiny model on one CPU core: the KV pool
     # the engines are launched with, and a prefill speed of the order measured there.
@@ -748,6 +752,7 @@ async def _replay_checks(
             count=count,
             measured_seconds=times[count - 1],
             switch_seconds=flip,
+            knee_context=SGLANG_KNEE_CONTEXT if options.engine == "sglang" else KNEE_CONTEXT,
         )
 
     return list(

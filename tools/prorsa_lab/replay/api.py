@@ -19,7 +19,12 @@ from typing import Any
 from prorsa.core.spec import SpecError
 from prorsa.k8s.manifest_file import load_cluster
 from prorsa_lab.replay import verdict
-from prorsa_lab.replay.engine_model import EngineModel, from_capacity, from_table
+from prorsa_lab.replay.engine_model import (
+    KNEE_CONTEXT,
+    EngineModel,
+    from_capacity,
+    from_table,
+)
 from prorsa_lab.replay.recording import Dispatch, Recording, RecordingError, rebuild
 from prorsa_lab.replay.scenario import ReplayScenario, manifest_json
 from prorsa_lab.replay.verdict import PolicyRun
@@ -140,6 +145,7 @@ def replay_recording(
     cluster: Path,
     model: str | None = None,
     decode_step_ms: float | None = None,
+    knee_context: int = KNEE_CONTEXT,
     staleness: int | None = None,
     groups_per_step: int | None = None,
     injection: str | None = None,
@@ -179,6 +185,7 @@ def replay_recording(
                 rec,
                 raw_capacity=raw_capacity,
                 decode_step_ms=decode_step_ms,
+                knee_context=knee_context,
                 source=str(cluster),
             )
         )

@@ -73,6 +73,7 @@ def from_capacity(
     *,
     raw_capacity: dict[str, object],
     decode_step_ms: float | None = None,
+    knee_context: int = KNEE_CONTEXT,
     source: str = "manifest",
 ) -> EngineModel:
     """The engine of ``spec`` as its ``capacity.*`` describes it (module docstring)."""
@@ -101,6 +102,8 @@ def from_capacity(
     )
     c0 = ranks / cap.prefill_tokens_per_second  # seconds per token on one rank
     doubling = cap.prefill_cost_doubling_tokens
+    if knee_context < 1:
+        raise EngineModelError(f"knee context {knee_context}: must be >= 1 token")
     prefixes = (0.0, float(max(max_context, 2 * KNEE_CONTEXT)))
 
     def prefill_ms(new: float, prefix: float) -> float:
@@ -127,6 +130,7 @@ def from_capacity(
             decode_instances * ranks,
             knee_rank,
             prefill_seconds=lambda new, prefix: prefill_ms(new, prefix) * 1e-3,
+            knee_context=knee_context,
         )
         if n == 0:
             raise EngineModelError(
@@ -144,13 +148,13 @@ def from_capacity(
             f"over {decode_instances} decode instance(s){how}"
         )
     sources.append(
-        f"decode: knee {cap.decode_concurrency} requests per instance at {KNEE_CONTEXT} tokens"
+        f"decode: knee {cap.decode_concurrency} requests per instance at {knee_context} tokens"
     )
     sources.append("KV transfer: not modelled (capacity.* does not measure it)")
     batches = (1.0, 2.0)
-    contexts = (0.0, float(KNEE_CONTEXT))
+    contexts = (0.0, float(knee_context))
     decode = tuple(
-        tuple(1e3 * s0 * (1 + b * c / (knee_rank * KNEE_CONTEXT)) for c in contexts)
+        tuple(1e3 * s0 * (1 + b * c / (knee_rank * knee_context)) for c in contexts)
         for b in batches
     )
     profile = ModelProfile(
@@ -181,9 +185,10 @@ def lone_step(
     knee_rank: float,
     *,
     prefill_seconds: Callable[[float, float], float],
+    knee_context: int = KNEE_CONTEXT,
 ) -> tuple[float, int, int]:
     """s₀ from recorded generations: each one's seconds per token over the model's factor
-    (1 + b·c/(K_r·8192)) at its rank batch b (the generations decoding beside it, averaged
+    (1 + b·c/(K_r·knee_context)) at its rank batch b (the generations decoding beside it, averaged
     over its span, over ``decode_ranks``) and context c. A generation decodes from its
     prefill's end; where the trainer sent none, from its queueing plus the modelled prefill
     of its uncached tokens (its wait for a prefill engine then counts as decode time).
@@ -217,7 +222,7 @@ def lone_step(
             continue
         mean = area[bisect.bisect_left(edges, s.end)] - area[bisect.bisect_left(edges, s.start)]
         batch = max(1.0, mean / span / decode_ranks)
-        factor = 1 + batch * s.context / (knee_rank * KNEE_CONTEXT)
+        factor = 1 + batch * s.context / (knee_rank * knee_context)
         values.append(span / s.tokens / factor)
     if not values:
         return 0.0, 0, 0
