@@ -72,6 +72,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the request length capacity.decodeConcurrency was measured at (prorsa "
         "profile --decode-context; default its default, 8192)",
     )
+    parser.add_argument(
+        "--kv-pool-tokens",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="a decode instance's whole KV pool (SGLang's max_total_num_tokens), for a "
+        "manifest whose decodeKvTokens is not prorsa profile's usable figure (default: "
+        "decodeKvTokens plus the profile's growth reserve at the knee)",
+    )
     parser.add_argument("--staleness", type=int, help="override the inferred staleness")
     parser.add_argument(
         "--groups-per-step", type=_positive_int, help="override the inferred GRPO groups per step"
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             decode_step_ms=args.decode_step_ms,
             knee_context=args.knee_context,
+            kv_pool_tokens=args.kv_pool_tokens,
             staleness=args.staleness,
             groups_per_step=args.groups_per_step,
             injection=args.injection,

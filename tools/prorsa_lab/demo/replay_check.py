@@ -59,11 +59,14 @@ def check(
     measured_seconds: float,
     switch_seconds: float,
     knee_context: int = KNEE_CONTEXT,
+    kv_pool_tokens: int | None = None,
 ) -> Check:
     """Replay ``run`` on its own policy: Prorsa (``prefill`` None) or static ``prefill``P.
 
     ``switch_seconds``: the engine's own flip (the double's, or SGLang's on this CPU);
-    ``knee_context``: the request length the manifest's decodeConcurrency was profiled at."""
+    ``knee_context``: the request length the manifest's decodeConcurrency was profiled at;
+    ``kv_pool_tokens``: the engines' KV pool (the demo's manifest states the whole pool as
+    decodeKvTokens, not the usable figure ``prorsa profile`` prints)."""
     policy = "prorsa" if prefill is None else f"static-{prefill}P"
     try:
         report = replay_recording(
@@ -74,6 +77,7 @@ def check(
             policies=(policy,),
             switch_seconds=switch_seconds,
             knee_context=knee_context,
+            kv_pool_tokens=kv_pool_tokens,
             workers=1,
         )
     except ReplayError as exc:

@@ -753,6 +753,7 @@ async def _replay_checks(
             measured_seconds=times[count - 1],
             switch_seconds=flip,
             knee_context=SGLANG_KNEE_CONTEXT if options.engine == "sglang" else KNEE_CONTEXT,
+            kv_pool_tokens=options.model.kv_tokens,
         )
 
     return list(

@@ -146,6 +146,7 @@ def replay_recording(
     model: str | None = None,
     decode_step_ms: float | None = None,
     knee_context: int = KNEE_CONTEXT,
+    kv_pool_tokens: int | None = None,
     staleness: int | None = None,
     groups_per_step: int | None = None,
     injection: str | None = None,
@@ -186,6 +187,7 @@ def replay_recording(
                 raw_capacity=raw_capacity,
                 decode_step_ms=decode_step_ms,
                 knee_context=knee_context,
+                kv_pool_tokens=kv_pool_tokens,
                 source=str(cluster),
             )
         )

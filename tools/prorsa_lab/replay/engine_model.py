@@ -74,6 +74,7 @@ def from_capacity(
     raw_capacity: dict[str, object],
     decode_step_ms: float | None = None,
     knee_context: int = KNEE_CONTEXT,
+    kv_pool_tokens: int | None = None,
     source: str = "manifest",
 ) -> EngineModel:
     """The engine of ``spec`` as its ``capacity.*`` describes it (module docstring)."""
@@ -95,7 +96,7 @@ def from_capacity(
     chunk = int(chunks[-1]) if chunks and chunks[-1].isdigit() else DEFAULT_CHUNK
     chunk = max(1, chunk // ranks)
     knee_rank = max(1.0, cap.decode_concurrency / ranks)
-    pool = cap.decode_kv_tokens + cap.decode_concurrency * GROWTH_RESERVE_TOKENS
+    pool = kv_pool_tokens or cap.decode_kv_tokens + cap.decode_concurrency * GROWTH_RESERVE_TOKENS
     max_context = max(
         (s.context_after(len(s.turns) - 1) for s in recording.scripts if s.turns),
         default=KNEE_CONTEXT,
@@ -116,7 +117,9 @@ def from_capacity(
         + (f"L {doubling:,} tokens" if doubling else "no growth with the prefix (L unset)")
         + f", chunk {chunk} per rank",
         f"decode KV: C_KV {cap.decode_kv_tokens:,} + {cap.decode_concurrency} x "
-        f"{GROWTH_RESERVE_TOKENS} reserve = {pool:,} tokens per instance",
+        f"{GROWTH_RESERVE_TOKENS} reserve = {pool:,} tokens per instance"
+        if kv_pool_tokens is None
+        else f"decode KV: a pool of {pool:,} tokens per instance (--kv-pool-tokens)",
     ]
     if decode_step_ms is not None:
         s0 = decode_step_ms * 1e-3
