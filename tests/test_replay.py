@@ -384,3 +384,17 @@ def test_switch_seconds_and_policies_are_checked() -> None:
         replay_recording(events=EVENTS, cluster=CLUSTER, switch_seconds=-1.0)
     with pytest.raises(ReplayError, match="policies"):
         replay_recording(events=EVENTS, cluster=CLUSTER, static=[3], policies=["static-9P"])
+
+
+def test_count_and_kv_pool_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """--count N gives each policy's time to N trajectories (what a measured run finished);
+    --kv-pool-tokens replaces the pool the profile's arithmetic gives, and says so."""
+    doc = _replay_json(
+        capsys, "--static", "3", "--no-reference", "--count", "20", "--kv-pool-tokens", "900000"
+    )
+    times = doc["timeToCount"]
+    assert isinstance(times, dict) and times["count"] == 20
+    assert {"colocation", "static-3P", "prorsa"} <= set(times)
+    for name in ("colocation", "static-3P", "prorsa"):
+        assert 0 < times[name] < doc["rows"][0]["makespanSeconds"] * 2
+    assert any("900,000 tokens per instance (--kv-pool-tokens)" in s for s in doc["engine"])

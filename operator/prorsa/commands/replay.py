@@ -110,6 +110,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="simulations at once (default: one per CPU)",
     )
     parser.add_argument("--png", type=Path, help="write the split over time to this PNG")
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        metavar="N",
+        help="also give each policy's time until N trajectories had completed (e.g. what a "
+        "run you measured finished; JSON: timeToCount)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,9 +163,18 @@ def run(args: argparse.Namespace) -> int:
         doc = report.as_json()
         doc["inferred"] = list(report.recording.inferred)
         doc["png"] = str(args.png) if args.png else None
+        if args.count is not None:
+            doc["timeToCount"] = {"count": args.count} | {
+                name: report.time_to_count(name, args.count) for name in sorted(report.runs)
+            }
         print(json.dumps(doc, indent=1))
         return 0
     print(text(report))
+    if args.count is not None:
+        times = ", ".join(
+            f"{name} {_s(report.time_to_count(name, args.count))}" for name in sorted(report.runs)
+        )
+        print(f"time to {args.count} completed trajectories (--count): {times}")
     if args.png is not None:
         print(f"wrote {args.png}")
     return 0
