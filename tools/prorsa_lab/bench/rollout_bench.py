@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prorsa_lab.bench.split_value import value_json, value_table
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
@@ -125,6 +126,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--no-reference", action="store_true", help="leave out the foresight reference"
     )
     parser.add_argument(
+        "--policies",
+        help="comma-separated, of " + ",".join(GridConfig().policies) + " (default: all; "
+        "'static' is the sweep of every split, which best-static, task-static, the value "
+        "table and the reference need)",
+    )
+    parser.add_argument(
         "--reuse",
         type=Path,
         metavar="JSON",
@@ -182,8 +189,10 @@ def _config(args: argparse.Namespace) -> Any:
                 f"--reference-moves must be non-zero integers, got {args.reference_moves!r}"
             )
         kw["reference_moves"] = moves
+    if args.policies:
+        kw["policies"] = _policies(args.policies, base.policies)
     if args.no_reference:
-        kw["policies"] = tuple(p for p in base.policies if p != "reference")
+        kw["policies"] = tuple(p for p in kw.get("policies", base.policies) if p != "reference")
     if getattr(args, "reuse", None) is not None:
         kw["policies"] = CONTROLLER_POLICIES
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
@@ -193,6 +202,20 @@ def _config(args: argparse.Namespace) -> Any:
     for t in cfg.tasks:
         get_task(t)
     return cfg
+
+
+def _policies(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The --policies filter, in the grid's order; the reference starts from the sweep."""
+    asked = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [p for p in asked if p not in known]
+    if not asked or unknown:
+        raise ValueError(
+            f"--policies takes {','.join(known)}; got {value!r}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    if "reference" in asked and "static" not in asked:
+        raise ValueError("--policies: the reference needs 'static' (it starts from the best)")
+    return tuple(p for p in known if p in asked)
 
 
 def _update_seconds(value: str) -> float | None:
@@ -428,6 +451,10 @@ def reuse(rows: list[SettingRow], doc: dict[str, Any]) -> list[dict[str, Any]]:
         keys.add(key)
         row.best_static = found["bestStatic"]["prefill"]
         row.task_static = found["taskStatic"]["prefill"]
+        row.statics = {
+            int(n): math.inf if ms is None else ms
+            for n, ms in (found.get("staticMakespans") or {}).items()
+        }
         row.colocation_idle = found["colocationIdleRatio"]
         for p in REUSED:
             x = old.get((*key, p))
@@ -507,6 +534,7 @@ def as_json(
                 "regime": r.regime,
                 "bestStatic": {"prefill": r.best_static, "decode": r.instances - r.best_static},
                 "taskStatic": {"prefill": r.task_static, "decode": r.instances - r.task_static},
+                "staticMakespans": {str(n): _finite(ms) for n, ms in r.statics.items()},
                 "colocationIdleRatio": r.colocation_idle,
                 "dpRouting": (r.details.get("best-static") or {}).get("dpRouting"),
             }
@@ -537,6 +565,7 @@ def as_json(
         "wape": wape,
         "settings": settings,
         "goals": gl,
+        "value": value_json(rows),
         "referenceSchedules": schedules,
         "png": str(png) if png else None,
     }
@@ -596,6 +625,7 @@ def run(args: argparse.Namespace) -> int:
         f"{cfg.instances} instances; {len(todo)} simulations in {elapsed:.0f} s"
     )
     print(table(rows))
+    print("\n" + value_table(rows))
     print("\ngoals")
     for g in gl:
         mark = {True: "ok  ", False: "MISS", None: "----"}[g["ok"]]

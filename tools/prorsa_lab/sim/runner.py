@@ -302,6 +302,7 @@ class SettingRow:
     makespan: dict[str, float] = field(default_factory=dict)  # REPORTED policy -> seconds
     best_static: int = 0  # prefill instances of the best static split
     task_static: int = 0  # prefill instances of the task's one split (paper §5.4 baseline)
+    statics: dict[int, float] = field(default_factory=dict)  # prefill count -> makespan
     instances: int = 8
     colocation_idle: float | None = None
     wape_prefill: float | None = None
@@ -368,6 +369,7 @@ def aggregate(results: Iterable[dict[str, Any]], *, instances: int) -> list[Sett
             row.wape_decode = r["wapeDecode"]
         row.details[name] = r
     for key, found in statics.items():
+        rows[key].statics = {n: found[n]["makespan"] for n in sorted(found)}
         n_p = min(found, key=lambda n: (found[n]["makespan"], n))
         rows[key].makespan["best-static"] = found[n_p]["makespan"]
         rows[key].best_static = n_p
