@@ -62,7 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         help="comma-separated (default: deepseek-v3-dp8, qwen3-dp8, qwen3-dp4, qwen3-dp2, "
-        "qwen3-tp8, deepseek-v3-tp16; the EP references qwen3-235b and deepseek-v3 on request)",
+        "deepseek-v3-dp16, qwen3-tp8, deepseek-v3-tp16; the EP references qwen3-235b and "
+        "deepseek-v3 on request)",
     )
     parser.add_argument("--tasks", help="comma-separated (default math,coding,general)")
     parser.add_argument("--staleness", help="comma-separated (default 0,2,8)")

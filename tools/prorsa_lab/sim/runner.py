@@ -42,6 +42,7 @@ class GridConfig:
         "qwen3-dp8",
         "qwen3-dp4",
         "qwen3-dp2",
+        "deepseek-v3-dp16",
         "qwen3-tp8",
         "deepseek-v3-tp16",
     )
