@@ -167,8 +167,8 @@ def test_rollout_prints_the_value_table_and_puts_it_in_the_json(
 @pytest.mark.parametrize(
     ("policies", "why"),
     [
-        ("prorsa,oracel", "unknown: oracel"),
-        ("reference,prorsa", "the reference needs 'static'"),
+        ("prorsa,oracel", "got 'prorsa,oracel'"),
+        ("reference,prorsa", "(reference with static)"),
     ],
 )
 def test_a_bad_policy_filter_is_refused(

@@ -128,9 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        help="comma-separated, of " + ",".join(GridConfig().policies) + " (default: all; "
-        "'static' is the sweep of every split, which best-static, task-static, the value "
-        "table and the reference need)",
+        help="comma-separated policies to run (default all: colocation, static, reactive, "
+        "throughput, prorsa, oracle, reference; the reference needs static)",
     )
     parser.add_argument(
         "--reuse",
@@ -191,7 +190,14 @@ def _config(args: argparse.Namespace) -> Any:
             )
         kw["reference_moves"] = moves
     if args.policies:
-        kw["policies"] = _policies(args.policies, base.policies)
+        picked = tuple(args.policies.split(","))
+        unknown = [p for p in picked if p not in base.policies]
+        if unknown or ("reference" in picked and "static" not in picked):
+            raise ValueError(
+                f"--policies must name some of {','.join(base.policies)} (reference with "
+                f"static), got {args.policies!r}"
+            )
+        kw["policies"] = picked
     if args.no_reference:
         kw["policies"] = tuple(p for p in kw.get("policies", base.policies) if p != "reference")
     if getattr(args, "reuse", None) is not None:
@@ -203,20 +209,6 @@ def _config(args: argparse.Namespace) -> Any:
     for t in cfg.tasks:
         get_task(t)
     return cfg
-
-
-def _policies(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    """The --policies filter, in the grid's order; the reference starts from the sweep."""
-    asked = [p.strip() for p in value.split(",") if p.strip()]
-    unknown = [p for p in asked if p not in known]
-    if not asked or unknown:
-        raise ValueError(
-            f"--policies takes {','.join(known)}; got {value!r}"
-            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
-        )
-    if "reference" in asked and "static" not in asked:
-        raise ValueError("--policies: the reference needs 'static' (it starts from the best)")
-    return tuple(p for p in known if p in asked)
 
 
 def _update_seconds(value: str) -> float | None:
