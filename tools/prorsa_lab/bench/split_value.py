@@ -160,11 +160,10 @@ def value_table(rows: Sequence[SettingRow]) -> str:
         return "value: no role-switch-capable setting with its static sweep"
     names = list(scopes)
     choices = list(dict.fromkeys(x.choice for lines in scopes.values() for x in lines))
-    width = max(17, *(len(n) + 2 for n in names))
     counts = {n: max(x.settings for x in scopes[n]) for n in names}
-    head = f"{'choice':<12}{'best in':>8}" + "".join(
-        f"{f'{n} ({counts[n]})':>{width}}" for n in names
-    )
+    labels = [f"{n} ({counts[n]})" for n in names]
+    width = max(17, *(len(label) + 2 for label in labels))
+    head = f"{'choice':<12}{'best in':>8}" + "".join(f"{label:>{width}}" for label in labels)
     splits = ", ".join(f"{t} {s}" for t, s in sorted(task_splits(rows).items()))
     lines = [
         "value: makespan over the hindsight best static split, worst / geometric mean "
