@@ -303,12 +303,12 @@ class SettingRow:
     makespan: dict[str, float] = field(default_factory=dict)  # REPORTED policy -> seconds
     best_static: int = 0  # prefill instances of the best static split
     task_static: int = 0  # prefill instances of the task's one split (paper §5.4 baseline)
-    statics: dict[int, float] = field(default_factory=dict)  # prefill count -> makespan
     instances: int = 8
     colocation_idle: float | None = None
     wape_prefill: float | None = None
     wape_decode: float | None = None
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
+    statics: dict[int, float] = field(default_factory=dict)  # prefill count -> makespan
 
     @property
     def role_switch_capable(self) -> bool:
