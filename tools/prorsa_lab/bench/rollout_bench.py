@@ -50,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="reduced grid for CI and make bench: half batches, 2 steps, "
-        "static splits 2..6 (about 1.5 min on 2 cores)",
+        "static splits 2..6 (about 1.5 min on 2 cores without deepseek-v3-dp16, which "
+        "adds about 140 CPU-seconds)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
