@@ -269,6 +269,30 @@ DEPLOYMENTS = [
         "MoE TP8, chunk 8192/8",
         role_switch_capable=True,
     ),
+    # The paper's DeepSeek instance size (16 attention modules per engine, §5.1) in the
+    # shape SGLang runs DeepSeek across two nodes without EP: --tp 16 --dp 16
+    # --enable-dp-attention --nnodes 2, so attention DP16 (TP1 each) over an MoE TP16
+    # (2048-wide experts / 16 = 128 columns: one FP8 block). The MoE all-reduce spans both
+    # nodes; aiconfigurator has measured all-reduce data up to 8 GPUs and models the
+    # cross-node part from its system file, as for deepseek-v3-tp16. Chunk per rank:
+    # 8192 / 16 = 512, which is also the paper's DeepSeek chunk.
+    Deployment(
+        name="deepseek-v3-dp16",
+        model_path="deepseek-ai/DeepSeek-V3",
+        title="DeepSeek-V3, 16xH200 (2 nodes), attention DP16 (TP1 each), MoE TP16 (EP1), "
+        "FP8; role-switch-capable",
+        gpus=16,
+        tp=1,
+        dp=16,
+        moe_tp=16,
+        moe_ep=1,
+        chunk=512,
+        max_context=131072,
+        kv_bytes_per_token=61 * 576 * 1,
+        source="SGLang's two-node DeepSeek DP attention (--tp 16 --dp 16 "
+        "--enable-dp-attention --nnodes 2) without EP: MoE TP16, chunk 8192/16",
+        role_switch_capable=True,
+    ),
     # Qwen3-235B-A22B with attention DP8 over MoE TP8: the BF16 checkpoint (the FP8 one's
     # 1536-wide experts / 8 = 192 columns do not divide into 128-wide blocks; aiconfigurator
     # refuses it, "Invalid quantized MoE configuration"), FP8 KV cache as the other BF16

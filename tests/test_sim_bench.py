@@ -125,7 +125,7 @@ def test_quick_grid_is_the_documented_reduction() -> None:
     assert (quick.steps, quick.scale, quick.static) == (2, 0.5, (2, 3, 4, 5, 6))
     assert (quick.models, quick.tasks, quick.staleness) == (full.models, full.tasks, (0, 2, 8))
     assert full.models[:3] == ("deepseek-v3-dp8", "qwen3-dp8", "qwen3-dp4")
-    assert len(jobs(full)) == 6 * 3 * 3 * (1 + 7 + 4 + 1)
+    assert len(jobs(full)) == 7 * 3 * 3 * (1 + 7 + 4 + 1)
     with pytest.raises(ValueError, match="gpt-9"):
         rollout._config(parser.parse_args(["--models", "gpt-9"]))
 
@@ -264,6 +264,7 @@ def test_grid_options_reach_every_scenario(capsys: pytest.CaptureFixture[str]) -
         "qwen3-dp8": True,
         "qwen3-dp4": True,
         "qwen3-dp2": True,
+        "deepseek-v3-dp16": True,
         "qwen3-tp8": False,  # one rank: smg's worker is the engine
         "deepseek-v3-tp16": False,
     }

@@ -134,18 +134,24 @@ ROLE_SWITCH_CAPABLE = {
     "qwen3-fp8-tp4": (4, 1, 4096, 4, 94 * 1 * 128 * 2),
     "qwen3-fp8-dp2": (4, 2, 4096, 2, 94 * 2 * 128 * 2),
     "deepseek-v3-tp16": (16, 1, 512, 16, 61 * 576),
+    "deepseek-v3-dp16": (16, 16, 512, 1, 61 * 576),
 }
 # Weights per GPU from the parameter counts, as a check on aiconfigurator's memory figures:
 # Qwen3-235B-A22B 235.1e9 parameters, of which 6.7e9 attention (sharded by the attention TP
 # only under DP attention); DeepSeek-V3 671e9 (FP8) plus its MLA down-projections (0.92e9)
 # that every TP rank holds whole.
 QWEN_PARAMS, QWEN_ATTN = 235.1e9, 6.7e9
+DS_ROUTED = 58 * 256 * 3 * 7168 * 2048
 WEIGHT_BYTES_PER_GPU = {
     "qwen3-tp8": QWEN_PARAMS * 2 / 8,
     "qwen3-dp2": (QWEN_PARAMS - QWEN_ATTN) * 2 / 8 + QWEN_ATTN * 2 / 4,
     "qwen3-fp8-tp4": QWEN_PARAMS / 4,
     "qwen3-fp8-dp2": (QWEN_PARAMS - QWEN_ATTN) / 4 + QWEN_ATTN / 2,
     "deepseek-v3-tp16": 671e9 / 16 + 0.92e9,
+    # Attention DP (TP1): only the routed experts (58 MoE layers x 256 x 3 x 7168 x 2048)
+    # are split over the MoE TP16; attention, shared experts, dense layers and embeddings
+    # sit whole on every GPU.
+    "deepseek-v3-dp16": DS_ROUTED / 16 + (671e9 - DS_ROUTED),
 }
 H200_BYTES = 151_397_597_184  # 141 GiB
 MEM_FRACTION_STATIC = 0.85

@@ -57,7 +57,7 @@ def test_the_attention_dp_deployments_are_in_the_grid_and_role_switch_capable() 
         assert parallel["attentionTp"] * parallel["attentionDp"] == 8
 
 
-@pytest.mark.parametrize("model", ["deepseek-v3-dp8", "qwen3-dp8", "qwen3-dp4"])
+@pytest.mark.parametrize("model", ["deepseek-v3-dp8", "qwen3-dp8", "qwen3-dp4", "deepseek-v3-dp16"])
 def test_every_new_table_names_its_source(model: str) -> None:
     data = table(model)
     assert data["aiconfiguratorVersion"] == "0.12.0"
@@ -116,3 +116,39 @@ def test_the_operator_renders_flags_sglang_accepts_with_role_switching(model: st
         assert "--enable-dp-attention" not in argv
     spec = Scenario(model=model, task="coding").spec()
     assert ("--dp-aware" in router_args(cluster="sim", namespace="rl", spec=spec)) is (p.ranks > 1)
+
+
+def test_deepseek_dp16_is_the_papers_instance_size_on_two_nodes_and_can_flip() -> None:
+    """Paper §5.1's DeepSeek engine has 16 attention modules; without EP (which SGLang
+    refuses with role switching) they run as attention DP16 over an MoE TP16."""
+    p = load_profile("deepseek-v3-dp16")
+    assert "deepseek-v3-dp16" in CAPABLE and p.role_switch_capable
+    assert (p.gpus_per_instance, p.ranks, p.gpus_per_rank, p.nodes) == (16, 16, 1, 2)
+    data = table("deepseek-v3-dp16")
+    assert data["parallel"] == {
+        "gpusPerInstance": 16,
+        "attentionTp": 1,
+        "attentionDp": 16,
+        "moeTp": 16,
+        "moeEp": 1,
+        "nodes": 2,
+    }
+    assert data["quant"] == table("deepseek-v3-dp8")["quant"]
+    # Each rank keeps its own MLA latent, unreplicated: 16 ranks hold 16 GPUs' worth.
+    assert p.kv_capacity == 16 * p.kv_capacity_per_rank
+    assert p.kv_capacity > 16 * load_profile("deepseek-v3-tp16").kv_capacity * 0.8
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-dp16", "deepseek-v3-dp8"])
+def test_more_tokens_are_never_faster_in_the_table(name: str) -> None:
+    """Every grid point as aiconfigurator gave it: a prefill step with more new or more
+    cached tokens, a decode step with more requests or longer contexts, never takes less."""
+    data = table(name)
+    for stage in ("prefill", "decode"):
+        section = data[stage]
+        assert isinstance(section, dict)
+        ms = section["ms"]
+        for row in ms:
+            assert row == sorted(row), f"{name} {stage}: a longer context is faster"
+        for col in zip(*ms, strict=True):
+            assert list(col) == sorted(col), f"{name} {stage}: more tokens are faster"

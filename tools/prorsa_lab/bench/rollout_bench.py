@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prorsa_lab.bench.split_value import value_json, value_table
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
@@ -49,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="reduced grid for CI and make bench: half batches, 2 steps, "
-        "static splits 2..6 (about 1.5 min on 2 cores)",
+        "static splits 2..6 (about 1.5 min on 2 cores without deepseek-v3-dp16, which "
+        "adds about 140 CPU-seconds)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
@@ -61,7 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         help="comma-separated (default: deepseek-v3-dp8, qwen3-dp8, qwen3-dp4, qwen3-dp2, "
-        "qwen3-tp8, deepseek-v3-tp16; the EP references qwen3-235b and deepseek-v3 on request)",
+        "deepseek-v3-dp16, qwen3-tp8, deepseek-v3-tp16; the EP references qwen3-235b and "
+        "deepseek-v3 on request)",
     )
     parser.add_argument("--tasks", help="comma-separated (default math,coding,general)")
     parser.add_argument("--staleness", help="comma-separated (default 0,2,8)")
@@ -125,6 +128,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--no-reference", action="store_true", help="leave out the foresight reference"
     )
     parser.add_argument(
+        "--policies",
+        help="comma-separated policies to run (default all: colocation, static, reactive, "
+        "throughput, prorsa, oracle, reference; the reference needs static)",
+    )
+    parser.add_argument(
         "--reuse",
         type=Path,
         metavar="JSON",
@@ -182,8 +190,17 @@ def _config(args: argparse.Namespace) -> Any:
                 f"--reference-moves must be non-zero integers, got {args.reference_moves!r}"
             )
         kw["reference_moves"] = moves
+    if args.policies:
+        picked = tuple(args.policies.split(","))
+        unknown = [p for p in picked if p not in base.policies]
+        if unknown or ("reference" in picked and "static" not in picked):
+            raise ValueError(
+                f"--policies must name some of {','.join(base.policies)} (reference with "
+                f"static), got {args.policies!r}"
+            )
+        kw["policies"] = picked
     if args.no_reference:
-        kw["policies"] = tuple(p for p in base.policies if p != "reference")
+        kw["policies"] = tuple(p for p in kw.get("policies", base.policies) if p != "reference")
     if getattr(args, "reuse", None) is not None:
         kw["policies"] = CONTROLLER_POLICIES
     cfg = GridConfig(**{**{f: getattr(base, f) for f in ("models", "tasks", "staleness")}, **kw})
@@ -428,6 +445,10 @@ def reuse(rows: list[SettingRow], doc: dict[str, Any]) -> list[dict[str, Any]]:
         keys.add(key)
         row.best_static = found["bestStatic"]["prefill"]
         row.task_static = found["taskStatic"]["prefill"]
+        row.statics = {
+            int(n): math.inf if ms is None else ms
+            for n, ms in (found.get("staticMakespans") or {}).items()
+        }
         row.colocation_idle = found["colocationIdleRatio"]
         for p in REUSED:
             x = old.get((*key, p))
@@ -507,6 +528,7 @@ def as_json(
                 "regime": r.regime,
                 "bestStatic": {"prefill": r.best_static, "decode": r.instances - r.best_static},
                 "taskStatic": {"prefill": r.task_static, "decode": r.instances - r.task_static},
+                "staticMakespans": {str(n): _finite(ms) for n, ms in r.statics.items()},
                 "colocationIdleRatio": r.colocation_idle,
                 "dpRouting": (r.details.get("best-static") or {}).get("dpRouting"),
             }
@@ -537,6 +559,7 @@ def as_json(
         "wape": wape,
         "settings": settings,
         "goals": gl,
+        "value": value_json(rows),
         "referenceSchedules": schedules,
         "png": str(png) if png else None,
     }
@@ -596,6 +619,7 @@ def run(args: argparse.Namespace) -> int:
         f"{cfg.instances} instances; {len(todo)} simulations in {elapsed:.0f} s"
     )
     print(table(rows))
+    print("\n" + value_table(rows))
     print("\ngoals")
     for g in gl:
         mark = {True: "ok  ", False: "MISS", None: "----"}[g["ok"]]

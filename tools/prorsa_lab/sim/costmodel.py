@@ -32,6 +32,8 @@ MODELS: dict[str, str] = {
     "deepseek-v3-dp8": "deepseek-v3-dp8",
     "qwen3-dp8": "qwen3-235b-bf16-dp8",
     "qwen3-dp4": "qwen3-235b-bf16-dp4",
+    # The paper's 16-attention-module DeepSeek instance (§5.1), two nodes, MoE TP16:
+    "deepseek-v3-dp16": "deepseek-v3-dp16",
     # Attention tensor parallel (colocation wins; the product advises it):
     "qwen3-tp8": "qwen3-235b-bf16-tp8",
     "qwen3-dp2": "qwen3-235b-bf16-dp2",

@@ -42,6 +42,7 @@ class GridConfig:
         "qwen3-dp8",
         "qwen3-dp4",
         "qwen3-dp2",
+        "deepseek-v3-dp16",
         "qwen3-tp8",
         "deepseek-v3-tp16",
     )
@@ -307,6 +308,7 @@ class SettingRow:
     wape_prefill: float | None = None
     wape_decode: float | None = None
     details: dict[str, dict[str, Any]] = field(default_factory=dict)
+    statics: dict[int, float] = field(default_factory=dict)  # prefill count -> makespan
 
     @property
     def role_switch_capable(self) -> bool:
@@ -368,6 +370,7 @@ def aggregate(results: Iterable[dict[str, Any]], *, instances: int) -> list[Sett
             row.wape_decode = r["wapeDecode"]
         row.details[name] = r
     for key, found in statics.items():
+        rows[key].statics = {n: found[n]["makespan"] for n in sorted(found)}
         n_p = min(found, key=lambda n: (found[n]["makespan"], n))
         rows[key].makespan["best-static"] = found[n_p]["makespan"]
         rows[key].best_static = n_p
