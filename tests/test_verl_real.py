@@ -28,10 +28,10 @@ verl = pytest.importorskip(
 
 import httpx  # noqa: E402
 from aiohttp import web  # noqa: E402
+from byte_tokenizer import byte_tokenizer  # noqa: E402
 from conftest import make_spec  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from test_ingest_server import TOKEN, serve  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap  # noqa: E402
 from verl.tools.function_tool import function_tool, get_function_tool  # noqa: E402
@@ -42,28 +42,8 @@ from prorsa.core.controller import Controller  # noqa: E402
 from prorsa_contract.events import Event  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "verl_agent_loop.py"
-SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>'
 ANSWER = "2 + 3 = 5.\n#### 5<|im_end|>"
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Every byte a token, plus the chat-template markers: encodes and decodes any text."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
 
 
 @asynccontextmanager
