@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -45,12 +46,14 @@ from areal.reward.gsm8k import gsm8k_reward_fn
 from areal.workflow.rlvr import RLVRWorkflow
 from byte_tokenizer import byte_tokenizer
 from conftest import make_spec
+from pydantic import TypeAdapter
 from test_ingest_server import TOKEN, serve
 from transformers import PreTrainedTokenizerFast
 
 from prorsa.core.controller import Controller
 from prorsa_contract.events import Event
 
+EVENT: TypeAdapter[Any] = TypeAdapter(Event)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "areal_prorsa.py"
 TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>'
 ANSWER = "2 + 3 = 5. The answer is \\boxed{5}<|im_end|>"
@@ -172,6 +175,7 @@ def load_example() -> Any:
     spec = importlib.util.spec_from_file_location("areal_prorsa_real", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
     spec.loader.exec_module(module)
     return module
 
@@ -196,6 +200,7 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
 ) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    recording = tmp_path / "rollout.ndjson"
     tok = byte_tokenizer()
     controller = RecordingController()
     async with serve(controller=controller) as srv, fake_sglang(tok) as (addr, fake):
@@ -204,6 +209,10 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
             "PRORSA_NAMESPACE": "rl",
             "PRORSA_CLUSTER": "c",
             "PRORSA_TOKEN_FILE": str(token),
+            # Every batch the webhook accepted, superseded events included: the emitter's
+            # start-up snapshot (it tracks its trajectories) may reach the webhook before
+            # events older than it, which are then counted, not applied.
+            "PRORSA_RECORD": str(recording),
         }.items():
             monkeypatch.setenv(key, value)
         example = load_example()
@@ -239,8 +248,11 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
             await asyncio.sleep(0.5)  # what AReaL would dispatch now, it has dispatched
             before_update = len(fake.generate)
 
-            # The trainer's weight update, as AReaL's FSDP actor drives the rollout engine.
+            # The trainer's weight update, as AReaL's PPOTrainer and its FSDP actor drive
+            # the rollout engine: pause, pause_generation, update, continue_generation,
+            # set_version, resume.
             meta = WeightUpdateMeta(type="xccl", nccl_group_name="g").with_version(1)
+            engine.pause()
             await asyncio.to_thread(engine.pause_generation)
             spec = [ParamSpec(name="w", shape=(2,), dtype="float32")]
             await asyncio.to_thread(
@@ -248,6 +260,7 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
             )
             await asyncio.to_thread(engine.continue_generation)
             engine.set_version(1)
+            engine.resume()
             second = await asyncio.to_thread(engine.wait, BATCH, timeout=60)
             await wait_dispatched(controller, 4)
         finally:
@@ -264,17 +277,21 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
     assert fake.calls.count("/update_weights_from_distributed") == 1
     assert fake.calls.count("/continue_generation") == 1
 
-    events = sorted(controller.seen, key=lambda e: e.ts)  # two emitters: rollout, trainer
-    kinds = [e.type for e in events]
-    started = kinds.index("weight_update_started")
-    finished = kinds.index("weight_update_finished")
-    assert started < finished
-    assert events[started].version == events[finished].version == 1  # type: ignore[union-attr]
+    rollout = [
+        EVENT.validate_json(line) for line in recording.read_text().splitlines() if line
+    ]  # the contract's models: every event the rollout sent, as the webhook validated it
+    weights = [e for e in controller.seen if e.type.startswith("weight_update")]
+    assert [(e.type, e.version) for e in weights] == [  # type: ignore[union-attr]
+        ("weight_update_started", 1),
+        ("weight_update_finished", 1),
+    ]
+    started, finished = weights[0].ts, weights[1].ts
     # Staleness: two episodes (one batch ahead of version 0) started before the update,
     # none during it, the other two after it.
-    dispatched = [i for i, k in enumerate(kinds) if k == "sample_dispatched"]
-    assert len([i for i in dispatched if i < started]) == BATCH
-    assert len([i for i in dispatched if i > finished]) == BATCH
+    dispatched = [e.ts for e in rollout if e.type == "sample_dispatched"]
+    assert len([ts for ts in dispatched if ts < started]) == BATCH
+    assert len([ts for ts in dispatched if ts > finished]) == BATCH
+    events = rollout
 
     by_traj: dict[str, list[Event]] = {}
     for e in events:
