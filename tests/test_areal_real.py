@@ -20,7 +20,6 @@ import asyncio
 import importlib.util
 import os
 import sys
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -162,12 +161,10 @@ class RecordingController(Controller):
     def __init__(self) -> None:
         super().__init__(make_spec())
         self.seen: list[Event] = []
-        self.lock = threading.Lock()
 
     def observe(self, events: Any) -> Any:
         batch = list(events)
-        with self.lock:
-            self.seen.extend(batch)
+        self.seen.extend(batch)
         return super().observe(batch)
 
 
@@ -183,16 +180,6 @@ def load_example() -> Any:
 def prompt(i: int, *, tool: bool = False) -> dict[str, Any]:
     text = "Use the add tool: what is 2 + 3?" if tool else f"Question {i}: what is 2 + 3?"
     return {"query_id": f"q{i}", "messages": [{"role": "user", "content": text}], "answer": "5"}
-
-
-async def wait_dispatched(controller: RecordingController, count: int) -> None:
-    for _ in range(400):
-        with controller.lock:
-            seen = sum(e.type == "sample_dispatched" for e in controller.seen)
-        if seen >= count:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{count} dispatches expected, the webhook saw {seen}")
 
 
 async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_weights(
@@ -244,7 +231,6 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
             for i in (1, 2, 3):
                 engine.submit(prompt(i), workflow=rlvr)
             first = await asyncio.to_thread(engine.wait, BATCH, timeout=60)
-            await wait_dispatched(controller, BATCH)
             await asyncio.sleep(0.5)  # what AReaL would dispatch now, it has dispatched
             before_update = len(fake.generate)
 
@@ -262,7 +248,6 @@ async def test_areal_async_rollout_reports_dispatch_requests_tools_rewards_and_w
             engine.set_version(1)
             engine.resume()
             second = await asyncio.to_thread(engine.wait, BATCH, timeout=60)
-            await wait_dispatched(controller, 4)
         finally:
             await asyncio.to_thread(engine.destroy)
 
