@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test test-fast lint bench demo venv clean engine-env test-engine engine-study demo-sglang
+.PHONY: test test-fast lint bench demo venv clean engine-env test-engine engine-study demo-sglang \
+	trainer-envs test-trainers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +65,17 @@ test-engine: engine-env $(TEST_STAMP)
 # times (tests/real_engine/test_launched_as_prefill.py; three more engines).
 engine-study: engine-env $(TEST_STAMP)
 	PRORSA_REQUIRE_REAL_ENGINE=1 $(BIN)/python -m pytest -q -s -m study tests/real_engine
+
+# The trainers' examples against the real packages (docs/trainers.md): .venv-verl and
+# .venv-areal, one each (their pins conflict; several GB each, a no-op once built), then
+# tests/test_verl_real.py and tests/test_areal_real.py, required to run, not skip.
+trainer-envs:
+	scripts/trainer-env.sh verl
+	scripts/trainer-env.sh areal
+
+test-trainers: trainer-envs
+	PRORSA_REQUIRE_TRAINERS=1 .venv-verl/bin/python -m pytest -q tests/test_verl_real.py
+	PRORSA_REQUIRE_TRAINERS=1 .venv-areal/bin/python -m pytest -q tests/test_areal_real.py
 
 # `make demo` with real SGLang engines on this CPU instead of engine doubles.
 demo-sglang: engine-env $(DEMO_STAMP)

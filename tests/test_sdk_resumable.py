@@ -23,7 +23,7 @@ from conftest import make_spec
 from prorsa.clusters import ClusterRegistry
 from prorsa.core.controller import Controller
 from prorsa.ingest import WebhookServer
-from prorsa_sdk import AsyncEventEmitter, ResumableGeneration, ResumeExhausted
+from prorsa_sdk import AsyncEventEmitter, ResumableGeneration, ResumeExhausted, weight_version_key
 
 
 def next_token(seq: list[int]) -> int:
@@ -426,3 +426,34 @@ async def test_a_duplicate_request_id_is_retried_under_a_new_one(running: Runnin
     with pytest.raises(httpx.HTTPStatusError) as exc:
         await gen.generate(payload)
     assert exc.value.response.status_code == 400
+
+
+async def test_every_request_carries_the_weight_version_it_is_sent_under(running: Running) -> None:
+    """SGLang's ``extra_key`` scopes the prefix cache (and HiCache's storage namespace) to
+    the weights: a resume after a role switch keeps its version, one after a weight update
+    carries the new one, and so does a retry."""
+
+    def loaded() -> int:
+        """The first abort is a role switch (same weights); the second a weight update:
+        the trainer has loaded version 4 before the second resume is sent."""
+        return 3 if len(running.engine.requests) < 2 else 4
+
+    gen = ResumableGeneration(running.http, retry_base=0.01, weight_version=loaded)
+    running.engine.abort_after = [4, 5]
+    payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20}, "rid": "r"}
+    await gen.generate(payload)
+    keys = [r["extra_key"] for r in running.engine.requests]
+    assert keys == ["weights-v3", "weights-v3", "weights-v4"]
+    assert "extra_key" not in payload  # the caller's payload is untouched
+
+    running.engine.faults = ["503"]  # the retry is sent under the version loaded then
+    await gen.chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert [r["extra_key"] for r in running.engine.requests[3:]] == ["weights-v4"] * 2
+
+
+def test_a_weight_version_key_names_one_version() -> None:
+    assert weight_version_key(0) == "weights-v0"
+    assert weight_version_key(12) != weight_version_key(1)
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="weight version"):
+            weight_version_key(bad)  # type: ignore[arg-type]

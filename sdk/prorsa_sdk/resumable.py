@@ -34,6 +34,14 @@ clamped to the context window, which its ``length`` field then names), so a shor
 not the answer that was asked for. A PD prefill engine answers that way (one token,
 ``{"type": "length", "length": 0}``), and a router that routes decode traffic to an engine
 that just became prefill would otherwise hand it back as a complete answer.
+
+With ``weight_version``, every request sent (the first, each resume, each retry) carries the
+trainer's weight version as SGLang's ``extra_key`` (a field of SGLang 0.5.23's
+``GenerateReqInput`` and of its OpenAI-compatible requests). SGLang scopes its prefix cache
+and seeds its HiCache storage namespace with it, so KV computed on one version of the
+weights is never reused on another, and a request resumed after a role switch on the same
+version finds its prefix again. It is read at each send: a request aborted by a weight
+update resumes under the new version.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import asyncio
 import copy
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import httpx
@@ -51,6 +59,14 @@ log = logging.getLogger("prorsa_sdk")
 
 _BUDGET_KEYS_GENERATE = ("max_new_tokens",)
 _BUDGET_KEYS_CHAT = ("max_tokens", "max_completion_tokens")
+
+
+def weight_version_key(version: int) -> str:
+    """The ``extra_key`` of a request generated on weight ``version`` (the version the
+    trainer reports in ``weight_update_started``): one prefix-cache namespace per version."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+    return f"weights-v{version}"
 
 
 class ResumeExhausted(RuntimeError):
@@ -120,7 +136,9 @@ class ResumableGeneration:
 
     With ``emitter`` and a ``trajectory`` the helper also reports each resume to Prorsa
     (``decode_finished(finish="abort")`` then ``request_queued`` with the longer prompt), so
-    the forecast sees the resent prefill.
+    the forecast sees the resent prefill. With ``weight_version`` (called at each send:
+    the version of the weights the engines hold now) every request carries it as
+    ``extra_key`` (:func:`weight_version_key`).
     """
 
     def __init__(
@@ -132,6 +150,7 @@ class ResumableGeneration:
         retry_base: float = 0.2,
         max_retry_delay: float = 10.0,
         emitter: _RequestEvents | None = None,
+        weight_version: Callable[[], int] | None = None,
     ) -> None:
         if max_resumes < 0 or max_retries < 0:
             raise ValueError("max_resumes and max_retries must be >= 0")
@@ -141,6 +160,7 @@ class ResumableGeneration:
         self.retry_base = retry_base
         self.max_retry_delay = max_retry_delay
         self.emitter = emitter
+        self.weight_version = weight_version
         # Totals over this helper's life, for metrics and tests.
         self.resumes = 0
         self.retries = 0
@@ -289,8 +309,12 @@ class ResumableGeneration:
         (a router restart) may still run at its engine, which refuses a second request with
         the same id (HTTP 400, "Duplicate request ID")."""
         attempt = 0
-        sent = body
         while True:
+            sent = dict(body)
+            if attempt and isinstance(body.get("rid"), str):
+                sent["rid"] = f"{body['rid']}-retry{attempt}"
+            if self.weight_version is not None:
+                sent["extra_key"] = weight_version_key(self.weight_version())
             try:
                 r = await self.client.post(path, json=sent)
                 r.raise_for_status()
@@ -307,8 +331,6 @@ class ResumableGeneration:
                 await asyncio.sleep(delay)
                 attempt += 1
                 self.retries += 1
-                if isinstance(body.get("rid"), str):
-                    sent = {**body, "rid": f"{body['rid']}-retry{attempt}"}
 
 
 def _transient(response: httpx.Response) -> bool:
