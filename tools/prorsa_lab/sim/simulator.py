@@ -26,6 +26,13 @@ from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s.objects import router_args
 from prorsa_lab.sim.costmodel import ModelProfile, load_profile
 from prorsa_lab.sim.engine import DECODE, SimCluster
+from prorsa_lab.sim.kv_store import (
+    KV_STORES,
+    PER_INSTANCE,
+    KvStore,
+    SharedKVStore,
+    default_capacity_tokens,
+)
 from prorsa_lab.sim.loop import Loop, SimulationError
 from prorsa_lab.sim.trainer import OVER_DISPATCH, PrefillEvents, Trainer
 from prorsa_lab.sim.workloads import TaskProfile, get_task
@@ -73,6 +80,12 @@ class Scenario:
     # HiCache host tier per rank over its GPU KV pool: SGLang 0.5.23's default ratio (2.0),
     # which the engine image enables (--enable-hierarchical-cache); 0 for a GPU-only cache.
     hicache_ratio: float = 2.0
+    # Where prefix KV lives (kv_store.py): "per-instance" (SGLang 0.5.23 as shipped: a flip
+    # wipes the instance's caches) or "shared" (an L3 store every engine reads and no flip
+    # wipes, with decode-side KV offload). kv_store_tokens: its capacity; None: the nodes'
+    # host memory the HiCache host tiers leave (kv_store.default_capacity_tokens).
+    kv_store: KvStore = PER_INSTANCE
+    kv_store_tokens: int | None = None
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
@@ -97,6 +110,19 @@ class Scenario:
                 raise ValueError(f"unknown DP routing {self.dp_routing!r}: one of {DP_ROUTINGS}")
             return self.dp_routing == "dp-aware"
         return "--dp-aware" in router_args(cluster="sim", namespace="sim", spec=self.spec())
+
+    def shared_store(self) -> SharedKVStore | None:
+        """A fresh shared KV store for one run of this scenario; None when per-instance."""
+        if self.kv_store not in KV_STORES:
+            raise ValueError(f"unknown kv_store {self.kv_store!r}: one of {KV_STORES}")
+        if self.kv_store == PER_INSTANCE:
+            return None
+        tokens = self.kv_store_tokens
+        if tokens is None:
+            tokens = default_capacity_tokens(
+                self.profile(), instances=self.instances, hicache_ratio=self.hicache_ratio
+            )
+        return SharedKVStore(capacity_tokens=tokens)
 
     def update_seconds(self) -> float:
         """The weight update's duration in seconds (see ``weight_update_seconds``)."""
@@ -229,6 +255,7 @@ class Simulation:
             switch_seconds=scenario.switch_seconds,
             drain_timeout=scenario.drain_timeout,
             hicache_ratio=scenario.hicache_ratio,
+            kv_store=scenario.shared_store(),
             router_drain_seconds=scenario.router_drain_seconds,
             router_register_seconds=scenario.router_register_seconds,
             dp_aware=scenario.dp_aware(),
@@ -341,6 +368,8 @@ class Simulation:
             n = len(self._kv_samples)
             result.decode_kv_utilisation = sum(u for u, _q in self._kv_samples) / n
             result.admission_queue = sum(q for _u, q in self._kv_samples) / n
+        if cl.kv_store is not None:
+            result.extra["kvStore"] = cl.kv_store.summary()
         finish = getattr(self.policy, "finish", None)
         if finish is not None:
             finish(self, result)
