@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from prorsa.cli import main
+from prorsa_lab.bench import rollout_bench as rollout
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.engine import DECODE, PREFILL, Request, SimCluster
 from prorsa_lab.sim.kv_store import (
@@ -196,13 +201,53 @@ def test_default_capacity_is_the_host_memory_the_hicache_tiers_leave() -> None:
 
 
 def test_the_default_run_is_unchanged_and_shared_is_its_own_run() -> None:
-    """The default is today's model: same makespan as a run that names per-instance."""
+    """The default is today's model: the makespans main printed before the store existed
+    (0a46f9e, this scenario), and a run that names per-instance is the same run."""
     sc = Scenario(model="qwen3-dp2", task="general", staleness=2, steps=2, groups_per_step=4)
     default = simulate(sc, baseline("static-3P"))
+    assert default.makespan == pytest.approx(411.72859610920773, rel=1e-12)
+    assert simulate(sc, baseline("colocation")).makespan == pytest.approx(
+        411.8841772955047, rel=1e-12
+    )
     named = simulate(dataclasses.replace(sc, kv_store="per-instance"), baseline("static-3P"))
-    shared = simulate(dataclasses.replace(sc, kv_store="shared"), baseline("static-3P"))
-    assert default.makespan == named.makespan
+    assert named.makespan == default.makespan
     assert "kvStore" not in default.extra
+    shared = simulate(dataclasses.replace(sc, kv_store="shared"), baseline("static-3P"))
     assert shared.extra["kvStore"]["loadedTokens"] > 0
+    assert shared.makespan != default.makespan
     with pytest.raises(ValueError, match="kv_store"):
         dataclasses.replace(sc, kv_store="nfs").shared_store()  # type: ignore[arg-type]
+
+
+def test_the_bench_names_the_store_it_ran_and_runs_only_the_policies_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiny = ["--models", "qwen3-dp2", "--tasks", "general", "--staleness", "8", "--steps", "1"]
+    tiny += ["--scale", "0.125", "--workers", "1", "--out", str(tmp_path)]
+    picked = ["--policies", "colocation,static,reference"]
+    assert main(["bench", "rollout", *tiny, *picked, "--kv-store", "shared"]) == 0
+    out = capsys.readouterr().out
+    assert "KV store shared;" in out.splitlines()[0]
+    doc = json.loads((tmp_path / "rollout.json").read_text())
+    assert doc["grid"]["kvStore"] == "shared"
+    rows = {r["policy"]: r for r in doc["rollout"]}
+    assert set(rows) == {"colocation", "best-static", "task-static", "reference"}
+    assert rows["best-static"]["kvStore"]["capacityTokens"] > 0
+    # The default names per-instance caches; a JSON from before the flag counts as one.
+    assert main(["bench", "rollout", *tiny, "--policies", "colocation", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["grid"]["kvStore"] == "per-instance"
+    assert {r["kvStore"] for r in plain["rollout"]} == {None}
+    del plain["grid"]["kvStore"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(plain))
+    parser = argparse.ArgumentParser()
+    rollout.configure(parser)
+    cfg = rollout._config(parser.parse_args(tiny[:-2]))
+    rollout.read_previous(old, cfg)
+    shared = rollout._config(parser.parse_args([*tiny[:-2], "--kv-store", "shared"]))
+    with pytest.raises(ValueError, match="kvStore 'per-instance', here 'shared'"):
+        rollout.read_previous(old, shared)
+    for bad in ("prorsa,magic", "reference"):
+        assert main(["bench", "rollout", *tiny, "--policies", bad]) == 2
+        assert "--policies must name some of" in capsys.readouterr().err
