@@ -251,3 +251,12 @@ def test_the_bench_names_the_store_it_ran_and_runs_only_the_policies_asked(
     for bad in ("prorsa,magic", "reference"):
         assert main(["bench", "rollout", *tiny, "--policies", bad]) == 2
         assert "--policies must name some of" in capsys.readouterr().err
+
+
+def test_a_scenario_can_tell_the_controller_a_flip_loses_no_cache() -> None:
+    sc = Scenario(model="qwen3-dp4", task="coding", kv_store="shared")
+    p = sc.profile()
+    # Today's default: the host tier (2x the GPU pool, write-through) holds the most.
+    assert sc.spec().capacity.prefill_cache_tokens == 2 * p.kv_capacity
+    told = dataclasses.replace(sc, prefill_cache_tokens=0).spec().capacity
+    assert told.prefill_cache_tokens == 0

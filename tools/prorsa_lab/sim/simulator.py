@@ -86,6 +86,10 @@ class Scenario:
     # host memory the HiCache host tiers leave (kv_store.default_capacity_tokens).
     kv_store: KvStore = PER_INSTANCE
     kv_store_tokens: int | None = None
+    # The spec's capacity.prefillCacheTokens. None: what one prefill instance's cache tiers
+    # hold (below). 0 tells the Controller no prefix cache is lost with a flip and sets no
+    # cache floor: what a cluster whose shared store keeps every context could declare.
+    prefill_cache_tokens: int | None = None
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
@@ -177,7 +181,9 @@ class Scenario:
                     "decodeConcurrency": p.decode_concurrency(),
                     # What one prefill instance's prefix cache holds: the host tier keeps a
                     # copy of the GPU cache (write-through), so the larger of the two.
-                    "prefillCacheTokens": int(p.kv_capacity * max(1.0, self.hicache_ratio)),
+                    "prefillCacheTokens": int(p.kv_capacity * max(1.0, self.hicache_ratio))
+                    if self.prefill_cache_tokens is None
+                    else self.prefill_cache_tokens,
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
