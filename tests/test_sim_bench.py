@@ -63,6 +63,7 @@ def test_json_has_every_policy_speedups_wape_and_writes_the_png(
                 "decodeKvUtilisation",
                 "admissionQueue",
                 "switches",
+                "kvStore",  # what a shared KV store served (None: per-instance caches)
             }
             assert r["makespanSeconds"] > 0
             assert r["roleSwitchCapable"] is True and r["regime"] in ("kv-bound", "latency-bound")

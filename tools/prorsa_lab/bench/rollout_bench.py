@@ -22,6 +22,7 @@ from typing import Any
 from prorsa_lab.bench.split_value import value_json, value_table
 from prorsa_lab.sim.costmodel import load_profile
 from prorsa_lab.sim.grid_plot import write_png
+from prorsa_lab.sim.kv_store import KV_STORES, PER_INSTANCE
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs, run_jobs
 from prorsa_lab.sim.simulator import DP_ROUTINGS
 from prorsa_lab.sim.trainer import PREFILL_EVENTS
@@ -76,6 +77,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="HiCache host tier over each rank's GPU KV pool (default 2.0, SGLang's and the "
         "engine image's; 0: GPU-only prefix caches)",
+    )
+    parser.add_argument(
+        "--kv-store",
+        choices=KV_STORES,
+        default=PER_INSTANCE,
+        help="where prefix KV lives: per-instance (default; SGLang 0.5.23: a flip wipes the "
+        "instance's caches) or shared (an L3 store every engine reads that survives flips, "
+        "with decode-side KV offload; entries of older weight versions never hit)",
     )
     parser.add_argument(
         "--no-weight-update-events",
@@ -164,6 +173,7 @@ def _config(args: argparse.Namespace) -> Any:
         if not (args.hicache_ratio >= 0 and math.isfinite(args.hicache_ratio)):
             raise ValueError(f"--hicache-ratio must be >= 0, got {args.hicache_ratio}")
         kw["hicache_ratio"] = args.hicache_ratio
+    kw["kv_store"] = args.kv_store
     if args.no_weight_update_events:
         kw["weight_update_events"] = False
     if args.weight_update_seconds is not None:
@@ -381,6 +391,7 @@ def grid_of(cfg: GridConfig) -> dict[str, Any]:
         "scale": cfg.scale,
         "instances": cfg.instances,
         "hicacheRatio": cfg.hicache_ratio,
+        "kvStore": cfg.kv_store,
         "weightUpdateEvents": cfg.weight_update_events,
         "weightUpdateSeconds": cfg.weight_update_seconds,
         "routerSeconds": list(cfg.router_seconds),
@@ -415,6 +426,8 @@ def read_previous(path: Path, cfg: GridConfig) -> dict[str, Any]:
     mine = grid_of(cfg)
     theirs = doc.get("grid")
     if theirs is not None:
+        # A run from before --kv-store existed ran per-instance caches.
+        theirs = {"kvStore": PER_INSTANCE} | theirs
         differ = sorted(k for k in mine if theirs.get(k) != mine[k])
         if differ:
             raise ValueError(
@@ -506,6 +519,7 @@ def as_json(
                     "decodeKvUtilisation": detail.get("decodeKvUtilisation"),
                     "admissionQueue": detail.get("admissionQueue"),
                     "switches": detail.get("switches"),
+                    "kvStore": (detail.get("extra") or {}).get("kvStore"),
                 }
             )
         wape.append(
@@ -616,7 +630,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"prorsa bench rollout: {len(cfg.models)} models x {len(cfg.tasks)} tasks x "
         f"{len(cfg.staleness)} staleness, {cfg.steps} steps, batch scale {cfg.scale}, "
-        f"{cfg.instances} instances; {len(todo)} simulations in {elapsed:.0f} s"
+        f"{cfg.instances} instances, KV store {cfg.kv_store}; {len(todo)} simulations in "
+        f"{elapsed:.0f} s"
     )
     print(table(rows))
     print("\n" + value_table(rows))

@@ -15,6 +15,8 @@ RDMA), ``decode`` (admits transferred requests while their KV fits), ``colocated
 chunked prefill, the PD-colocation baseline). A role switch drains the instance (queued
 prefills move elsewhere, running decodes get ``drain_timeout`` seconds to finish and are
 then aborted and resent, as the operator's switch does) and then costs ``switch_seconds``.
+A flip wipes the instance's prefix caches; with a shared KV store (:mod:`.kv_store`) what
+the store holds survives it, and every instance's prefill can load from it.
 
 Decode steps between events are taken in bulk: with no prefill work anywhere in the
 instance, the batch is constant until the next request finishes, so k steps of identical
@@ -32,6 +34,7 @@ from typing import Protocol
 
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.sim.costmodel import ModelProfile, StepTimes
+from prorsa_lab.sim.kv_store import STORE_BYTES_PER_SECOND_PER_GPU, SharedKVStore
 from prorsa_lab.sim.loop import Loop
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
@@ -405,6 +408,18 @@ class Instance:
             if hit:
                 # A host-tier hit is loaded back to GPU memory before it is attended to.
                 r.load_seconds += self.cluster.host_load_seconds(min(hit, target - 1))
+        store = self.cluster.kv_store
+        if store is not None:
+            stored = min(store.lookup(req.traj), target - 1)
+            near = min(hit, target - 1)
+            if stored > near:
+                # HiCache prefetches the rest of the prefix from L3 into the host tier and
+                # loads it to GPU memory; charged to the step (the prefetch may overlap
+                # the request's wait in the queue: a conservative choice).
+                r.load_seconds += self.cluster.store_load_seconds(stored - near)
+                store.loaded_tokens += stored - near
+                store.loads += 1
+                hit = stored
         cached = min(hit, target - 1)
         req.cached = cached
         req.done = cached
@@ -441,6 +456,9 @@ class Instance:
             while r.host_tokens > host_cap and r.host:
                 _t, n = r.host.popitem(last=False)
                 r.host_tokens -= n
+        store = self.cluster.kv_store
+        if store is not None:
+            store.put(traj, tokens)  # HiCache backs its host tier up to L3
 
     def _step_end(self, gen: int) -> None:
         if gen != self.gen:
@@ -545,6 +563,8 @@ class Instance:
         self._take_off(r, req)
         if self.role == COLOCATED:
             self._remember(r, req.traj, req.context())
+        elif self.cluster.kv_store is not None:
+            self.cluster.offload(req)
         self.cluster.listener.on_decode_finished(req, now)
 
     def _finish_decodes(self, r: Rank, now: float) -> None:
@@ -661,6 +681,7 @@ class SimCluster:
         drain_timeout: float = 30.0,
         hicache_ratio: float = 0.0,
         prefix_cache: bool = True,
+        kv_store: SharedKVStore | None = None,
         router_drain_seconds: float = 0.0,
         router_register_seconds: float = 0.0,
         dp_aware: bool = True,
@@ -680,6 +701,8 @@ class SimCluster:
         # False: an engine that keeps no prefix cache (the engine double; a RolloutCluster's
         # capacity.prefillCacheTokens: 0), so every turn prefills its whole context.
         self.prefix_cache = prefix_cache
+        # None: each instance's caches are its own and a flip wipes them (SGLang 0.5.23).
+        self.kv_store = kv_store
         self.prefix = prefix
         self.gpus_per_rank = profile.gpus_per_rank
         self.times = StepTimes(profile)
@@ -707,6 +730,22 @@ class SimCluster:
         """Loading ``tokens`` of a rank's KV back from host memory (each GPU its share)."""
         bw = HOST_BYTES_PER_SECOND_PER_GPU * self.gpus_per_rank
         return tokens * self.profile.kv_wire_bytes_per_token / bw
+
+    def store_write_seconds(self, tokens: int) -> float:
+        """Writing ``tokens`` of a rank's KV to the shared store over its NICs."""
+        bw = STORE_BYTES_PER_SECOND_PER_GPU * self.gpus_per_rank
+        return max(tokens, 0) * self.profile.kv_wire_bytes_per_token / bw
+
+    def store_load_seconds(self, tokens: int) -> float:
+        """Fetching ``tokens`` from the shared store to host memory, then to the GPUs."""
+        return self.store_write_seconds(tokens) + self.host_load_seconds(tokens)
+
+    def offload(self, req: Request) -> None:
+        """Decode-side KV offload: a finished or aborted request's context goes to L3
+        (whole pages; the prompt's pages are there from its prefill)."""
+        assert self.kv_store is not None
+        self.kv_store.put(req.traj, req.context())
+        self.kv_store.offloads += 1
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -752,6 +791,8 @@ class SimCluster:
                 backlog += sum(q.prompt for q in r.pq if not q.silent)
             assert nreq == inst.nreq, (inst.name, nreq, inst.nreq)
         assert backlog == self.backlog_tokens, (backlog, self.backlog_tokens)
+        if self.kv_store is not None:
+            self.kv_store.check()
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -854,6 +895,9 @@ class SimCluster:
         start = max(now, src.tx_free)
         done = start + self.profile.transfer_seconds(req.prompt)
         src.tx_free = done
+        if self.kv_store is not None:
+            # The new part of the prompt goes to L3 over the same NIC, after the transfer.
+            src.tx_free += self.store_write_seconds(req.prompt - req.cached)
         req.where = TRANSFER
         self.transferring[req] = None
         if dst is None:
@@ -964,6 +1008,8 @@ class SimCluster:
         style interruptible generation: carried-over trajectories re-prefill, paper §3.1).
         """
         now = self.loop.now
+        if self.kv_store is not None:
+            self.kv_store.new_weights()
         aborted: list[Request] = []
         for inst in self.instances:
             inst.gen += 1
@@ -1079,6 +1125,8 @@ class SimCluster:
         inst.gen += 1
         inst.busy = False
         for req in victims:
+            if self.kv_store is not None:
+                self.offload(req)  # the retry resumes from it on any prefill instance
             self._abort(req, now)
         inst._plan(now)
 

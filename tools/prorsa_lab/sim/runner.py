@@ -53,6 +53,7 @@ class GridConfig:
     instances: int = 8
     scale: float = 1.0  # multiplies every task's groups per step (at least one group)
     hicache_ratio: float = 2.0  # HiCache host tier over the GPU pool; 0: GPU-only caches
+    kv_store: str = "per-instance"  # Scenario.kv_store: "shared" keeps prefix KV through flips
     weight_update_events: bool = True  # the trainer announces weight updates
     weight_update_seconds: float | None = None  # Scenario.weight_update_seconds (measured)
     # Scenario.router_drain/register_seconds: smg's, as measured
@@ -88,6 +89,7 @@ class GridConfig:
                             instances=self.instances,
                             groups_per_step=groups,
                             hicache_ratio=self.hicache_ratio,
+                            kv_store=self.kv_store,  # type: ignore[arg-type]
                             weight_update_events=self.weight_update_events,
                             weight_update_seconds=self.weight_update_seconds,
                             router_drain_seconds=self.router_seconds[0],
@@ -159,6 +161,7 @@ def summarize(result: SimResult, *, detail: bool) -> dict[str, Any]:
         "staleness": sc.staleness,
         "seed": sc.seed,
         "dpRouting": "dp-aware" if sc.dp_aware() else "round-robin",
+        "kvStore": sc.kv_store,
         "policy": result.policy,
         "weightUpdateSeconds": sc.update_seconds(),
         "routerSeconds": [sc.router_drain_seconds, sc.router_register_seconds],

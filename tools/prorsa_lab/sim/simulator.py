@@ -26,6 +26,13 @@ from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s.objects import router_args
 from prorsa_lab.sim.costmodel import ModelProfile, load_profile
 from prorsa_lab.sim.engine import DECODE, SimCluster
+from prorsa_lab.sim.kv_store import (
+    KV_STORES,
+    PER_INSTANCE,
+    KvStore,
+    SharedKVStore,
+    default_capacity_tokens,
+)
 from prorsa_lab.sim.loop import Loop, SimulationError
 from prorsa_lab.sim.trainer import OVER_DISPATCH, PrefillEvents, Trainer
 from prorsa_lab.sim.workloads import TaskProfile, TrajectoryScript, get_task
@@ -75,6 +82,16 @@ class Scenario:
     hicache_ratio: float = 2.0
     # False: the engines keep no prefix cache (capacity.prefillCacheTokens: 0 in a replay).
     prefix_cache: bool = True
+    # Where prefix KV lives (kv_store.py): "per-instance" (SGLang 0.5.23 as shipped: a flip
+    # wipes the instance's caches) or "shared" (an L3 store every engine reads and no flip
+    # wipes, with decode-side KV offload). kv_store_tokens: its capacity; None: the nodes'
+    # host memory the HiCache host tiers leave (kv_store.default_capacity_tokens).
+    kv_store: KvStore = PER_INSTANCE
+    kv_store_tokens: int | None = None
+    # The spec's capacity.prefillCacheTokens. None: what one prefill instance's cache tiers
+    # hold (below). 0 tells the Controller no prefix cache is lost with a flip and sets no
+    # cache floor: what a cluster whose shared store keeps every context could declare.
+    prefill_cache_tokens: int | None = None
     # The trainer announces weight updates (weight_update_started/_finished); off: the
     # Controller infers them from the burst of aborts, as with a trainer that does not.
     weight_update_events: bool = True
@@ -99,6 +116,19 @@ class Scenario:
                 raise ValueError(f"unknown DP routing {self.dp_routing!r}: one of {DP_ROUTINGS}")
             return self.dp_routing == "dp-aware"
         return "--dp-aware" in router_args(cluster="sim", namespace="sim", spec=self.spec())
+
+    def shared_store(self) -> SharedKVStore | None:
+        """A fresh shared KV store for one run of this scenario; None when per-instance."""
+        if self.kv_store not in KV_STORES:
+            raise ValueError(f"unknown kv_store {self.kv_store!r}: one of {KV_STORES}")
+        if self.kv_store == PER_INSTANCE:
+            return None
+        tokens = self.kv_store_tokens
+        if tokens is None:
+            tokens = default_capacity_tokens(
+                self.profile(), instances=self.instances, hicache_ratio=self.hicache_ratio
+            )
+        return SharedKVStore(capacity_tokens=tokens)
 
     def update_seconds(self) -> float:
         """The weight update's duration in seconds (see ``weight_update_seconds``)."""
@@ -161,7 +191,9 @@ class Scenario:
                     "decodeConcurrency": p.decode_concurrency(),
                     # What one prefill instance's prefix cache holds: the host tier keeps a
                     # copy of the GPU cache (write-through), so the larger of the two.
-                    "prefillCacheTokens": int(p.kv_capacity * max(1.0, self.hicache_ratio)),
+                    "prefillCacheTokens": int(p.kv_capacity * max(1.0, self.hicache_ratio))
+                    if self.prefill_cache_tokens is None
+                    else self.prefill_cache_tokens,
                 },
                 "switching": {
                     "cooldownSeconds": self.cooldown,
@@ -240,6 +272,7 @@ class Simulation:
             drain_timeout=scenario.drain_timeout,
             hicache_ratio=scenario.hicache_ratio,
             prefix_cache=scenario.prefix_cache,
+            kv_store=scenario.shared_store(),
             router_drain_seconds=scenario.router_drain_seconds,
             router_register_seconds=scenario.router_register_seconds,
             dp_aware=scenario.dp_aware(),
@@ -357,6 +390,8 @@ class Simulation:
             n = len(self._kv_samples)
             result.decode_kv_utilisation = sum(u for u, _q in self._kv_samples) / n
             result.admission_queue = sum(q for _u, q in self._kv_samples) / n
+        if cl.kv_store is not None:
+            result.extra["kvStore"] = cl.kv_store.summary()
         finish = getattr(self.policy, "finish", None)
         if finish is not None:
             finish(self, result)
