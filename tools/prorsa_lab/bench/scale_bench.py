@@ -41,7 +41,7 @@ from typing import Any
 
 from prorsa.process import tune_gc
 from prorsa_agent.config import Timeouts
-from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION
+from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION, parse_intent
 from prorsa_lab.bench import replicas as rep
 from prorsa_lab.bench.trainer_load import ClusterLoad, LoadSettings, TrainerLoad, event_rate
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
@@ -49,6 +49,7 @@ from prorsa_lab.doubles.stack import OPERATOR_USER, Stack, cluster_manifest, sta
 
 HELP = "one operator, 2 replicas, several clusters of many engine pods, a trainer's load, a storm"
 
+KUBELET_POLL_SECONDS = 2.0
 TARGET_TICK_P99_MS = 100.0
 TARGET_RSS_BYTES = 1 << 30
 TASKS = ("coding", "general")
@@ -139,9 +140,6 @@ def manifest(name: str, sizes: Sizes) -> dict[str, Any]:
         roles={"prefill": {"min": 1, "initial": sizes.initial_prefill}, "decode": {"min": 1}},
         forecast={"horizonSeconds": sizes.horizon},
         switching={
-            # No engine flips back within a run: a second flip of one engine in the storm
-            # is a switch run twice, never a change of mind.
-            "cooldownSeconds": 3600,
             "maxConcurrent": max(1, sizes.instances // 4),
             "drainTimeoutSeconds": 5,
         },
@@ -210,19 +208,72 @@ async def split_of(env: Stack, name: str) -> tuple[int, int, int, int]:
     return prefill, decode, draining, intents
 
 
+CLOCK_DRIVEN = {("get", "leases"), ("update", "leases"), ("create", "leases"), ("get", "secrets")}
+"""Calls that run on a clock of their own, not the ticks': the election's Lease renewals and
+the trainer-token follower's Secret reads (one per cluster every 2 s,
+:mod:`prorsa.k8s.trainer_token`); counted apart, per second."""
+
+
 def operator_calls(env: Stack) -> Counter[tuple[str, str]]:
-    """The operator's API calls so far by (verb, resource), its Lease calls left out (the
-    election's renewals run on their own clock, not the ticks')."""
+    """The operator's API calls so far by (verb, resource)."""
     out: Counter[tuple[str, str]] = Counter()
     for call, n in env.server.emulator.api_calls(OPERATOR_USER).items():
-        if call.resource != "leases":
-            out[(call.verb, call.resource)] += n
+        out[(call.verb, call.resource)] += n
     return out
 
 
+def tick_calls(calls: Counter[tuple[str, str]]) -> float:
+    return float(sum(n for key, n in calls.items() if key not in CLOCK_DRIVEN))
+
+
+def clock_calls(calls: Counter[tuple[str, str]]) -> float:
+    return float(sum(n for key, n in calls.items() if key in CLOCK_DRIVEN))
+
+
 def engine_flips(env: Stack) -> dict[str, int]:
-    """Role flips each engine double has made (every /pd_role_switch that reached it)."""
-    return {name: pod.engine.counters().switch_calls for name, pod in env.kubelet.pods.items()}
+    """Role flips each engine double has made (successful ``/pd_role_switch`` calls; an
+    agent's second try after "not idle" is the same switch, and is not counted; a flip to
+    the role an engine has is refused by the agent as a no-op, so a switch run twice shows
+    in :func:`drains_since`, not here)."""
+    return {name: pod.engine.counters().switches_ok for name, pod in env.kubelet.pods.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drains:
+    """The switches started on engine pods after some resourceVersion, from the API
+    server's write log: each relabel to ``draining`` with its intent's destination."""
+
+    started: dict[str, int]
+    twice: dict[str, int]
+    """Switches started toward the role the pod already had: one that was finished and
+    then ran again (two replicas, or a resumed switch, doing it twice)."""
+
+
+def drains_since(env: Stack, rv: int) -> Drains:
+    started: dict[str, int] = {}
+    twice: dict[str, int] = {}
+    label: dict[str, str] = {}
+    settled: dict[str, str] = {}  # the last role other than draining
+    for event in env.server.emulator.writes(("", "v1", "pods")):
+        meta = event.obj["metadata"]
+        if event.type == "DELETED":
+            continue
+        name = meta["name"]
+        role = (meta.get("labels") or {}).get(ROLE_LABEL, "")
+        if event.rv > rv and role == DRAINING and label.get(name) != DRAINING:
+            started[name] = started.get(name, 0) + 1
+            intent = parse_intent((meta.get("annotations") or {}).get(SWITCH_ANNOTATION))
+            if intent is not None and intent["to"] == settled.get(name):
+                twice[name] = twice.get(name, 0) + 1
+        label[name] = role
+        if role in ("prefill", "decode"):
+            settled[name] = role
+    return Drains(started=started, twice=twice)
+
+
+def resource_version(env: Stack) -> int:
+    writes = env.server.emulator.writes(("", "v1", "pods"))
+    return writes[-1].rv if writes else 0
 
 
 def solve_calls(
@@ -251,6 +302,10 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
         leader_election=rep.ELECTION,
         start_operator=False,
     ) as env:
+        # The fake kubelet lists the engine pods to start and stop their doubles: every
+        # 0.2 s by default, which at a hundred pods (each deserialized by the client
+        # library) is most of this process's CPU; a kubelet's own sync is seconds apart.
+        env.kubelet.poll_interval = KUBELET_POLL_SECONDS
         replicas: list[rep.Replica] = []
         load: TrainerLoad | None = None
         watch = Watch(replicas, env)
@@ -329,7 +384,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             # it has now (the trainer's load may have moved it), toward prefill where
             # there is room, else toward decode.
             flips0 = engine_flips(env)
-            history0 = len(env.server.emulator.writes(("", "v1", "pods")))
+            rv0 = resource_version(env)
             goals: dict[str, tuple[str, int]] = {}
             patches = []
             for name in names:
@@ -378,7 +433,8 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
                 _p, _d, dr, it = await split_of(env, name)
                 left += max(dr, it)
             flipped = {n: flips1.get(n, 0) - flips0.get(n, 0) for n in flips1}
-            doubles = sum(max(0, k - 1) for k in flipped.values())
+            drains = drains_since(env, rv0)
+            doubles = sum(drains.twice.values())
             rss_now = rep.rss_bytes(lead.pid)
             files_now = rep.open_files(lead.pid)
             cpu = {r.name: rep.cpu_seconds(r.pid) for r in replicas if r.process.returncode is None}
@@ -397,20 +453,18 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
     def switches(a: rep.Samples, b: rep.Samples) -> float:
         return rep.total(b, "prorsa_switches_total") - rep.total(a, "prorsa_switches_total")
 
-    def calls(a: Counter[tuple[str, str]], b: Counter[tuple[str, str]]) -> float:
-        return float(sum((b - a).values()))
-
-    steady = (ticks(m0, m1), switches(m0, m1), calls(calls0, calls1))
-    storm = (ticks(m1, m2), switches(m1, m2), calls(calls1, calls2))
+    steady = (ticks(m0, m1), switches(m0, m1), tick_calls(calls1 - calls0))
+    storm = (ticks(m1, m2), switches(m1, m2), tick_calls(calls2 - calls1))
     per_tick, per_switch = solve_calls(steady, storm)
     clusters = []
     for i, name in enumerate(names):
         labels = {"namespace": env.namespace, "cluster": name}
         p99, bucket = rep.quantile(m0, m2, "prorsa_tick_duration_seconds", 0.99, **labels)
         live = rep.total(m2, "prorsa_live_trajectories", **labels)
-        sent = (
-            l2["clusters"][name]["stats"].sent - l0["clusters"][name]["stats"].sent
-        ) / max(l2["seconds"] - l0["seconds"], 1e-9)
+        # In the steady window: what the trainer got through to the webhook.
+        sent = (l1["clusters"][name]["stats"].sent - l0["clusters"][name]["stats"].sent) / max(
+            l1["seconds"] - l0["seconds"], 1e-9
+        )
         clusters.append(
             {
                 "name": name,
@@ -425,9 +479,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
                 "stormSeconds": done_at.get(name),
             }
         )
-    batch_p99, batch_bucket = rep.quantile(
-        m0, m2, "prorsa_webhook_batch_duration_seconds", 0.99
-    )
+    batch_p99, batch_bucket = rep.quantile(m0, m2, "prorsa_webhook_batch_duration_seconds", 0.99)
     polls = rep.total(m1, "prorsa_agent_polls_total") - rep.total(m0, "prorsa_agent_polls_total")
     stats2 = [l2["clusters"][n]["stats"] for n in names]
     return {
@@ -444,6 +496,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
         "webhookBatchP99BucketMs": None if batch_bucket is None else 1e3 * batch_bucket,
         "apiCallsPerTick": per_tick,
         "apiCallsPerSwitch": per_switch,
+        "apiCallsPerSecondClockDriven": clock_calls(calls2 - calls0) / max(t2 - t0, 1e-9),
         "apiCalls": {
             "steady": {"ticks": steady[0], "switches": steady[1], "calls": steady[2]},
             "storm": {"ticks": storm[0], "switches": storm[1], "calls": storm[2]},
@@ -458,8 +511,8 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             "doubleSwitches": doubles,
             "leftDraining": left,
             "seconds": (storm_end - storm_start) if converged else None,
-            "switchesStarted": sum(1 for k in flipped.values() if k),
-            "labelWrites": len(env.server.emulator.writes(("", "v1", "pods"))) - history0,
+            "switchesStarted": sum(drains.started.values()),
+            "enginesFlipped": sum(1 for k in flipped.values() if k),
         },
         "rssBytes": watch.peak_rss or rss_now,
         "rssBytesEnd": rss_now,
@@ -542,15 +595,17 @@ def print_text(r: dict[str, Any]) -> None:
         + ("-" if per_tick is None else f"{per_tick:.1f}")
         + ", per switch: "
         + ("-" if per_switch is None else f"{per_switch:.1f}")
-        + f"; 429s answered to the operator: {r['throttled']}"
+        + f"; on their own clocks (Lease, token Secret): "
+        f"{r['apiCallsPerSecondClockDriven']:.1f}/s; 429s answered to the operator: "
+        f"{r['throttled']}"
     )
     print(f"  agent polls per second: {r['agentPollsPerSecond']:.1f}")
     st = r["storm"]
     seconds = "-" if st["seconds"] is None else f"{st['seconds']:.1f} s"
     print(
-        f"  storm: converged {st['converged']} in {seconds}; engines switched "
-        f"{st['switchesStarted']}, switched twice {st['doubleSwitches']}, left draining "
-        f"{st['leftDraining']}"
+        f"  storm: converged {st['converged']} in {seconds}; switches "
+        f"{st['switchesStarted']}, engines flipped {st['enginesFlipped']}, switched twice "
+        f"{st['doubleSwitches']}, left draining {st['leftDraining']}"
     )
     print(
         f"  operator (leader) peak RSS {r['rssBytes'] / 2**20:,.0f} MiB (target <= 1024 MiB), "

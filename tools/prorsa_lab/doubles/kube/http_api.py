@@ -70,10 +70,12 @@ THROTTLE_EXEMPT = frozenset({"leases"})
 """Resources a throttle lets through (APF's ``leader-election`` flow schema)."""
 
 
-@attrs.define(frozen=True)
+@attrs.define
 class _Throttle:
     until: float  # time.monotonic()
     retry_after: int
+    left: int | None  # requests still to refuse (None: every one until ``until``)
+    verbs: frozenset[str] | None  # the verbs refused (None: all)
 
 
 @attrs.define(kw_only=True)
@@ -84,11 +86,24 @@ class HttpApi(Watches):
     _refused: collections.Counter[ApiCall] = attrs.field(factory=collections.Counter, init=False)
     _throttle_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
-    def throttle(self, user: str, *, seconds: float, retry_after: int = 1) -> None:
+    def throttle(
+        self,
+        user: str,
+        *,
+        seconds: float = float("inf"),
+        requests: int | None = None,
+        retry_after: int = 1,
+        verbs: frozenset[str] | None = None,
+    ) -> None:
         """Answer ``user``'s resource requests 429 with ``Retry-After: retry_after`` for the
-        next ``seconds`` (Leases excepted); :meth:`throttled_calls` counts them."""
+        next ``seconds``, or only its next ``requests`` ones (Leases excepted); ``verbs``
+        limits it to those (as a flow schema's rules can); :meth:`throttled_calls` counts
+        them."""
+        if seconds == float("inf") and requests is None:
+            raise ValueError("throttle for some seconds, some requests, or both")
         with self._throttle_lock:
-            self._throttles[user] = _Throttle(time.monotonic() + seconds, retry_after)
+            until = time.monotonic() + seconds
+            self._throttles[user] = _Throttle(until, retry_after, requests, verbs)
 
     def throttled_calls(self, user: str | None = None) -> collections.Counter[ApiCall]:
         """The requests answered 429 so far, as the audit log names them."""
@@ -102,8 +117,12 @@ class HttpApi(Watches):
             return None
         with self._throttle_lock:
             found = self._throttles.get(call.user)
-            if found is None or time.monotonic() >= found.until:
+            if found is None or time.monotonic() >= found.until or found.left == 0:
                 return None
+            if found.verbs is not None and call.verb not in found.verbs:
+                return None
+            if found.left is not None:
+                found.left -= 1
             self._refused[call] += 1
         error = ApiError(
             429,
