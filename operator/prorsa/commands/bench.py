@@ -26,6 +26,7 @@ SUITES: dict[str, str] = {
     # The whole operator at a training cluster's size (docs/benchmarks.md): minutes to an
     # hour of two replicas, the emulator and a hundred engine pods, so not in `all` either.
     "scale": "prorsa_lab.bench.scale_bench",
+    "soak": "prorsa_lab.bench.soak_bench",
 }
 
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,14 @@ CLOCK_DRIVEN = {("get", "leases"), ("update", "leases"), ("create", "leases"), (
 """Calls that run on a clock of their own, not the ticks': the election's Lease renewals and
 the trainer-token follower's Secret reads (one per cluster every 2 s,
 :mod:`prorsa.k8s.trainer_token`); counted apart, per second."""
+SWITCH_CALLS = {("patch", "pods"), ("get", "pods")}
+"""A switch's own calls (:mod:`prorsa.k8s.executor`): the intent and ``draining`` label,
+its phase, the relabel (and a re-read of a pod without an IP); its Events are counted by
+reason (``Switch*``). A tick relabels a pod only to correct a drifted label
+(``prorsa_role_label_corrections_total``, reported)."""
+KOPF_VERBS = {"watch"}
+"""kopf's own: its watch streams, and its handlers' bookkeeping on the RolloutCluster
+(``patch rolloutclusters``) when a spec changes."""
 
 
 def operator_calls(env: Stack) -> Counter[tuple[str, str]]:
@@ -222,12 +230,35 @@ def operator_calls(env: Stack) -> Counter[tuple[str, str]]:
     return out
 
 
-def tick_calls(calls: Counter[tuple[str, str]]) -> float:
-    return float(sum(n for key, n in calls.items() if key not in CLOCK_DRIVEN))
+async def event_reasons(env: Stack) -> Counter[str]:
+    """Events posted so far in the clusters' namespace, by reason."""
+    return Counter(str(e.get("reason")) for e in await env.events())
 
 
-def clock_calls(calls: Counter[tuple[str, str]]) -> float:
-    return float(sum(n for key, n in calls.items() if key in CLOCK_DRIVEN))
+@dataclass(frozen=True, kw_only=True)
+class CallSplit:
+    """One window's operator calls, by what made them."""
+
+    tick: float
+    switch: float
+    clock: float
+    kopf: float
+
+    @classmethod
+    def of(cls, calls: Counter[tuple[str, str]], reasons: Counter[str]) -> CallSplit:
+        clock = sum(n for k, n in calls.items() if k in CLOCK_DRIVEN)
+        kopf = sum(
+            n for k, n in calls.items() if k[0] in KOPF_VERBS or k == ("patch", "rolloutclusters")
+        )
+        switch_events = sum(n for reason, n in reasons.items() if reason.startswith("Switch"))
+        switch = sum(n for k, n in calls.items() if k in SWITCH_CALLS) + switch_events
+        total = sum(calls.values())
+        return cls(
+            tick=float(total - clock - kopf - switch),
+            switch=float(switch),
+            clock=float(clock),
+            kopf=float(kopf),
+        )
 
 
 def engine_flips(env: Stack) -> dict[str, int]:
@@ -274,20 +305,6 @@ def drains_since(env: Stack, rv: int) -> Drains:
 def resource_version(env: Stack) -> int:
     writes = env.server.emulator.writes(("", "v1", "pods"))
     return writes[-1].rv if writes else 0
-
-
-def solve_calls(
-    steady: tuple[float, float, float], storm: tuple[float, float, float]
-) -> tuple[float | None, float | None]:
-    """Calls per tick and per switch from two windows of (ticks, switches, calls):
-    calls = per_tick x ticks + per_switch x switches in each."""
-    (t1, s1, c1), (t2, s2, c2) = steady, storm
-    det = t1 * s2 - t2 * s1
-    if det == 0:
-        per_tick = c1 / t1 if t1 else None
-        per_switch = (c2 - (per_tick or 0.0) * t2) / s2 if s2 else None
-        return per_tick, per_switch
-    return (c1 * s2 - c2 * s1) / det, (t1 * c2 - t2 * c1) / det
 
 
 async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
@@ -369,6 +386,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             assert lead is not None
             m0 = await rep.scrape(lead.metrics_url)
             calls0 = operator_calls(env)
+            reasons0 = await event_reasons(env)
             l0 = await load.stats()
             t0 = time.monotonic()
             await asyncio.sleep(sizes.steady)
@@ -376,6 +394,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             assert lead is not None
             m1 = await rep.scrape(lead.metrics_url)
             calls1 = operator_calls(env)
+            reasons1 = await event_reasons(env)
             l1 = await load.stats()
             t1 = time.monotonic()
             progress(f"steady window done ({t1 - t0:.0f}s); the storm")
@@ -425,6 +444,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             assert lead is not None
             m2 = await rep.scrape(lead.metrics_url)
             calls2 = operator_calls(env)
+            reasons2 = await event_reasons(env)
             l2 = await load.stats()
             t2 = time.monotonic()
             flips1 = engine_flips(env)
@@ -453,9 +473,15 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
     def switches(a: rep.Samples, b: rep.Samples) -> float:
         return rep.total(b, "prorsa_switches_total") - rep.total(a, "prorsa_switches_total")
 
-    steady = (ticks(m0, m1), switches(m0, m1), tick_calls(calls1 - calls0))
-    storm = (ticks(m1, m2), switches(m1, m2), tick_calls(calls2 - calls1))
-    per_tick, per_switch = solve_calls(steady, storm)
+    steady = CallSplit.of(calls1 - calls0, reasons1 - reasons0)
+    storm = CallSplit.of(calls2 - calls1, reasons2 - reasons1)
+    n_ticks = (ticks(m0, m1), ticks(m1, m2))
+    n_switches = (switches(m0, m1), switches(m1, m2))
+    per_tick = (steady.tick + storm.tick) / sum(n_ticks) if sum(n_ticks) else None
+    per_switch = (steady.switch + storm.switch) / sum(n_switches) if sum(n_switches) else None
+    corrections = rep.total(m2, "prorsa_role_label_corrections_total") - rep.total(
+        m0, "prorsa_role_label_corrections_total"
+    )
     clusters = []
     for i, name in enumerate(names):
         labels = {"namespace": env.namespace, "cluster": name}
@@ -496,10 +522,12 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
         "webhookBatchP99BucketMs": None if batch_bucket is None else 1e3 * batch_bucket,
         "apiCallsPerTick": per_tick,
         "apiCallsPerSwitch": per_switch,
-        "apiCallsPerSecondClockDriven": clock_calls(calls2 - calls0) / max(t2 - t0, 1e-9),
+        "apiCallsPerSecondClockDriven": (steady.clock + storm.clock) / max(t2 - t0, 1e-9),
         "apiCalls": {
-            "steady": {"ticks": steady[0], "switches": steady[1], "calls": steady[2]},
-            "storm": {"ticks": storm[0], "switches": storm[1], "calls": storm[2]},
+            "steady": {"ticks": n_ticks[0], "switches": n_switches[0]} | asdict(steady),
+            "storm": {"ticks": n_ticks[1], "switches": n_switches[1]} | asdict(storm),
+            "labelCorrections": corrections,
+            "eventsByReason": dict(sorted((reasons2 - reasons0).items())),
             "byVerbResource": {
                 f"{verb} {resource}": n for (verb, resource), n in sorted((calls2 - calls0).items())
             },
