@@ -188,8 +188,9 @@ async def soak(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 if now >= end:
                     break
                 await asyncio.sleep(min(5.0, max(0.0, end - now)))
-            samples.append(await sample(env, replicas, load, started))
-            show(samples[-1])
+            if samples and time.monotonic() - started - 60 * samples[-1]["minute"] > 5:
+                samples.append(await sample(env, replicas, load, started))
+                show(samples[-1])
         finally:
             if load is not None:
                 await load.stop()
