@@ -28,9 +28,13 @@ SLOW_MODULES = {
     "test_operator_labels.py": "the stack's pods and their labels",
     "test_smg_router.py": "the real smg against the stack",
     "test_smg_dp_routing.py": "the real smg with DP engines",
+    "test_scale_bench.py": "`prorsa bench scale` at a tiny size: two replicas, two clusters",
+    "test_operator_upgrade.py": "`helm upgrade` mid-switch, the operator's pods rolled",
 }
 # Single tests that run the whole operator in an otherwise quick module.
 SLOW_TESTS = {
+    # The whole operator throttled by the API emulator.
+    "test_api_throttle.py": {"test_a_throttled_operator_backs_off_then_carries_on"},
     # Two chaos rounds against two operator replicas, the real smg and the stack.
     "test_chaos_suite.py": {"test_two_chaos_rounds_converge_and_the_trainer_loses_nothing"},
     "test_chart.py": {

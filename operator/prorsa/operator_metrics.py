@@ -215,6 +215,12 @@ class OperatorMetrics:
             _CLUSTER,
             registry=r,
         )
+        self.agent_polls = Counter(
+            "prorsa_agent_polls",
+            "Polls of engine agents' /v1/state (one per engine pod per tick).",
+            _CLUSTER,
+            registry=r,
+        )
         self.label_corrections = Counter(
             "prorsa_role_label_corrections",
             "Engine pods relabelled because their role label disagreed with their engine.",
@@ -320,6 +326,7 @@ class OperatorMetrics:
                 self.expected_gain.labels(namespace, cluster, origin, to, mode)
                 self.expected_cost.labels(namespace, cluster, origin, to, mode)
         self.agent_errors.labels(namespace, cluster)
+        self.agent_polls.labels(namespace, cluster)
         self.label_corrections.labels(namespace, cluster)
         self.generated.labels(namespace, cluster)
         self.recomputed.labels(namespace, cluster)
@@ -334,7 +341,7 @@ class OperatorMetrics:
             self.expected_cost, self.tick_seconds, self.trajectories,
             self.anomalies, self.generated, self.prefill_waiting, self.prefill_wait,
             self.decode_waiting, self.recomputed,
-            self.agent_errors, self.label_corrections, self.forecast_age,
+            self.agent_errors, self.agent_polls, self.label_corrections, self.forecast_age,
         ):  # fmt: skip
             for labels in list(metric._metrics):
                 if labels[:2] == (namespace, cluster):

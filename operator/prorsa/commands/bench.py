@@ -7,7 +7,8 @@ import argparse
 import importlib
 
 HELP = (
-    "run benchmarks (controller, ingest, rollout, events, or all) and the attack and chaos suites"
+    "run benchmarks (controller, ingest, rollout, events, or all), the operator at scale "
+    "(scale, soak) and the attack and chaos suites"
 )
 
 # Benchmark name -> module exposing configure(parser) and run(args) -> int.
@@ -22,6 +23,10 @@ BENCHES: dict[str, str] = {
 SUITES: dict[str, str] = {
     "attack": "prorsa_lab.robustness.attack_suite",
     "chaos": "prorsa_lab.robustness.chaos_suite",
+    # The whole operator at a training cluster's size (docs/benchmarks.md): minutes to an
+    # hour of two replicas, the emulator and a hundred engine pods, so not in `all` either.
+    "scale": "prorsa_lab.bench.scale_bench",
+    "soak": "prorsa_lab.bench.soak_bench",
 }
 
 

@@ -3,11 +3,19 @@
 The official client is synchronous; every call runs in a worker thread so the webhook and
 the control ticks sharing the operator's asyncio loop never stall behind the API server.
 Objects travel as plain dicts (the manifests of :mod:`prorsa.k8s.objects`).
+
+A 429 from the API server (its API Priority and Fairness turning a flow away) is honoured
+as client-go honours it: no call of this client goes out before the ``Retry-After`` it
+named, and the refused call is sent again once that time has passed, at most
+:data:`THROTTLE_ATTEMPTS` times in all, then the 429 is raised to the caller (whose next
+tick tries again). A refused request was never processed, so sending it again is safe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,6 +30,46 @@ from prorsa.k8s.lws import VERSION as LWS_VERSION
 T = TypeVar("T")
 
 MERGE = "application/merge-patch+json"
+THROTTLE_ATTEMPTS = 3
+"""Sends of one call while the API server answers 429 (client-go retries up to 10)."""
+DEFAULT_RETRY_AFTER = 1.0
+"""Seconds to hold off after a 429 that names no Retry-After (client-go's default too)."""
+MAX_RETRY_AFTER = 60.0
+"""The longest hold-off honoured from one answer: a misconfigured server cannot stop the
+operator for an hour with one header."""
+
+log = logging.getLogger("prorsa.kube")
+
+
+def retry_after(exc: ApiException) -> float:
+    """Seconds a 429 asks the client to wait (``Retry-After`` in seconds; the HTTP-date
+    form is not used by the API server)."""
+    headers = exc.headers or {}
+    raw = headers.get("Retry-After") if hasattr(headers, "get") else None
+    try:
+        seconds = float(raw) if raw is not None else DEFAULT_RETRY_AFTER
+    except ValueError:
+        seconds = DEFAULT_RETRY_AFTER
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+class Throttle:
+    """The time before which no call goes out, shared by every call of one client: one
+    429 holds them all, as the API server's refusal is about the client's flow, not one
+    request."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.not_before = 0.0
+        self.refusals = 0  # 429 answers seen, for the operator's metrics and tests
+
+    def hold(self, seconds: float) -> None:
+        self.refusals += 1
+        self.not_before = max(self.not_before, self._clock() + seconds)
+
+    async def wait(self) -> None:
+        while (delay := self.not_before - self._clock()) > 0:
+            await asyncio.sleep(delay)
 
 
 class Kube:
@@ -38,9 +86,25 @@ class Kube:
         # operator's API calls by attribute, and these are granted apart (rbac.yaml).
         self.lws = client.CustomObjectsApi(self.api)
         self.coordination = client.CoordinationV1Api(self.api)  # the leader's Lease
+        self.throttle = Throttle()
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        for attempt in range(1, THROTTLE_ATTEMPTS + 1):
+            await self.throttle.wait()
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            except ApiException as exc:
+                if exc.status != 429:
+                    raise
+                seconds = retry_after(exc)
+                self.throttle.hold(seconds)
+                log.warning(
+                    "the API server throttled %s (429, attempt %d of %d): no call for %.1fs",
+                    getattr(fn, "__name__", "a call"), attempt, THROTTLE_ATTEMPTS, seconds,
+                )  # fmt: skip
+                if attempt == THROTTLE_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _plain(self, obj: Any) -> dict[str, Any]:
         return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)

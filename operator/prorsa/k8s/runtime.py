@@ -496,6 +496,7 @@ class ClusterRuntime:
             if address is not None:
                 addresses.append(address)
         answers = await self.agents.states(addresses)
+        self.metrics.agent_polls.labels(self.namespace, self.name).inc(len(addresses))
         busy = self.executor.busy() if self.executor else set()
         out: dict[str, EngineState] = {}
         self._unanswered = {}

@@ -3,6 +3,11 @@
 kmock reactions still take precedence over the emulator's answers
 (``emulator['get /version'] << {...}``); as in kmock, a write is applied even when a
 reaction answers it. Discovery, lists, gets and writes are answered as an API server does.
+
+:meth:`HttpApi.throttle` makes the server turn one user's requests away with 429 and a
+``Retry-After`` for a while, as API Priority and Fairness does to a flow whose priority
+level is saturated; Lease calls pass, as APF's default ``leader-election`` flow schema
+gives them a level of their own.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,9 +66,74 @@ def _started_response(exc: BaseException) -> aiohttp.web.StreamResponse | None:
     return None
 
 
+THROTTLE_EXEMPT = frozenset({"leases"})
+"""Resources a throttle lets through (APF's ``leader-election`` flow schema)."""
+
+
+@attrs.define
+class _Throttle:
+    until: float  # time.monotonic()
+    retry_after: int
+    left: int | None  # requests still to refuse (None: every one until ``until``)
+    verbs: frozenset[str] | None  # the verbs refused (None: all)
+
+
 @attrs.define(kw_only=True)
 class HttpApi(Watches):
     """The HTTP entry point: parsing, the audit log, discovery and the resource endpoints."""
+
+    _throttles: dict[str, _Throttle] = attrs.field(factory=dict, init=False)
+    _refused: collections.Counter[ApiCall] = attrs.field(factory=collections.Counter, init=False)
+    _throttle_lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def throttle(
+        self,
+        user: str,
+        *,
+        seconds: float = float("inf"),
+        requests: int | None = None,
+        retry_after: int = 1,
+        verbs: frozenset[str] | None = None,
+    ) -> None:
+        """Answer ``user``'s resource requests 429 with ``Retry-After: retry_after`` for the
+        next ``seconds``, or only its next ``requests`` ones (Leases excepted); ``verbs``
+        limits it to those (as a flow schema's rules can); :meth:`throttled_calls` counts
+        them."""
+        if seconds == float("inf") and requests is None:
+            raise ValueError("throttle for some seconds, some requests, or both")
+        with self._throttle_lock:
+            until = time.monotonic() + seconds
+            self._throttles[user] = _Throttle(until, retry_after, requests, verbs)
+
+    def throttled_calls(self, user: str | None = None) -> collections.Counter[ApiCall]:
+        """The requests answered 429 so far, as the audit log names them."""
+        with self._throttle_lock:
+            return collections.Counter(
+                {c: n for c, n in self._refused.items() if user is None or c.user == user}
+            )
+
+    def _refusal(self, call: ApiCall | None) -> aiohttp.web.Response | None:
+        if call is None or call.resource.split("/")[0] in THROTTLE_EXEMPT:
+            return None
+        with self._throttle_lock:
+            found = self._throttles.get(call.user)
+            if found is None or time.monotonic() >= found.until or found.left == 0:
+                return None
+            if found.verbs is not None and call.verb not in found.verbs:
+                return None
+            if found.left is not None:
+                found.left -= 1
+            self._refused[call] += 1
+        error = ApiError(
+            429,
+            "TooManyRequests",
+            "The server has received too many requests and has asked us to try again "
+            f"later (retry after {found.retry_after}s)",
+            details={"retryAfterSeconds": found.retry_after},
+        )
+        return aiohttp.web.json_response(
+            error.status(), status=429, headers={"Retry-After": str(found.retry_after)}
+        )
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """kmock's entry point, with a request parser that knows ``/api/v1/namespaces``.
@@ -77,7 +149,9 @@ class HttpApi(Watches):
                 raise kmock.KMockError("Too many requests have been served so far.")
             request = await self._parse_request(raw_request, id=len(self._requests))
             self._requests.append(request)
-            self._audit_request(raw_request)
+            refusal = self._refusal(self._audit_request(raw_request))
+            if refusal is not None:
+                return refusal
             try:
                 return await self._handle(request)
             except Exception as exc:
@@ -158,7 +232,7 @@ class HttpApi(Watches):
                 {c: n for c, n in self._audit.items() if user is None or c.user == user}
             )
 
-    def _audit_request(self, raw: aiohttp.web.BaseRequest) -> None:
+    def _audit_request(self, raw: aiohttp.web.BaseRequest) -> ApiCall | None:
         call = api_call(
             method=raw.method,
             path=raw.path,
@@ -169,6 +243,7 @@ class HttpApi(Watches):
         if call is not None:
             with self._state:
                 self._audit[call] += 1
+        return call
 
     def _trim_request_log(self) -> None:
         limit = self.request_log_limit
