@@ -10,7 +10,6 @@ binds the webhook, as in a Deployment of two behind the webhook Service.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.kopf_handlers import LeaderElection
 from prorsa_lab.doubles.kubelet import free_port
+from prorsa_lab.doubles.processes import terminate
 from prorsa_lab.doubles.stack import Stack
 
 OPERATOR_NAMESPACE = "prorsa-system"
@@ -49,14 +49,7 @@ class Replica:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     async def stop(self, sig: int = signal.SIGTERM, *, timeout: float = 60.0) -> None:
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
-            try:
-                await asyncio.wait_for(self.process.wait(), timeout)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+        await terminate(self.process, grace=timeout, sig=sig)
         if self._log is not None:
             self._log.close()
             self._log = None

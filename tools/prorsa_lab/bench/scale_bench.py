@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -307,10 +308,11 @@ def resource_version(env: Stack) -> int:
     return writes[-1].rv if writes else 0
 
 
-async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
-    started = time.monotonic()
-    load_start = os.getloadavg()
-    engine = EngineConfig(timing=TimingModel(switch_seconds=sizes.switch_seconds))
+@contextlib.asynccontextmanager
+async def bench_stack(*, switch_seconds: float) -> AsyncIterator[Stack]:
+    """The API emulator, the fake kubelet and engine doubles, with no operator in process:
+    the replicas are real ``prorsa operator`` processes (:mod:`prorsa_lab.bench.replicas`)."""
+    engine = EngineConfig(timing=TimingModel(switch_seconds=switch_seconds))
     async with stack(
         engine_config=lambda _n: engine,
         tick_seconds=None,
@@ -323,6 +325,13 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
         # 0.2 s by default, which at a hundred pods (each deserialized by the client
         # library) is most of this process's CPU; a kubelet's own sync is seconds apart.
         env.kubelet.poll_interval = KUBELET_POLL_SECONDS
+        yield env
+
+
+async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
+    started = time.monotonic()
+    load_start = os.getloadavg()
+    async with bench_stack(switch_seconds=sizes.switch_seconds) as env:
         replicas: list[rep.Replica] = []
         load: TrainerLoad | None = None
         watch = Watch(replicas, env)

@@ -28,17 +28,14 @@ from typing import Any
 from prorsa.process import tune_gc
 from prorsa_lab.bench import replicas as rep
 from prorsa_lab.bench.scale_bench import (
-    KUBELET_POLL_SECONDS,
-    SCALE_TIMEOUTS,
     Sizes,
+    bench_stack,
     manifest,
     progress,
     split_of,
     wait_until,
 )
 from prorsa_lab.bench.trainer_load import ClusterLoad, LoadSettings, TrainerLoad, event_rate
-from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
-from prorsa_lab.doubles.stack import stack
 
 HELP = "the operator for an hour at a steady event rate: RSS, open files, table size over time"
 
@@ -110,17 +107,8 @@ async def soak(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         switch_seconds=1.0,
         storm_timeout=0.0,
     )
-    engine = EngineConfig(timing=TimingModel(switch_seconds=sizes.switch_seconds))
     samples: list[dict[str, Any]] = []
-    async with stack(
-        engine_config=lambda _n: engine,
-        tick_seconds=None,
-        agent_timeouts=SCALE_TIMEOUTS,
-        operator_namespace=rep.OPERATOR_NAMESPACE,
-        leader_election=rep.ELECTION,
-        start_operator=False,
-    ) as env:
-        env.kubelet.poll_interval = KUBELET_POLL_SECONDS
+    async with bench_stack(switch_seconds=sizes.switch_seconds) as env:
         replicas: list[rep.Replica] = []
         load: TrainerLoad | None = None
         try:

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import IO, Any
 import httpx
 
 from prorsa_lab.doubles.kubelet import free_port
+from prorsa_lab.doubles.processes import terminate
 from prorsa_lab.doubles.stack import Stack
 
 TEMPLATE_HASH_LABEL = "pod-template-hash"
@@ -60,14 +60,7 @@ class OperatorPod:
 
     async def terminate(self, grace: float = GRACE_SECONDS) -> int | None:
         """SIGTERM, then SIGKILL after the grace period, as the kubelet stops a pod."""
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), grace)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+        await terminate(self.process, grace=grace)
         if self._log is not None:
             self._log.close()
             self._log = None
