@@ -398,3 +398,50 @@ def test_count_and_kv_pool_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("colocation", "static-3P", "prorsa"):
         assert 0 < times[name] < doc["rows"][0]["makespanSeconds"] * 2
     assert any("900,000 tokens per instance (--kv-pool-tokens)" in s for s in doc["engine"])
+
+
+def test_a_trajectory_ended_after_a_tool_call_is_rewarded(tmp_path: Path) -> None:
+    """The demo's trainer ends a trajectory after a tool call once its context is full:
+    decode (finish "tool"), the tool, then the reward with no further turn. The replay
+    runs the tool and then the reward, on every policy, and completes it."""
+    events = [json.loads(line) for line in EVENTS.read_text().splitlines()]
+    finished = [e["trajectory"] for e in events if e["type"] == "reward_finished"]
+    victim = finished[0]
+    last_decode = max(
+        i
+        for i, e in enumerate(events)
+        if e.get("trajectory") == victim and e["type"] == "decode_finished"
+    )
+    ts = events[last_decode]["ts"]
+    events[last_decode]["finish"] = "tool"
+    tool = [
+        {
+            "id": f"{victim}#t0",
+            "ts": ts,
+            "trajectory": victim,
+            "type": "tool_started",
+            "tool": "python",
+        },
+        {
+            "id": f"{victim}#t1",
+            "ts": ts + 0.25,
+            "trajectory": victim,
+            "type": "tool_finished",
+            "result_tokens": 40,
+        },
+    ]
+    events[last_decode + 1 : last_decode + 1] = tool
+    for e in events[last_decode + 3 :]:
+        if e.get("trajectory") == victim and e["type"] in ("reward_started", "reward_finished"):
+            e["ts"] = max(e["ts"], ts + 0.25)
+    path = tmp_path / "tool-last.ndjson"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    rec = rebuild(path)
+    script = next(s for s in rec.scripts if s.turns[-1].finish == "tool")
+    assert script.stop is None and script.turns[-1].tool_seconds == pytest.approx(0.25)
+    report = replay_recording(events=path, cluster=CLUSTER, static=[3], reference=False)
+    original = replay_recording(events=EVENTS, cluster=CLUSTER, static=[3], reference=False)
+    # One turn's 0.25 s tool and 40 tokens more: each policy completes what it completed on
+    # the original recording, give or take the one trajectory at the cut.
+    for name, run in report.runs.items():
+        assert abs(len(run.completed_at) - len(original.runs[name].completed_at)) <= 1, name

@@ -408,7 +408,8 @@ def _script(t: _Traj, *, index: int, group: int, start: float) -> TrajectoryScri
     elif not turns:
         stop = "sandbox"
     elif t.finished_at is None:
-        stop = "tool" if turns[-1].finish == "tool" else "reward"
+        reached_reward = t.reward_started is not None or turns[-1].finish != "tool"
+        stop = "reward" if reached_reward else "tool"
     built: list[Turn] = []
     for k, turn in enumerate(turns):
         if turn.finish != "tool" or (k == len(turns) - 1 and stop == "decode"):

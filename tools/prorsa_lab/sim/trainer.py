@@ -417,17 +417,21 @@ class Trainer:
             if stop == "tool":
                 self._stop(t)
                 return
-            nxt = t.context + turn.result_tokens + TEMPLATE_TOKENS
-            t.next_arrival = (now + turn.tool_seconds, nxt)
+            if t.turn + 1 < len(t.script.turns):  # the result is the next turn's prompt
+                nxt = t.context + turn.result_tokens + TEMPLATE_TOKENS
+                t.next_arrival = (now + turn.tool_seconds, nxt)
             self.loop.after(turn.tool_seconds, self._tool_done, t, t.turn)
         else:
-            t.state = "reward"
-            self._emit(ev.RewardStarted, t, type="reward_started")
-            if stop == "reward":
-                self._stop(t)
-                return
-            t.reward_end = now + t.script.reward_seconds
-            self.loop.after(t.script.reward_seconds, self._reward_done, t)
+            self._reward(t, now)
+
+    def _reward(self, t: Trajectory, now: float) -> None:
+        t.state = "reward"
+        self._emit(ev.RewardStarted, t, type="reward_started")
+        if t.turn == len(t.script.turns) - 1 and t.script.stop == "reward":
+            self._stop(t)
+            return
+        t.reward_end = now + t.script.reward_seconds
+        self.loop.after(t.script.reward_seconds, self._reward_done, t)
 
     def _tool_done(self, t: Trajectory, turn: int) -> None:
         if t.finished or t.turn != turn:
@@ -435,6 +439,10 @@ class Trainer:
         result = t.script.turns[turn].result_tokens
         self._emit(ev.ToolFinished, t, type="tool_finished", result_tokens=result)
         t.context += result + TEMPLATE_TOKENS
+        if turn == len(t.script.turns) - 1:
+            # Replayed: the trainer ended it after a tool call (its context was full).
+            self._reward(t, self.loop.now)
+            return
         t.turn += 1
         self._queue(t)
 
