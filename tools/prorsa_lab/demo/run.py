@@ -498,7 +498,12 @@ class DemoSummary:
             f"  switching     {head} static {b['split']}: the first {p['completed']} "
             f"trajectories took {p['seconds']:.1f} s switching, {b['seconds']:.1f} s static"
         )
-        if noise is None:
+        if noise is None and b.get("again") is not None:
+            lines.append(
+                "  noise         not measured: a run of the pair finished no trajectory; "
+                "the verdict ignores it"
+            )
+        elif noise is None:
             lines.append("  noise         not measured (--no-noise): the verdict ignores it")
         else:
             lines.append(
