@@ -421,6 +421,12 @@ def test_the_lag_is_cut_into_detection_decision_router_drain_and_flip() -> None:
         [parts, None]
     )
     assert parts_line([parts, None]).endswith("; never (s)")
+    # A switch the router never confirmed (label restored, agent never called): all router.
+    [restored] = switch_spans(
+        [_label(140.0, "e2", "decode", "draining"), _label(150.0, "e2", "draining", "decode")],
+        [IntentChange(at=140.0, pod="e2", phase="draining")],
+    )
+    assert (restored.dropped, restored.drained, restored.relabelled) == (150.0, None, 150.0)
     # No lag (never reached): no parts.
     assert lag_parts(at=110.0, lag=None, before=(1, 2), target=(3, 0), best=best, spans=[]) is None
 

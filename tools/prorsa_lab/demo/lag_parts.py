@@ -80,7 +80,9 @@ def switch_spans(
             continue
         end = change.at
         marks = [i.at for i in intents if i.pod == change.pod and i.phase == "switching"]
-        dropped = min((t for t in marks if start <= t <= end), default=start)
+        # No ``switching`` mark: the agent was never called (the router did not drop the
+        # pod in time and the executor restored its label): all of it was the router's.
+        dropped = min((t for t in marks if start <= t <= end), default=end)
         before = [m.total for m in drains if m.pod == change.pod and m.t <= start]
         after = [m.total for m in drains if m.pod == change.pod and m.t >= end]
         drained: float | None = None
