@@ -135,6 +135,17 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     assert _samples(text, "prorsa_switch_expected_gain_seconds_total", switching_mode="Recommend")
     durations = _samples(text, "prorsa_switch_duration_seconds_count")
     assert durations[("decode", "prefill")] >= 1 and durations[("prefill", "decode")] >= 1
+    # Where each switch's time went: the router's drop and the agent's call for each one,
+    # the Controller's wait for each it decided (the start-up flip is not decided).
+    parts = {
+        s.labels["part"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "prorsa_switch_part_duration_seconds_count" and s.labels["cluster"] == "demo"
+    }
+    made = sum(durations.values())
+    assert made >= parts["router"] >= parts["engine"] >= 2, (parts, durations)
+    assert parts["decision"] >= 1, (parts, durations)  # the flips after the start-up one
     best = {
         s.labels["role"]: s.value
         for family in text_string_to_metric_families(text)
