@@ -567,6 +567,7 @@ def test_steady_phases_all_favour_one_split() -> None:
     # A steady run has no tools phase to judge following by.
     change = PhaseChange(at=10.0, phase="reasoning", split_before="1P:3D", split_settled="1P:3D")
     assert follows_phases([change, change]) is None
+    assert phases_line([change, change]).endswith(": steady phases, settled on 1P:3D")
 
 
 def test_each_phases_calls_are_grouped_by_the_split_they_were_sent_under() -> None:

@@ -258,4 +258,7 @@ def phases_line(changes: Sequence[PhaseChange]) -> str:
         False: "the split did not follow the phases",
         None: "too few phases to tell",
     }[verdict]
+    if verdict is None and changes and len({c.phase for c in changes}) == 1:
+        held = sorted({c.split_settled for c in changes})
+        said = f"steady phases, settled on {', '.join(held)}"
     return f"  phases        {'; '.join(parts) or 'no phase change'}: {said}"
