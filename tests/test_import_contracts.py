@@ -47,6 +47,11 @@ VIOLATIONS = {
     "agent-contract-only": ("engine_image/prorsa_agent/violation.py", "import prorsa_sdk\n"),
     "operator-without-lab": ("operator/prorsa/k8s/violation.py", "import prorsa_lab.sim\n"),
     "operator-runs-agent": ("operator/prorsa/k8s/violation.py", "import prorsa_agent.config\n"),
+    # The demo reaching past the engine double's facade into one of its modules.
+    "engine-double-one-path": (
+        "tools/prorsa_lab/demo/violation.py",
+        "import prorsa_lab.doubles.engine.model\n",
+    ),
     # The emulator reaching into the engine double it is meant to know nothing of.
     "lab-doubles-apart": (
         "tools/prorsa_lab/doubles/kube/violation.py",
