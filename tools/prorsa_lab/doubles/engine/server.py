@@ -714,8 +714,13 @@ class EngineDouble:
             reqs: list[Request] = []
             bootstrap = None if batch else Bootstrap.from_body(body)
             dp_rank = routed_dp_rank(body, len(core.ranks))
+            ids = body.get("input_ids")
+            ids_of = ids if batch else [ids]
+            extra_key = body.get("extra_key")
+            if extra_key is not None and not isinstance(extra_key, str):
+                raise GenerateError("extra_key must be a string")
             try:
-                for rid, prompt, max_new in specs:
+                for i, (rid, prompt, max_new) in enumerate(specs):
                     reqs.append(
                         core.submit(
                             rid=rid,
@@ -724,6 +729,8 @@ class EngineDouble:
                             stream=stream,
                             bootstrap=bootstrap,
                             dp_rank=dp_rank,
+                            input_ids=list(ids_of[i]) if ids is not None else None,
+                            extra_key=extra_key,
                         )
                     )
             except GenerateError:
