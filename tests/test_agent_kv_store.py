@@ -44,32 +44,58 @@ def test_the_store_is_loaded_through_sglangs_dynamic_backend_with_decode_offload
 def test_the_file_store_names_its_directory_and_cap() -> None:
     store = KvStoreConfig(backend="file", endpoint="/mnt/kv", size_gib=2)
     extra = json.loads(
-        _value(engine_argv(command=SGLANG, engine_url=URL, kv_store=store), "--hicache-storage-backend-extra-config")
+        _value(
+            engine_argv(command=SGLANG, engine_url=URL, kv_store=store),
+            "--hicache-storage-backend-extra-config",
+        )
     )
     assert extra["file_storage_path"] == "/mnt/kv" and extra["max_size"] == 2 * 2**30
 
 
 def test_flags_that_contradict_the_store_are_refused() -> None:
     store = KvStoreConfig(backend="file", endpoint="/mnt/kv", size_gib=2)
-    with pytest.raises(ConfigError, match="--hicache-storage-backend is set by the operator for spec.kvStore"):
-        engine_argv(command=SGLANG, engine_url=URL, explicit=["--hicache-storage-backend", "file"], kv_store=store)
-    with pytest.raises(ConfigError, match="spec.kvStore is HiCache's storage tier"):
+    with pytest.raises(
+        ConfigError, match=r"--hicache-storage-backend is set by the operator for spec\.kvStore"
+    ):
+        engine_argv(
+            command=SGLANG,
+            engine_url=URL,
+            explicit=["--hicache-storage-backend", "file"],
+            kv_store=store,
+        )
+    with pytest.raises(ConfigError, match=r"spec\.kvStore is HiCache's storage tier"):
         engine_argv(command=SGLANG, engine_url=URL, hicache=False, kv_store=store)
     with pytest.raises(ConfigError, match="--disable-radix-cache"):
-        engine_argv(command=SGLANG, engine_url=URL, explicit=["--disable-radix-cache"], kv_store=store)
+        engine_argv(
+            command=SGLANG, engine_url=URL, explicit=["--disable-radix-cache"], kv_store=store
+        )
 
 
 @pytest.mark.parametrize(
     ("env", "named"),
     [
-        ({"PRORSA_KV_STORE_BACKEND": "redis", "PRORSA_KV_STORE_SIZE_GIB": "1"}, "PRORSA_KV_STORE_BACKEND"),
-        ({"PRORSA_KV_STORE_BACKEND": "file", "PRORSA_KV_STORE_SIZE_GIB": "x"}, "PRORSA_KV_STORE_SIZE_GIB"),
         (
-            {"PRORSA_KV_STORE_BACKEND": "file", "PRORSA_KV_STORE_SIZE_GIB": "1", "PRORSA_KV_STORE_ENDPOINT": "kv"},
+            {"PRORSA_KV_STORE_BACKEND": "redis", "PRORSA_KV_STORE_SIZE_GIB": "1"},
+            "PRORSA_KV_STORE_BACKEND",
+        ),
+        (
+            {"PRORSA_KV_STORE_BACKEND": "file", "PRORSA_KV_STORE_SIZE_GIB": "x"},
+            "PRORSA_KV_STORE_SIZE_GIB",
+        ),
+        (
+            {
+                "PRORSA_KV_STORE_BACKEND": "file",
+                "PRORSA_KV_STORE_SIZE_GIB": "1",
+                "PRORSA_KV_STORE_ENDPOINT": "kv",
+            },
             "PRORSA_KV_STORE_ENDPOINT",
         ),
         (
-            {"PRORSA_KV_STORE_BACKEND": "mooncake", "PRORSA_KV_STORE_SIZE_GIB": "1", "PRORSA_KV_STORE_ENDPOINT": "m:x"},
+            {
+                "PRORSA_KV_STORE_BACKEND": "mooncake",
+                "PRORSA_KV_STORE_SIZE_GIB": "1",
+                "PRORSA_KV_STORE_ENDPOINT": "m:x",
+            },
             "PRORSA_KV_STORE_ENDPOINT",
         ),
     ],
@@ -95,13 +121,17 @@ async def _flip(client: httpx.AsyncClient, pod: EnginePod, role: str) -> RoleRes
 async def test_a_flip_is_refused_while_the_store_directory_is_missing(tmp_path: Path) -> None:
     shared = tmp_path / "kv"
     store = KvStoreConfig(backend="file", endpoint=str(shared), size_gib=1)
-    async with EnginePod(instance="e-kv", token=TOKEN, kv_store=store) as pod, httpx.AsyncClient(
-        timeout=20
-    ) as client:
+    async with (
+        EnginePod(instance="e-kv", token=TOKEN, kv_store=store) as pod,
+        httpx.AsyncClient(timeout=20) as client,
+    ):
         refused = await _flip(client, pod, "prefill")
         assert not refused.ok and refused.safe_to_restore
         assert refused.new_role == "decode"
-        assert f"KV store is unreachable: the KV store directory {shared} does not exist" in refused.message
+        assert (
+            f"KV store is unreachable: the KV store directory {shared} does not exist"
+            in refused.message
+        )
         assert pod.double.role == "decode" and pod.double.counters().switch_calls == 0
         shared.mkdir()
         assert (await _flip(client, pod, "prefill")).ok
@@ -114,11 +144,15 @@ async def test_a_flip_waits_for_the_mooncake_master(tmp_path: Path) -> None:
     server.close()
     await server.wait_closed()
     store = KvStoreConfig(backend="mooncake", endpoint=f"127.0.0.1:{port}", size_gib=1)
-    async with EnginePod(instance="e-mc", token=TOKEN, kv_store=store) as pod, httpx.AsyncClient(
-        timeout=20
-    ) as client:
+    async with (
+        EnginePod(instance="e-mc", token=TOKEN, kv_store=store) as pod,
+        httpx.AsyncClient(timeout=20) as client,
+    ):
         refused = await _flip(client, pod, "prefill")
-        assert not refused.ok and f"the Mooncake master 127.0.0.1:{port} does not answer" in refused.message
+        assert (
+            not refused.ok
+            and f"the Mooncake master 127.0.0.1:{port} does not answer" in refused.message
+        )
         assert pod.double.role == "decode"
         master = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
         async with master:

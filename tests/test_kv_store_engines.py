@@ -97,7 +97,7 @@ async def _real_engines(store_dir: Path) -> AsyncIterator[Engines]:
     common = [
         "--model-path", model, "--page-size", str(PAGE), "--mem-fraction-static", "0.25",
         "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
-        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics",
     ]  # fmt: skip
     unified = [*common, *store.engine_flags()[:4]]  # no decode offload outside PD decode
     flipper = [
@@ -115,7 +115,9 @@ async def _real_engines(store_dir: Path) -> AsyncIterator[Engines]:
             procs.append(subprocess.Popen(cmd, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
-            await _wait_healthy(url, proc, float(os.environ.get("PRORSA_GPU_STARTUP_TIMEOUT", "900")))
+            await _wait_healthy(
+                url, proc, float(os.environ.get("PRORSA_GPU_STARTUP_TIMEOUT", "900"))
+            )
         yield Engines(urls[0], urls[1], urls[2], store_dir)
     finally:
         for proc in procs:
@@ -156,7 +158,9 @@ async def engines(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         yield doubles
 
 
-def _body(ids: list[int], *, new: int, extra_key: str | None, rid: str | None = None) -> dict[str, Any]:
+def _body(
+    ids: list[int], *, new: int, extra_key: str | None, rid: str | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
@@ -191,6 +195,16 @@ async def _cut(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dic
     return last
 
 
+async def _cached_total(client: httpx.AsyncClient, url: str) -> float:
+    """``sglang:cached_tokens_total`` over every cache source (the engine's own count)."""
+    text = (await client.get(f"{url}/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sglang:cached_tokens_total{")
+    )
+
+
 async def _settled_entries(engines: Engines) -> int:
     """The store's entry count once writes stop (SGLang backs pages up in a background
     thread): the same count twice, a second apart."""
@@ -212,7 +226,9 @@ async def test_the_store_through_a_weight_update_a_flip_and_a_resume(engines: En
         ref_ids = reference["output_ids"]
         assert len(ref_ids) == NEW_TOKENS
 
-        cut = await _cut(client, engines.writer, _body(PROMPT, new=NEW_TOKENS, extra_key=V1, rid="r1"))
+        cut = await _cut(
+            client, engines.writer, _body(PROMPT, new=NEW_TOKENS, extra_key=V1, rid="r1")
+        )
         assert cut["meta_info"]["finish_reason"]["type"] == "abort"
         partial = cut["output_ids"]
         assert CUT_AFTER <= len(partial) < NEW_TOKENS
@@ -232,8 +248,10 @@ async def test_the_store_through_a_weight_update_a_flip_and_a_resume(engines: En
 
         # 3. The resume on another engine, from the store.
         left = NEW_TOKENS - len(partial)
+        counted = await _cached_total(client, engines.reader)
         resumed = await _generate(client, engines.reader, _body(context, new=left, extra_key=V1))
         meta = resumed["meta_info"]
+        assert await _cached_total(client, engines.reader) - counted == meta["cached_tokens"]
         recomputed = meta["prompt_tokens"] - meta["cached_tokens"]
         assert meta["prompt_tokens"] == len(context)
         assert 0 < recomputed <= PAGE, meta
@@ -244,7 +262,9 @@ async def test_a_store_a_flip_clears_loses_every_engines_pages(tmp_path: Path) -
     """The double with SGLang's own clear-on-flip (``HiCacheFile.clear``): what the shipped
     backend prevents. The resume then recomputes its whole context."""
     async with _doubles(tmp_path, clears_on_flip=True) as engines, httpx.AsyncClient() as client:
-        cut = await _cut(client, engines.writer, _body(PROMPT, new=NEW_TOKENS, extra_key=V1, rid="r1"))
+        cut = await _cut(
+            client, engines.writer, _body(PROMPT, new=NEW_TOKENS, extra_key=V1, rid="r1")
+        )
         context = PROMPT + cut["output_ids"]
         assert engines.entries() >= len(context) // PAGE
         flip = await client.post(f"{engines.flipper}/pd_role_switch", json={"new_role": "prefill"})

@@ -33,7 +33,10 @@ def test_every_engine_pod_carries_the_store_and_its_agent_renders_the_flags() ->
             backend="mooncake", endpoint="mooncake-master.rl:50051", size_gib=64
         )
         argv = engine_argv(
-            command=[], engine_url="http://127.0.0.1:30000", env_args=args_from_env(env), kv_store=store
+            command=[],
+            engine_url="http://127.0.0.1:30000",
+            env_args=args_from_env(env),
+            kv_store=store,
         )
         assert argv[argv.index("--hicache-storage-backend") + 1] == "dynamic"
         extra = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
@@ -59,7 +62,11 @@ def test_the_operator_and_the_agent_name_the_same_variables() -> None:
         ({**STORE, "sizeGiB": 0}, {}, "spec.kvStore.sizeGiB"),
         ({k: v for k, v in STORE.items() if k != "backend"}, {}, "spec.kvStore.backend"),
         (STORE, {"engine__extraArgs": ["--hicache-storage-backend=file"]}, "spec.engine.extraArgs"),
-        (STORE, {"engine__env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}]}, "spec.engine.env"),
+        (
+            STORE,
+            {"engine__env": [{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}]},
+            "spec.engine.env",
+        ),
     ],
 )
 def test_admission_names_the_bad_field(store: dict, extra: dict, field: str) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa_sdk import ResumableGeneration, ResumePrefill
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble, TimingModel
+from prorsa_sdk import ResumableGeneration, ResumePrefill
 
 PAGE = 16
 PROMPT = list(range(10, 110))  # 100 tokens
@@ -29,18 +29,21 @@ async def _cut_and_resume(store: Path | None) -> tuple[ResumePrefill, dict]:
         kv_page_size=PAGE,
         timing=TimingModel(decode_step_seconds=0.005),
     )
-    async with EngineDouble(config) as first, EngineDouble(config) as other:
-        async with httpx.AsyncClient(base_url=first.url, timeout=30) as http:
-            gen = ResumableGeneration(http, weight_version=lambda: 3)
-            body = {"input_ids": PROMPT, "rid": "t1", "sampling_params": {"max_new_tokens": NEW}}
-            task = asyncio.create_task(gen.generate(body))
-            while not (await http.get("/v1/loads")).json()["loads"][0]["num_running_reqs"]:
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.15)  # some tokens out
-            http.base_url = httpx.URL(other.url)  # the router now sends it elsewhere
-            async with httpx.AsyncClient() as control:
-                await control.post(f"{first.url}/abort_request", json={"rid": "t1"})
-            out = await task
+    async with (
+        EngineDouble(config) as first,
+        EngineDouble(config) as other,
+        httpx.AsyncClient(base_url=first.url, timeout=30) as http,
+        httpx.AsyncClient() as control,
+    ):
+        gen = ResumableGeneration(http, weight_version=lambda: 3)
+        body = {"input_ids": PROMPT, "rid": "t1", "sampling_params": {"max_new_tokens": NEW}}
+        task = asyncio.create_task(gen.generate(body))
+        while not (await http.get("/v1/loads")).json()["loads"][0]["num_running_reqs"]:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.15)  # some tokens out
+        http.base_url = httpx.URL(other.url)  # the router now sends it elsewhere
+        await control.post(f"{first.url}/abort_request", json={"rid": "t1"})
+        out = await task
     return gen.resume_prefill, out
 
 
@@ -58,4 +61,6 @@ async def test_a_resume_recomputes_the_context_before_and_one_page_after(
         assert cost.recomputed_tokens == cost.prompt_tokens
     summary = cost.summary()
     assert summary["resume_recomputed_prefill_tokens"] == cost.recomputed_tokens
-    assert summary["resume_cached_tokens"] + cost.recomputed_tokens == summary["resume_prompt_tokens"]
+    assert (
+        summary["resume_cached_tokens"] + cost.recomputed_tokens == summary["resume_prompt_tokens"]
+    )

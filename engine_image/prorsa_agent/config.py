@@ -73,9 +73,7 @@ DISABLE_HICACHE_ENV = "PRORSA_DISABLE_HICACHE"
 CACHE_ENV = frozenset({ALLOW_HICACHE_STORAGE_ENV, DISABLE_HICACHE_ENV})
 """Settings of the prefix-cache flags ``engine_argv`` adds (read by ``cli.build_config``)."""
 
-ENV_VARS = (
-    AGENT_ENV | CACHE_ENV | KV_STORE_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
-)
+ENV_VARS = AGENT_ENV | CACHE_ENV | KV_STORE_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
 """Every ``PRORSA_*`` variable an engine pod may set; the engine image is checked against it."""
 
 

@@ -12,6 +12,7 @@ cancels requests whose resume depends on it (Prorsa, arXiv 2610.16592, Appendix 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -154,8 +155,6 @@ async def unreachable(store: KvStoreConfig, *, timeout: float) -> str | None:
     except (OSError, TimeoutError) as exc:
         return f"the Mooncake master {store.endpoint} does not answer: {exc or 'timed out'}"
     writer.close()
-    try:
+    with contextlib.suppress(OSError):
         await writer.wait_closed()
-    except OSError:
-        pass
     return None

@@ -320,7 +320,10 @@ class ResumableGeneration:
                 # them with --enable-cache-report).
                 details = usage.get("prompt_tokens_details") or {}
                 self.resume_prefill = self.resume_prefill.add(
-                    {"prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
+                    {
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "cached_tokens": details.get("cached_tokens"),
+                    }
                 )
             completion += used
             merged = _merge_chat(first, out, content=content, completion=completion)

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.real_engine
 @pytest.fixture(scope="module")
 def probe(engine_env: CpuEngineEnv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shared = tmp_path_factory.mktemp("kv-store")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "engine_image"), str(ROOT / "sdk")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "engine_image"), str(ROOT / "sdk")]),
+    }
     done = subprocess.run(
         [str(engine_env.python), str(Path(__file__).with_name("kv_backend_probe.py")), str(shared)],
         env=env,

@@ -413,8 +413,7 @@ def cel_rules() -> list[dict[str, str]]:
             "rule": "!has(self.kvStore) || (self.kvStore.backend == 'file' ? "
             "self.kvStore.endpoint.startsWith('/') : "
             f"self.kvStore.endpoint.matches({_cel_str('^' + MOONCAKE_ENDPOINT + '$')}))",
-            "message": "kvStore.endpoint must be an absolute path (file) or host[:port] "
-            "(mooncake)",
+            "message": "kvStore.endpoint must be an absolute path (file) or host[:port] (mooncake)",
             "fieldPath": ".kvStore.endpoint",
             "reason": "FieldValueInvalid",
         }

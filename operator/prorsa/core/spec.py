@@ -516,7 +516,7 @@ class TrainerSpec(_Spec):
 
 
 class KvStoreSpec(_Spec):
-    """A KV store every engine of the cluster shares, that survives role flips (docs/kv-store.md)."""
+    """A KV store the cluster's engines share and role flips keep (docs/kv-store.md)."""
 
     backend: Literal["mooncake", "file"] = Field(
         description="mooncake: a Mooncake store (production); file: a directory every engine "

@@ -1038,7 +1038,7 @@ def _summarise(
         requests_failed=trainer.failed,
         requests_resumed=trainer.resumed,
         resumes=trainer.resumes,
-        resume_prefill=trainer.gen.resume_prefill.summary(),
+        resume_prefill=trainer.resume_prefill,
         tokens_lost=trainer.tokens_lost,
         tokens_generated=trainer.tokens_generated,
         prefill_aborts=router.counters.prefill_aborts,

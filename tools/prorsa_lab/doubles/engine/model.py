@@ -622,7 +622,9 @@ class Rank:
         mode = self.core.mode
         timing = self.core.config.timing
         try:
-            elapsed = await self._work(timing.prefill_batch_seconds(r.uncached_tokens for r in batch))
+            elapsed = await self._work(
+                timing.prefill_batch_seconds(r.uncached_tokens for r in batch)
+            )
         finally:
             self.prefilling = []
         now = time.monotonic()
