@@ -40,7 +40,9 @@ from prorsa_agent.kv_store import KvStoreConfig
 from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble, TimingModel
 
 PAGE = 16
-PROMPT = [(7 * i + 3) % 997 + 5 for i in range(100)]  # six whole pages and four tokens
+# 18 whole pages and 12 tokens: longer than SGLang's prefetch threshold (256 tokens), below
+# which a store hit is not fetched.
+PROMPT = [(7 * i + 3) % 997 + 5 for i in range(300)]
 NEW_TOKENS = 96
 CUT_AFTER = 24
 V1, V2 = "weights-v1", "weights-v2"  # prorsa_sdk.weight_version_key(1), (2)
@@ -272,3 +274,16 @@ async def test_a_store_a_flip_clears_loses_every_engines_pages(tmp_path: Path) -
         assert engines.entries() == 0
         resumed = await _generate(client, engines.reader, _body(context, new=4, extra_key=V1))
         assert resumed["meta_info"]["cached_tokens"] == 0
+
+
+async def test_a_store_hit_below_sglangs_prefetch_threshold_is_prefilled(tmp_path: Path) -> None:
+    """SGLang fetches from the store only hits of 256 tokens or more (its default
+    ``prefetch_threshold``): a short context is prefilled in full even when stored."""
+    async with _doubles(tmp_path) as engines, httpx.AsyncClient() as client:
+        short = PROMPT[:200]
+        await _generate(client, engines.writer, _body(short, new=8, extra_key=V1))
+        again = await _generate(client, engines.reader, _body(short, new=8, extra_key=V1))
+        assert again["meta_info"]["cached_tokens"] == 0
+        await _generate(client, engines.writer, _body(PROMPT, new=8, extra_key=V1))
+        long = await _generate(client, engines.reader, _body(PROMPT, new=8, extra_key=V1))
+        assert long["meta_info"]["cached_tokens"] == 288  # 18 whole pages of 299 tokens

@@ -18,7 +18,7 @@ from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble, TimingM
 from prorsa_sdk import ResumableGeneration, ResumePrefill
 
 PAGE = 16
-PROMPT = list(range(10, 110))  # 100 tokens
+PROMPT = list(range(10, 310))  # 300 tokens: above SGLang's store prefetch threshold (256)
 NEW = 80
 
 

@@ -215,6 +215,10 @@ class EngineConfig:
     token."""
     kv_page_size: int = 16
     """SGLang's ``--page-size`` of the store's pages."""
+    kv_prefetch_threshold: int = 256
+    """SGLang's HiCache ``prefetch_threshold`` (default 256 tokens,
+    ``hybrid_cache_controller.py`` ``parse_storage_backend_extra_config``): a store hit
+    shorter than this is not fetched; those tokens are prefilled."""
     kv_store_clears_on_flip: bool = False
     """A role flip clears the store, as SGLang's own file backend does (``HiCacheFile.clear``);
     the shipped backend keeps it (``prorsa_agent.kv_backend``)."""
@@ -867,7 +871,8 @@ class EngineCore:
                 # SGLang matches all but the last token (whose logits it must compute), in
                 # whole pages: at most the last page is prefilled again.
                 keys = self.store.page_keys(input_ids[:-1], extra_key)
-                req.cached_tokens = self.store.hit_pages(keys) * self.store.page_size
+                hit = self.store.hit_pages(keys) * self.store.page_size
+                req.cached_tokens = hit if hit >= self.config.kv_prefetch_threshold else 0
                 self._count(cached_tokens=req.cached_tokens)
         self.requests[rid] = req
         rank.waiting.append(req)
