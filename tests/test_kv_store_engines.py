@@ -98,7 +98,10 @@ async def _real_engines(store_dir: Path) -> AsyncIterator[Engines]:
     store = KvStoreConfig(backend="file", endpoint=str(store_dir), size_gib=4)
     common = [
         "--model-path", model, "--page-size", str(PAGE), "--mem-fraction-static", "0.25",
-        "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+        # A host pool of 4 GB each: three engines sizing theirs against the whole host would
+        # ask for more than it has.
+        "--enable-hierarchical-cache", "--hicache-size", "4",
+        "--hicache-write-policy", "write_through",
         "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics",
     ]  # fmt: skip
     unified = [*common, *store.engine_flags()[:4]]  # no decode offload outside PD decode
