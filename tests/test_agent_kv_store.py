@@ -3,6 +3,7 @@ the store does not answer (against the engine double, over HTTP on loopback)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import ConfigError, engine_argv
 from prorsa_agent.kv_store import KvStoreConfig, KvStoreError
 from prorsa_contract.agent_api import RoleResult
@@ -157,3 +159,23 @@ async def test_a_flip_waits_for_the_mooncake_master(tmp_path: Path) -> None:
         master = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
         async with master:
             assert (await _flip(client, pod, "prefill")).ok
+
+
+def _cli(tmp_path: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(
+        ["--engine-url", "http://127.0.0.1:30001", "--token-file", str(tmp_path / "t"),
+         "--instance", "rc-engine-0", "--launch", "--", "--model-path", "/m"]
+    )  # fmt: skip
+
+
+def test_the_pods_variables_reach_the_launch_and_the_switch(tmp_path: Path) -> None:
+    store = KvStoreConfig(backend="file", endpoint="/mnt/kv", size_gib=2)
+    config = build_config(_cli(tmp_path), env=store.env())
+    assert config.kv_store == store
+    assert config.launch is not None
+    argv = list(config.launch.argv)
+    assert argv[argv.index("--hicache-storage-backend") + 1] == "dynamic"
+    with pytest.raises(ConfigError, match="PRORSA_KV_STORE_SIZE_GIB"):
+        build_config(_cli(tmp_path), env={**store.env(), "PRORSA_KV_STORE_SIZE_GIB": "2G"})
