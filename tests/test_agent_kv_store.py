@@ -43,6 +43,11 @@ def test_the_store_is_loaded_through_sglangs_dynamic_backend_with_decode_offload
     assert "--disaggregation-decode-enable-radix-cache" in argv
 
 
+def test_a_mooncake_master_without_a_port_gets_the_default_one() -> None:
+    store = KvStoreConfig(backend="mooncake", endpoint="mooncake-master", size_gib=1)
+    assert store.extra_config()["master_server_address"] == "mooncake-master:50051"
+
+
 def test_the_file_store_names_its_directory_and_cap() -> None:
     store = KvStoreConfig(backend="file", endpoint="/mnt/kv", size_gib=2)
     extra = json.loads(

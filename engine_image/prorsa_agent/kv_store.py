@@ -102,8 +102,9 @@ class KvStoreConfig:
         else:
             # MooncakeStore reads and writes through the zero-copy v1 interface; SGLang picks
             # it for a dynamic backend only with interface_v1 (managers/cache_controller.py).
+            host, port = _host_port(self.endpoint)
             extra |= {
-                "master_server_address": self.endpoint,
+                "master_server_address": f"{host}:{port}",
                 "global_segment_size": size,
                 "interface_v1": 1,
             }
