@@ -23,6 +23,9 @@ from prorsa_contract.labels import (
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, PATIENCE, Stack, cluster_manifest, stack
 
+# The operator's scenarios against the emulator and engine doubles: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict]:
     """n requests queued with big prompts: prefill demand n·tokens / (S·θ) instances."""

@@ -21,13 +21,16 @@ from types import ModuleType
 
 import pytest
 
-from prorsa.kopf_handlers import LeaderElection
+from prorsa.k8s.leader import LeaderElection
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.bench.scale_bench import drains_since
 from prorsa_lab.doubles.operator_deployment import OperatorDeployment
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import PATIENCE, Stack, cluster_manifest, stack
 from prorsa_sdk import AsyncEventEmitter
+
+# `helm upgrade` mid-switch, the operator's pods rolled: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "prorsa"

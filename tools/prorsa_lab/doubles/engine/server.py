@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from prorsa_contract.bearer import bearer_token
 from prorsa_lab.doubles.engine.kv_handoff import Bootstrap, KvFetcher, bootstrap_app
 from prorsa_lab.doubles.engine.model import (
     SGLANG_VERSION,
@@ -886,10 +887,8 @@ class EngineDouble:
 
 
 def _bearer_ok(header: str | None, expected: str) -> bool:
-    if not header:
-        return False
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token, expected)
+    token = bearer_token(header)
+    return token is not None and secrets.compare_digest(token, expected)
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:
