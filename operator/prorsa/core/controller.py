@@ -37,6 +37,7 @@ from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.core.switch_cost import CycleProfile, Load, Persistence, Regret, SwitchCosts
+from prorsa.core.switch_memory import export_switching, restore_switching
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import (
     Demand,
@@ -264,12 +265,28 @@ class Controller:
         return self.theta.value
 
     def learned_state(self) -> dict[str, object]:
-        """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
-        return export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap):
+        the forecaster's, θ_P's busy intervals, and what switching measured (durations,
+        aborts, how long demand leans one way, the step-cycle profile)."""
+        data = export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        data["switching"] = export_switching(
+            costs=self.switch_costs, persistence=self.persistence, cycle=self.cycle
+        )
+        return data
 
     def restore_learned(self, data: dict[str, object]) -> None:
-        """Load :meth:`learned_state` output; raises ValueError on an unknown format."""
+        """Load :meth:`learned_state` output; raises ValueError on an unknown format or a
+        malformed field (named in the message)."""
         restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        switching = data.get("switching")
+        if switching is not None and not isinstance(switching, dict):
+            raise ValueError("learned state: switching must be an object")
+        restore_switching(
+            switching or {},
+            costs=self.switch_costs,
+            persistence=self.persistence,
+            cycle=self.cycle,
+        )
 
     def accuracy(self) -> dict[str, float | None]:
         acc = self.forecaster.accuracy

@@ -371,6 +371,35 @@ class CycleProfile:
             self.ticks.popleft()
 
     @property
+    def starts(self) -> tuple[float, ...]:
+        """The cycle starts kept: the run's first tick, then each weight update's start."""
+        return tuple(self._starts)
+
+    @property
+    def last(self) -> float | None:
+        """The time of the latest tick recorded."""
+        return self._last
+
+    @property
+    def last_update(self) -> float | None:
+        """The start of the latest weight update seen."""
+        return self._last_update
+
+    def load(
+        self,
+        *,
+        starts: Sequence[float],
+        ticks: Sequence[tuple[float, float, Load, tuple[int, int], float]],
+        last: float | None,
+        last_update: float | None,
+        first: tuple[int, int] | None,
+    ) -> None:
+        """Take over a profile saved by an earlier operator (:mod:`prorsa.core.switch_memory`)."""
+        self._starts = list(starts)[-(CYCLES + 1) :]
+        self.ticks = deque(sorted(ticks, key=lambda row: row[0]))
+        self._last, self._last_update, self._first = last, last_update, first
+
+    @property
     def first_split(self) -> tuple[int, int] | None:
         """The split in use at the first tick recorded (None: none yet)."""
         return self._first
