@@ -413,6 +413,11 @@ class CycleProfile:
         return len(self._starts) > CYCLES or self.overdue
 
     @property
+    def closed(self) -> bool:
+        """Whether a weight update has closed the run's first cycle."""
+        return len(self._starts) > 1
+
+    @property
     def overdue(self) -> bool:
         """Whether the step under way has run longer than the closed steps on average.
 
