@@ -36,8 +36,15 @@ from prorsa.core.forecast.model import ForecastConfig, Forecaster
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa.core.switch_cost import CycleProfile, Load, Persistence, Regret, SwitchCosts
-from prorsa.core.switch_memory import export_switching, restore_switching
+from prorsa.core.switch_cost import (
+    CycleProfile,
+    Load,
+    Persistence,
+    Regret,
+    SwitchCosts,
+    export_switching,
+    restore_switching,
+)
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import (
     Demand,
