@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: test test-fast lint bench demo venv clean engine-env test-engine engine-study demo-sglang \
-	trainer-envs test-trainers
+.PHONY: test test-fast lint lint-quick typecheck pytest-fast bench demo venv clean engine-env \
+	test-engine engine-study demo-sglang trainer-envs test-trainers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,21 +24,33 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(TEST_STAMP)
 
-# ruff, mypy (strict, with the pydantic plugin: [tool.mypy]), then the import-layer
-# contracts of pyproject.toml ([tool.importlinter]).
-lint: $(TEST_STAMP)
+# ruff, the import-layer contracts of pyproject.toml ([tool.importlinter]), then mypy
+# (strict, with the pydantic plugin: [tool.mypy]).
+lint: lint-quick typecheck
+
+# The checks that take seconds.
+lint-quick: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# Incremental (.mypy_cache): a run after a small change re-checks what it touched.
+typecheck: $(TEST_STAMP)
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -q
 
-# The suite without the tests that run the whole operator on loopback (marked `slow` in
-# tests/conftest.py): what to run while working; `make test` runs everything.
-test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow"
+# What to run while working: every check of `make lint`, and the suite without the tests
+# that run the whole operator on loopback (each marks itself `slow`; tests/conftest.py
+# fails one that does not); `make test` runs everything. mypy runs beside the tests (one
+# process each, two cores), not before them. The -m replaces pyproject's, so it names
+# real_engine again (`make test-engine` runs those).
+test-fast: lint-quick
+	$(MAKE) --no-print-directory -j2 typecheck pytest-fast
+
+pytest-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not real_engine"
 
 bench: $(DEMO_STAMP)
 	$(BIN)/prorsa bench all

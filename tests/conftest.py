@@ -1,16 +1,24 @@
-"""Shared fixtures (a small RolloutCluster spec, an event builder) and the ``slow`` marks.
+"""Shared fixtures (a small RolloutCluster spec, an event builder), and the check that a test
+which runs the whole operator says so.
 
 ``make test-fast`` (``pytest -m "not slow"``) leaves out the tests that run the whole
 operator on loopback (kopf, the Kubernetes API emulator, engine doubles with their agents,
 often the real smg or a ``prorsa operator`` process): each takes from a few seconds to a
-minute. ``make test`` runs them all. The marks live here, in one list, rather than in each
-module, so a newcomer finds them in one place; a test file added to a module listed here is
-slow too.
+minute. Such a test carries the mark in its own module (``pytestmark = pytest.mark.slow``,
+or ``@pytest.mark.slow`` on the test). One that does not, fails: while a test without the
+mark runs, starting the operator in this process (``OperatorProcess.run``) or running this
+environment's ``prorsa operator``, ``prorsa demo`` or ``prorsa bench chaos|scale|soak`` as
+a child process raises :class:`UnmarkedWholeOperator`, naming the test and the mark to add.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,50 +26,91 @@ import pytest
 from prorsa.core.spec import RolloutClusterSpec, parse_cluster
 from prorsa_contract.events import Event, parse_events
 
-# Modules whose every test runs the operator end to end.
-SLOW_MODULES = {
-    "test_operator_e2e.py": "the operator's scenarios against the emulator and engine doubles",
-    "test_multinode_e2e.py": "two-pod instances end to end, with and without LeaderWorkerSet",
-    "test_multinode_demo.py": "the multinode demo",
-    "test_demo.py": "`prorsa demo` end to end, its switching and static runs",
-    "test_operator_ha.py": "a `prorsa operator` process killed mid-switch, the standby takes over",
-    "test_operator_labels.py": "the stack's pods and their labels",
-    "test_smg_router.py": "the real smg against the stack",
-    "test_smg_dp_routing.py": "the real smg with DP engines",
-    "test_scale_bench.py": "`prorsa bench scale` at a tiny size: two replicas, two clusters",
-    "test_operator_upgrade.py": "`helm upgrade` mid-switch, the operator's pods rolled",
-}
-# Single tests that run the whole operator in an otherwise quick module.
-SLOW_TESTS = {
-    # The whole operator throttled by the API emulator.
-    "test_api_throttle.py": {"test_a_throttled_operator_backs_off_then_carries_on"},
-    # Two chaos rounds against two operator replicas, the real smg and the stack.
-    "test_chaos_suite.py": {"test_two_chaos_rounds_converge_and_the_trainer_loses_nothing"},
-    "test_chart.py": {
-        # The chart's RBAC held against every call of a whole operator scenario.
-        "test_rbac_allows_every_call_the_operator_makes_and_grants_nothing_it_does_not",
-    },
-    "test_kubectl_view.py": {
-        "test_engine_pods_are_ready_and_events_print_kubectls_columns",
-        "test_describe_lists_every_switch_the_status_shows",
-        "test_the_fake_kubelet_writes_container_statuses_kubectl_counts_ready_from",
-    },
-    "test_operator_degraded.py": {
-        "test_an_agent_that_times_out_degrades_the_cluster_for_all_to_see"
-    },
-    "test_operator_spec_update.py": {"test_a_smoothing_edit_reaches_the_running_operator"},
-    "test_trainer_token.py": {"test_the_operator_follows_a_rotation_while_a_trainer_posts"},
-    "test_webhook_tls.py": {"test_the_operator_webhook_serves_https_and_the_sdk_verifies_it"},
-    "test_memory_bounds.py": {"test_the_operator_stays_under_the_charts_memory_limit_at_the_cap"},
-}
+pytest_plugins = ["pytester"]  # tests/test_layout.py runs the check on tests of its own
+
+# The `prorsa` subcommands (and benchmarks) that run the whole operator.
+WHOLE_OPERATOR = ("operator", "demo", "bench chaos", "bench scale", "bench soak")
+# Marks that keep a test out of `make test-fast` already: the slow ones, and the suites that
+# need a real engine, GPU or cluster (left out of `make test` too, run by targets of their own).
+RUN_APART = ("slow", "real_engine", "study", "gpu", "cluster")
+# The test running now, unless one of RUN_APART marks it (pytest_runtest_setup: before any
+# of its fixtures, a module's too, are set up).
+_unmarked: list[str] = []
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.path.name
-        name = getattr(item, "originalname", item.name)
-        if module in SLOW_MODULES or name in SLOW_TESTS.get(module, ()):
-            item.add_marker(pytest.mark.slow)
+class UnmarkedWholeOperator(AssertionError):
+    """A test without the ``slow`` mark started the whole operator."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    apart = any(item.get_closest_marker(mark) for mark in RUN_APART)
+    _unmarked[:] = [] if apart else [item.nodeid]
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _unmarked[:] = []
+
+
+def _refuse(what: str) -> None:
+    if _unmarked:
+        raise UnmarkedWholeOperator(
+            f"{_unmarked[0]} runs the whole operator ({what}) without the mark `slow`: add "
+            "`pytestmark = pytest.mark.slow` to its module (or `@pytest.mark.slow` to the "
+            "test), so that `make test-fast` leaves it out"
+        )
+
+
+def prorsa_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` runs with this environment's ``prorsa`` (its first two words
+    that are not flags), None for any other program or for ``--help``."""
+    args = [str(a) for a in argv]
+    own = Path(sys.executable)
+    if args[:3] == [str(own), "-m", "prorsa.cli"]:
+        rest = args[3:]
+    elif args[:1] == [str(own.with_name("prorsa"))]:
+        rest = args[1:]
+    else:
+        return None
+    if "--help" in rest or "-h" in rest:
+        return None
+    return " ".join([a for a in rest if not a.startswith("-")][:2])
+
+
+def runs_the_whole_operator(argv: Sequence[str]) -> bool:
+    command = prorsa_command(argv)
+    return command is not None and any(
+        command == c or command.startswith(f"{c} ") for c in WHOLE_OPERATOR
+    )
+
+
+def _guarded_popen(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        argv = [args] if isinstance(args, str | Path) else args
+        if runs_the_whole_operator(argv):
+            _refuse(f"prorsa {prorsa_command(argv)}")
+        init(self, args, *rest, **kwargs)
+
+    return popen
+
+
+def _guarded_run(run: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(run)
+    async def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse("OperatorProcess.run")
+        return await run(self, *args, **kwargs)
+
+    return guarded
+
+
+# Installed once for the session: every child process the tests start passes through it.
+subprocess.Popen.__init__ = _guarded_popen(subprocess.Popen.__init__)  # type: ignore[method-assign]
+try:
+    from prorsa.operator_process import OperatorProcess
+except ModuleNotFoundError:  # no operator extra (`make test-trainers`): no operator to start
+    pass
+else:
+    OperatorProcess.run = _guarded_run(OperatorProcess.run)  # type: ignore[method-assign]
 
 
 def make_spec(**spec: Any) -> RolloutClusterSpec:

@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import email
 import importlib.metadata
-import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import tomllib
 import zipfile
-from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import pytest
+from bare_venv import bare_venv, clean_env
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -129,60 +127,13 @@ def test_the_command_engine_pods_run_is_the_wheels_script(wheel: Path) -> None:
     assert not runs_in_the_engine_image(worker_container, worker=False)
 
 
-def _closure(names: Iterable[str]) -> list[importlib.metadata.Distribution]:
-    """The installed distributions ``names`` need, themselves included (no extras)."""
-    found: dict[str, importlib.metadata.Distribution] = {}
-    todo = list(names)
-    while todo:
-        name = canonicalize_name(todo.pop())
-        if name in found:
-            continue
-        dist = found[name] = importlib.metadata.distribution(name)
-        for spec in dist.requires or []:
-            req = Requirement(spec)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
-    return list(found.values())
-
-
-def _clean_env() -> dict[str, str]:
-    """This environment without what would put this checkout's packages on a path."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-
-
 @pytest.fixture(scope="module")
 def agent_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtual environment with the wheel and its declared dependencies, nothing more.
 
     The dependencies are this environment's own copies, linked in: no index is needed.
     """
-    venv = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    install = [sys.executable, "-m", "pip", "--python", str(python), "install"]
-    result = subprocess.run(
-        [*install, "--no-deps", "--no-index", "--quiet", str(wheel)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=_clean_env(),
-        ).stdout.strip()
-    )
-    ours = Path(sysconfig.get_path("purelib"))
-    for dist in _closure(LIGHT):
-        for top in {f.parts[0] for f in dist.files or ()} - {"..", "__pycache__"}:
-            target = Path(str(dist.locate_file(top)))
-            if target.parent == ours and not (site / top).exists():
-                (site / top).symlink_to(target)
-    return venv
+    return bare_venv(tmp_path_factory.mktemp("venv"), wheel, LIGHT)
 
 
 def _free_port() -> int:
@@ -205,7 +156,7 @@ def test_prorsa_agent_runs_from_the_wheel_with_only_its_declared_dependencies(
     agent_venv: Path, tmp_path: Path
 ) -> None:
     python, command = agent_venv / "bin" / "python", agent_venv / "bin" / AGENT_COMMAND
-    env = _clean_env()
+    env = clean_env()
     probe = "import importlib.util as u, sys; print([n for n in sys.argv[1:] if u.find_spec(n)])"
     found = subprocess.run(
         [str(python), "-c", probe, *LEFT_OUT], capture_output=True, text=True, env=env

@@ -95,6 +95,7 @@ async def test_a_call_refused_again_and_again_is_given_up_after_a_few_sends(
     assert refused(server, "patch") == THROTTLE_ATTEMPTS
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_a_throttled_operator_backs_off_then_carries_on() -> None:
     async with stack(tick_seconds=0.3) as env:
         await env.create_cluster(cluster_manifest())

@@ -25,6 +25,7 @@ from prorsa_lab.robustness.chaos_suite import ChaosOptions
 needs_smg = pytest.mark.skipif(smg_binary() is None, reason="smg is not installed")
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 @needs_smg
 def test_two_chaos_rounds_converge_and_the_trainer_loses_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -44,8 +44,8 @@ from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.ingest import WebhookServer
 from prorsa.k8s import lws, objects
 from prorsa.k8s.kube import Kube
+from prorsa.k8s.leader import LeaderElection
 from prorsa.k8s.manifest_file import load_cluster
-from prorsa.kopf_handlers import LeaderElection
 from prorsa_contract.labels import DIST_INIT_PORT, DRAINING
 from prorsa_lab.doubles.kube.audit import ApiCall
 from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
@@ -841,6 +841,7 @@ async def ready(env: Any) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 @pytest.mark.parametrize(
     ("watch", "leader_worker_set"),
     [((), False), (("rl",), False), ((), True)],

@@ -174,6 +174,12 @@ ACCEPTED: dict[str, dict[str, Any]] = {
         engine__env=[{"name": "PRORSA_ALLOW_HICACHE_STORAGE", "value": "true"}],
     ),
     "a value that is a flag's name": with_spec(engine__extraArgs=["--chunked-prefill-size=8"]),
+    "a Mooncake KV store": with_spec(
+        kvStore={"backend": "mooncake", "endpoint": "mooncake-master.rl:50051", "sizeGiB": 64}
+    ),
+    "a shared-directory KV store": with_spec(
+        kvStore={"backend": "file", "endpoint": "/mnt/kv", "sizeGiB": 8}
+    ),
 }
 
 REFUSED: dict[str, dict[str, Any]] = {
@@ -235,6 +241,31 @@ REFUSED: dict[str, dict[str, Any]] = {
     "--disaggregation-mode": with_spec(engine__extraArgs=["--disaggregation-mode", "prefill"]),
     "PRORSA_EXTRA_ARGS in env": with_spec(engine__env=[{"name": "PRORSA_EXTRA_ARGS", "value": ""}]),
     "more extraArgs than the bound": with_spec(engine__extraArgs=["--x"] * 257),
+    "a KV store directory that is not absolute": with_spec(
+        kvStore={"backend": "file", "endpoint": "mnt/kv", "sizeGiB": 8}
+    ),
+    "a Mooncake master given as a URL": with_spec(
+        kvStore={"backend": "mooncake", "endpoint": "http://m:50051", "sizeGiB": 8}
+    ),
+    "a KV store without its size": with_spec(kvStore={"backend": "file", "endpoint": "/kv"}),
+    "a KV store of an unknown backend": with_spec(
+        kvStore={"backend": "redis", "endpoint": "/kv", "sizeGiB": 1}
+    ),
+    "a KV store next to its own flags": with_spec(
+        kvStore={"backend": "file", "endpoint": "/kv", "sizeGiB": 1},
+        engine__extraArgs=["--disaggregation-decode-enable-offload-kvcache"],
+    ),
+    "a KV store without the radix cache": with_spec(
+        kvStore={"backend": "file", "endpoint": "/kv", "sizeGiB": 1},
+        engine__extraArgs=["--disable-radix-cache"],
+    ),
+    "a KV store without HiCache": with_spec(
+        kvStore={"backend": "file", "endpoint": "/kv", "sizeGiB": 1},
+        engine__env=[{"name": "PRORSA_DISABLE_HICACHE", "value": "1"}],
+    ),
+    "PRORSA_KV_STORE_ENDPOINT in env": with_spec(
+        engine__env=[{"name": "PRORSA_KV_STORE_ENDPOINT", "value": "/kv"}]
+    ),
     "an extra arg over its length": with_spec(engine__extraArgs=["x" * 4097]),
     **BAD,
 }

@@ -540,7 +540,8 @@ def tick(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
     for ns, name in CLUSTERS:
         operator.switches.labels(ns, name, "decode", "prefill", "succeeded").inc()
         operator.switch_seconds.labels(ns, name, "decode", "prefill").observe(12.0)
-        for part, seconds in (("decision", 4.0), ("router", 6.0), ("engine", 1.5)):
+        operator.switch_decision.labels(ns, name).observe(4.0)
+        for part, seconds in (("router", 6.0), ("engine", 1.5)):
             operator.switch_parts.labels(ns, name, part).observe(seconds)
         operator.record_priced(ns, name, [move], switching_mode="Auto")
         operator.record_outcomes(ns, name, _diagnostics(generated=1000 * n, anomalies=n))

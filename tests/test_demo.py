@@ -47,6 +47,9 @@ from prorsa_lab.demo.trainer import RequestRecord
 from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, draw_trajectory
 from prorsa_lab.doubles.smg_router import smg_binary
 
+# `prorsa demo` end to end, its switching and static runs: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAG_PARTS = ("detection", "decision", "router", "drain", "flip")
 Run = tuple[subprocess.CompletedProcess[str], Path]

@@ -13,10 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prorsa.clusters import ClockOffset, ClusterRegistry
-from prorsa.clusters.auth import bearer_token, normalize_token, token_matches
+from prorsa.clusters.auth import normalize_token, token_matches
 from prorsa.commands.ingest import format_decision, parse_listen
 from prorsa.core.controller import Controller
 from prorsa.core.dedupe import DedupeWindow
+from prorsa_contract.bearer import bearer_token
 from prorsa_contract.events import parse_events
 
 

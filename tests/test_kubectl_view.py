@@ -91,6 +91,7 @@ async def _up(env: Stack) -> None:
     await env.wait_for(one_prefill, what="the first prefill engine")
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_engine_pods_are_ready_and_events_print_kubectls_columns(kubectl_bin: str) -> None:
     async with stack() as env:
         await _up(env)
@@ -119,6 +120,7 @@ async def test_engine_pods_are_ready_and_events_print_kubectls_columns(kubectl_b
         assert "kopf" in row
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_describe_lists_every_switch_the_status_shows(kubectl_bin: str) -> None:
     async with stack() as env:
         await _up(env)
@@ -154,6 +156,7 @@ async def test_describe_lists_every_switch_the_status_shows(kubectl_bin: str) ->
 # -- what kubectl's printers read, checked without the binary ------------------------------------
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_the_fake_kubelet_writes_container_statuses_kubectl_counts_ready_from() -> None:
     async with stack() as env:
         await _up(env)

@@ -8,10 +8,11 @@ within its subpackage, and a name does not repeat what its package already says
 
 from __future__ import annotations
 
-import ast
 import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -66,22 +67,67 @@ def test_every_package_is_under_a_source_root() -> None:
         assert list((ROOT / root).glob("*/__init__.py")), root
 
 
-def test_every_slow_mark_names_a_test_that_exists() -> None:
-    """`make test-fast` leaves out what tests/conftest.py lists: a renamed test or module
-    must not fall out of the list unnoticed (and then slow the fast run down)."""
-    from conftest import SLOW_MODULES, SLOW_TESTS
+# Tests of their own, run by pytest with this suite's conftest: each starts the operator.
+WHOLE_OPERATOR_TESTS = """
+import asyncio
+import subprocess
+import sys
 
-    tests = ROOT / "tests"
-    for module in SLOW_MODULES:
-        assert (tests / module).is_file(), f"tests/conftest.py SLOW_MODULES: no {module}"
-    for module, names in SLOW_TESTS.items():
-        tree = ast.parse((tests / module).read_text())
-        defined = {
-            node.name
-            for node in tree.body
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        }
-        assert names <= defined, f"tests/conftest.py SLOW_TESTS: not in {module}: {names - defined}"
+import pytest
+
+# `prorsa operator` as the lab's replicas run it; a flag it refuses ends it at once.
+OPERATOR = [sys.executable, "-m", "prorsa.cli", "operator", "--no-such-flag"]
+
+
+def test_unmarked_runs_the_operator():
+    subprocess.run(OPERATOR, capture_output=True)
+
+
+def test_unmarked_runs_the_operator_in_this_process():
+    from prorsa.operator_process import OperatorProcess
+
+    asyncio.run(OperatorProcess.run(None))
+
+
+@pytest.fixture(scope="module")
+def operator_once():
+    return subprocess.run(OPERATOR, capture_output=True).returncode
+
+
+def test_unmarked_runs_the_operator_in_a_module_fixture(operator_once):
+    pass
+
+
+@pytest.mark.slow
+def test_marked_runs_the_operator():
+    assert subprocess.run(OPERATOR, capture_output=True).returncode == 2
+
+
+def test_unmarked_asks_the_operator_for_its_help():
+    assert subprocess.run([*OPERATOR[:4], "--help"], capture_output=True).returncode == 0
+"""
+
+
+def test_a_test_that_runs_the_operator_without_the_slow_mark_fails(
+    pytester: pytest.Pytester,
+) -> None:
+    """`make test-fast` leaves out the tests marked slow: one that runs the whole operator
+    and does not say so fails, naming itself and the mark (tests/conftest.py), whether it
+    starts the operator as a process, in this one, or in a fixture of its module."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_whole_operator=WHOLE_OPERATOR_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2, errors=1)
+    out = result.stdout.str()
+    for test, what in [
+        ("test_unmarked_runs_the_operator", "prorsa operator"),
+        ("test_unmarked_runs_the_operator_in_this_process", "OperatorProcess.run"),
+        ("test_unmarked_runs_the_operator_in_a_module_fixture", "prorsa operator"),
+    ]:
+        assert (
+            f"test_whole_operator.py::{test} runs the whole operator ({what}) without the "
+            "mark `slow`"
+        ) in out, out
 
 
 def test_the_contract_package_says_what_it_holds() -> None:

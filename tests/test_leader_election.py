@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.leader import LeaderElector, LeadershipLost, LeaseSettings
+from prorsa.k8s.leader import LeaderElection, LeaderElector, LeadershipLost
 from prorsa_lab.doubles.kube.emulator import KubeEmulator, KubeEmulatorServer
 
 NS = "prorsa-system"
@@ -31,12 +31,10 @@ def kube() -> Iterator[Kube]:
 
 
 def elector(kube: Kube, who: str, **timing: Any) -> LeaderElector:
-    settings = LeaseSettings(
-        namespace=NS,
-        identity=who,
-        **({"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.1} | timing),
+    election = LeaderElection(
+        **({"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.1} | timing)
     )
-    return LeaderElector(kube=kube, settings=settings)
+    return LeaderElector(kube=kube, election=election, namespace=NS, identity=who)
 
 
 def at(stamp: Any) -> datetime.datetime:
@@ -107,9 +105,9 @@ async def test_the_standby_judges_expiry_by_its_own_clock_not_the_leaders(kube) 
     hour_ago = lambda: datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)  # noqa: E731
     a = LeaderElector(
         kube=kube,
-        settings=LeaseSettings(
-            namespace=NS, identity="a", lease_duration=1.0, renew_deadline=0.6, retry_period=0.1
-        ),
+        election=LeaderElection(lease_duration=1.0, renew_deadline=0.6, retry_period=0.1),
+        namespace=NS,
+        identity="a",
         wall=hour_ago,
     )
     b = elector(kube, "b")
@@ -146,4 +144,4 @@ async def test_a_leader_that_cannot_renew_stops_within_the_renew_deadline(kube) 
 
 def test_timings_must_leave_the_leader_time_to_stop() -> None:
     with pytest.raises(ValueError, match="renew deadline < lease duration"):
-        LeaseSettings(namespace=NS, identity="a", lease_duration=5, renew_deadline=5)
+        LeaderElection(lease_duration=5, renew_deadline=5)

@@ -194,6 +194,7 @@ async def _post(http: httpx.AsyncClient, path: str, body: bytes) -> httpx.Respon
         await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_the_operator_stays_under_the_charts_memory_limit_at_the_cap(
     operator_process: tuple[str, int],
 ) -> None:

@@ -241,8 +241,7 @@ async def test_a_worker_lagging_its_leaders_role_is_brought_in_line() -> None:
 async def test_worker_ranks_follow_their_leader() -> None:
     import asyncio
 
-    from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
-    from prorsa_lab.doubles.sglang_double import EngineDouble
+    from prorsa_lab.doubles.sglang_double import EngineDouble, NodeGroup, WorkerRank
 
     async with EngineDouble() as leader:
         group = NodeGroup(name="g", nnodes=2)

@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The multinode demo: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def test_demo_on_two_node_instances_switches_whole_groups_and_loses_nothing(tmp_path: Path) -> None:
     # Which way the Controller moves in 90 s of phases depends on how fast two busy cores

@@ -28,6 +28,9 @@ from prorsa_lab.doubles.kube import lws_controller as fake_lws
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, OPERATOR_USER, Stack, cluster_manifest, stack
 
+# Two-pod instances end to end, with and without LeaderWorkerSet: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @dataclass(frozen=True)
 class Layout:

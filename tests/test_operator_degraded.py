@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import pytest
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s.agents import Unanswered
@@ -125,6 +126,7 @@ async def condition(env: Stack, kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_an_agent_that_times_out_degrades_the_cluster_for_all_to_see(caplog) -> None:
     caplog.set_level(logging.INFO, logger="prorsa.runtime")
     # The agent waits longer for its engine than the operator waits for the agent (an

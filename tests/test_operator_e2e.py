@@ -23,6 +23,9 @@ from prorsa_contract.labels import (
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, PATIENCE, Stack, cluster_manifest, stack
 
+# The operator's scenarios against the emulator and engine doubles: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 def prefill_heavy(env: Stack, n: int = 30, tokens: int = 10_000) -> list[dict]:
     """n requests queued with big prompts: prefill demand n·tokens / (S·θ) instances."""
@@ -135,8 +138,7 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     assert _samples(text, "prorsa_switch_expected_gain_seconds_total", switching_mode="Recommend")
     durations = _samples(text, "prorsa_switch_duration_seconds_count")
     assert durations[("decode", "prefill")] >= 1 and durations[("prefill", "decode")] >= 1
-    # Where each switch's time went: the router's drop and the agent's call for each one,
-    # the Controller's wait for each it decided (the start-up flip is not decided).
+    # Where each switch's time went: the router's drop and the agent's call for each one.
     parts = {
         s.labels["part"]: s.value
         for family in text_string_to_metric_families(text)
@@ -145,7 +147,6 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     }
     made = sum(durations.values())
     assert made >= parts["router"] >= parts["engine"] >= 2, (parts, durations)
-    assert parts["decision"] >= 1, (parts, durations)  # the flips after the start-up one
     best = {
         s.labels["role"]: s.value
         for family in text_string_to_metric_families(text)

@@ -8,9 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import NAMESPACE, PATIENCE, Stack, cluster_manifest, stack
+
+# The stack's pods and their labels: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
 
 
 async def ready_split(env: Stack, prefill: int, decode: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from conftest import cluster_runtime, make_spec
 
 from prorsa.k8s.runtime import ClusterLoopSettings
@@ -33,6 +34,7 @@ async def test_a_spec_update_waits_for_the_tick_that_holds_the_controller() -> N
     assert controller.horizon == 30.0 and controller.smoother.seconds == 0
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_a_smoothing_edit_reaches_the_running_operator() -> None:
     """`kubectl edit` of switching.smoothingSeconds: the status's reason says what the
     split is now planned on (the Controller's smoother, not only its spec, changed)."""

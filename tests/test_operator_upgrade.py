@@ -21,13 +21,16 @@ from types import ModuleType
 
 import pytest
 
-from prorsa.kopf_handlers import LeaderElection
+from prorsa.k8s.leader import LeaderElection
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.bench.scale_bench import drains_since
 from prorsa_lab.doubles.operator_deployment import OperatorDeployment
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import PATIENCE, Stack, cluster_manifest, stack
 from prorsa_sdk import AsyncEventEmitter
+
+# `helm upgrade` mid-switch, the operator's pods rolled: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "prorsa"
@@ -216,6 +219,11 @@ async def test_helm_upgrade_mid_switch_replaces_the_operator_and_loses_nothing(
             state = await env.kube.read_config_map(NAMESPACE, "demo-prorsa-state")
             learned = json.loads((state or {})["learned.json"])
             assert learned["distributions"]["reward"], learned
+            # ... and what switching measured (issue 36: switch durations and the step-cycle
+            # profile did not survive a restart): the new leader prices with them.
+            switching = learned["switching"]
+            assert switching["switchSeconds"] > 0 and 0 <= switching["abortShare"] <= 1
+            assert {"starts", "ticks"} <= set(switching["cycle"]), switching
             holder = str(after["holderIdentity"]).split("_")[0]
             new_leader = next(p for p in deployment.pods if p.name == holder)
             deadline = time.monotonic() + PATIENCE

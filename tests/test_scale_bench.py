@@ -8,7 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from prorsa_lab.bench.scale_bench import Sizes, measure
+
+# `prorsa bench scale` at a tiny size: two replicas, two clusters: left out by `make test-fast`.
+pytestmark = pytest.mark.slow
 
 
 async def test_the_scale_bench_reports_every_figure_and_its_storm_converges(

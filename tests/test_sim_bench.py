@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from prorsa.cli import main
-from prorsa.commands.bench import BENCHES
+from prorsa.commands import lab
 from prorsa_lab.bench import rollout_bench as rollout
 from prorsa_lab.sim.runner import GridConfig, SettingRow, aggregate, jobs
 
@@ -32,7 +32,8 @@ TINY = [
 
 
 def test_registered_in_prorsa_bench() -> None:
-    assert BENCHES["rollout"] == "prorsa_lab.bench.rollout_bench"
+    assert lab.entry_point(lab.BENCHES, "rollout").value == "prorsa_lab.bench.rollout_bench"
+    assert lab.load(lab.BENCHES, "rollout") is rollout
 
 
 def test_json_has_every_policy_speedups_wape_and_writes_the_png(

@@ -13,8 +13,8 @@ from prorsa_lab.sim.engine import (
     DECODE,
     DECODE_RESERVE_TOKENS,
     PREFILL,
-    Request,
     SimCluster,
+    SimRequest,
 )
 from prorsa_lab.sim.loop import Loop
 
@@ -25,20 +25,20 @@ class Recorder:
     def __init__(self, cluster: SimCluster | None = None) -> None:
         self.log: list[tuple[str, str, float]] = []
         self.done: dict[str, float] = {}
-        self.aborted: list[Request] = []
+        self.aborted: list[SimRequest] = []
         self.cluster = cluster
 
-    def on_prefill_started(self, req: Request, instance: str, now: float) -> None:
+    def on_prefill_started(self, req: SimRequest, instance: str, now: float) -> None:
         self.log.append(("prefill_started", req.rid, now))
 
-    def on_prefill_finished(self, req: Request, instance: str, now: float) -> None:
+    def on_prefill_finished(self, req: SimRequest, instance: str, now: float) -> None:
         self.log.append(("prefill_finished", req.rid, now))
 
-    def on_decode_finished(self, req: Request, now: float) -> None:
+    def on_decode_finished(self, req: SimRequest, now: float) -> None:
         self.log.append(("decode_finished", req.rid, now))
         self.done[req.rid] = now
 
-    def on_aborted(self, req: Request, now: float) -> None:
+    def on_aborted(self, req: SimRequest, now: float) -> None:
         self.log.append(("aborted", req.rid, now))
         self.aborted.append(req)
 
@@ -69,8 +69,8 @@ def run_until(loop: Loop, t: float, cluster: SimCluster | None = None) -> None:
     loop.stopped = False
 
 
-def req(rid: str, prompt: int, new: int, traj: str | None = None, turn: int = 0) -> Request:
-    return Request(rid=rid, traj=traj or rid, turn=turn, prompt=prompt, new_tokens=new)
+def req(rid: str, prompt: int, new: int, traj: str | None = None, turn: int = 0) -> SimRequest:
+    return SimRequest(rid=rid, traj=traj or rid, turn=turn, prompt=prompt, new_tokens=new)
 
 
 def test_one_request_takes_exactly_the_cost_model_time() -> None:
@@ -249,14 +249,14 @@ def test_a_host_tier_hit_is_loaded_back_not_recomputed_and_a_flip_wipes_it() -> 
 
     def second_turn(hicache_ratio: float) -> int:
         loop, cluster, _rec = make([PREFILL, DECODE], profile=profile, hicache_ratio=hicache_ratio)
-        cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
+        cluster.submit(SimRequest(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
         run_until(loop, 20.0, cluster)
         # Two more trajectories push "a" out of the single rank's 200k-token GPU cache.
         for t in ("b", "c"):
-            cluster.submit(Request(rid=f"{t}0", traj=t, turn=0, prompt=90_000, new_tokens=1))
+            cluster.submit(SimRequest(rid=f"{t}0", traj=t, turn=0, prompt=90_000, new_tokens=1))
             run_until(loop, loop.now + 20.0, cluster)
         assert "a" not in cluster.instances[0].ranks[0].cache
-        again = Request(rid="a1", traj="a", turn=1, prompt=101_000, new_tokens=1)
+        again = SimRequest(rid="a1", traj="a", turn=1, prompt=101_000, new_tokens=1)
         cluster.submit(again)
         run_until(loop, loop.now + 20.0, cluster)
         return again.cached
@@ -265,7 +265,7 @@ def test_a_host_tier_hit_is_loaded_back_not_recomputed_and_a_flip_wipes_it() -> 
     assert second_turn(0.0) == 0, "GPU-only: the evicted context is recomputed"
 
     loop, cluster, _rec = make([PREFILL, PREFILL, DECODE], profile=profile, hicache_ratio=2.0)
-    cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
+    cluster.submit(SimRequest(rid="a0", traj="a", turn=0, prompt=100_000, new_tokens=1))
     run_until(loop, 20.0, cluster)
     home = cluster.home["a"]
     assert home.host["a"] == 100_000

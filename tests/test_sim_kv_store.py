@@ -13,7 +13,7 @@ import pytest
 from prorsa.cli import main
 from prorsa_lab.bench import rollout_bench as rollout
 from prorsa_lab.sim.costmodel import load_profile
-from prorsa_lab.sim.engine import DECODE, PREFILL, Request, SimCluster
+from prorsa_lab.sim.engine import DECODE, PREFILL, SimCluster, SimRequest
 from prorsa_lab.sim.kv_store import (
     PAGE_TOKENS,
     SharedKVStore,
@@ -47,16 +47,16 @@ def make(
     return loop, cluster, rec
 
 
-def flip_home_and_return(store: SharedKVStore | None) -> tuple[Request, SimCluster, str]:
+def flip_home_and_return(store: SharedKVStore | None) -> tuple[SimRequest, SimCluster, str]:
     """Turn 0 of "a" prefills on one instance, which then flips to decode; turn 1 comes."""
     loop, cluster, _rec = make([PREFILL, PREFILL, DECODE], store=store)
-    cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
+    cluster.submit(SimRequest(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
     run_until(loop, 20.0, cluster)
     home = cluster.home["a"].inst
     assert cluster.start_switch(home.name, DECODE)
     run_until(loop, 60.0, cluster)
     assert home.role == DECODE
-    again = Request(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
+    again = SimRequest(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
     cluster.submit(again)
     run_until(loop, 90.0, cluster)
     assert again.started
@@ -81,7 +81,7 @@ def test_per_instance_caches_lose_the_prefix_with_the_flip() -> None:
 
 def test_the_flipped_instance_itself_finds_its_old_prefixes_in_the_store() -> None:
     loop, cluster, _rec = make([PREFILL, DECODE, DECODE], store=SharedKVStore(capacity_tokens=BIG))
-    cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
+    cluster.submit(SimRequest(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
     run_until(loop, 20.0, cluster)
     # The prefill instance flips to decode and back; its own GPU and host tiers are gone.
     p = cluster.instances[0]
@@ -90,7 +90,7 @@ def test_the_flipped_instance_itself_finds_its_old_prefixes_in_the_store() -> No
     assert cluster.start_switch(p.name, PREFILL)
     run_until(loop, 80.0, cluster)
     assert p.role == PREFILL and not p.ranks[0].cache and not p.ranks[0].host
-    again = Request(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
+    again = SimRequest(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
     cluster.submit(again)
     run_until(loop, 110.0, cluster)
     assert cluster.home["a"] is p.ranks[0]
@@ -108,19 +108,19 @@ def test_a_store_hit_is_loaded_at_the_store_bandwidth_not_recomputed() -> None:
     assert finished - started < recompute / 5
 
 
-def abort_on_switch(store: SharedKVStore | None) -> Request:
+def abort_on_switch(store: SharedKVStore | None) -> SimRequest:
     """A decode request cut by a switch's drain timeout, resent as prompt + partial output."""
     loop, cluster, rec = make(
         [PREFILL, DECODE, DECODE], store=store, switch_seconds=5.0, drain_timeout=2.0
     )
-    cluster.submit(Request(rid="long", traj="t", turn=0, prompt=10_000, new_tokens=5_000))
+    cluster.submit(SimRequest(rid="long", traj="t", turn=0, prompt=10_000, new_tokens=5_000))
     run_until(loop, 6.0, cluster)
     victim = next(i for i in cluster.instances if i.role == DECODE and i.nreq)
     assert cluster.start_switch(victim.name, PREFILL)
     run_until(loop, loop.now + 2.5, cluster)
     [cut] = rec.aborted
     assert cut.generated > PAGE_TOKENS
-    retry = Request(
+    retry = SimRequest(
         rid="long.2",
         traj="t",
         turn=0,
@@ -146,19 +146,19 @@ def test_per_instance_a_cancelled_decode_recomputes_its_output() -> None:
 
 def test_kv_from_older_weights_never_hits() -> None:
     loop, cluster, _rec = make([PREFILL, PREFILL, DECODE], store=SharedKVStore(capacity_tokens=BIG))
-    cluster.submit(Request(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
+    cluster.submit(SimRequest(rid="a0", traj="a", turn=0, prompt=20_000, new_tokens=1))
     run_until(loop, 20.0, cluster)
     store = cluster.kv_store
     assert store is not None and store.lookup("a") > 0
     cluster.new_weights()
     assert "a" in store.entries, "still stored (it ages out of the LRU), but under v0"
-    again = Request(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
+    again = SimRequest(rid="a1", traj="a", turn=1, prompt=21_000, new_tokens=1)
     cluster.submit(again)
     run_until(loop, 60.0, cluster)
     assert again.cached == 0
     assert store.stale_misses >= 1
     # What the new weights computed hits again.
-    third = Request(rid="a2", traj="a", turn=2, prompt=22_000, new_tokens=1)
+    third = SimRequest(rid="a2", traj="a", turn=2, prompt=22_000, new_tokens=1)
     cluster.submit(third)
     run_until(loop, 90.0, cluster)
     assert third.cached >= 21_000 // PAGE_TOKENS * PAGE_TOKENS
@@ -193,7 +193,7 @@ def test_default_capacity_is_the_host_memory_the_hicache_tiers_leave() -> None:
     # A store too small for the chains it is given evicts in the simulator too.
     loop, cluster, _rec = make([PREFILL, DECODE], store=SharedKVStore(capacity_tokens=30_000))
     for t in ("a", "b", "c"):
-        cluster.submit(Request(rid=f"{t}0", traj=t, turn=0, prompt=12_000, new_tokens=1))
+        cluster.submit(SimRequest(rid=f"{t}0", traj=t, turn=0, prompt=12_000, new_tokens=1))
     run_until(loop, 30.0, cluster)
     assert cluster.kv_store is not None
     assert cluster.kv_store.tokens <= 30_000 and cluster.kv_store.evicted_tokens > 0

@@ -11,7 +11,7 @@ import pytest
 from prorsa.core.controller import Controller
 from prorsa_contract import events as ev
 from prorsa_contract.agent_api import EngineState
-from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, Request
+from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, SimRequest
 from prorsa_lab.sim.loop import SimulationError
 from prorsa_lab.sim.policies import (
     Colocation,
@@ -217,7 +217,7 @@ def test_reactive_moves_one_instance_toward_the_congested_role() -> None:
     cl.listener = _Quiet()
     # Queued prefill tokens on one engine reach the context length: one decode -> prefill.
     for i in range(12):
-        cl.submit(Request(rid=f"r{i}", traj=f"t{i}", turn=0, prompt=30_000, new_tokens=1))
+        cl.submit(SimRequest(rid=f"r{i}", traj=f"t{i}", turn=0, prompt=30_000, new_tokens=1))
     assert max(i.load_tokens() for i in cl.instances if i.role == PREFILL) >= 131_072
     pol.tick(5.0)  # type: ignore[attr-defined]
     assert cl.role_counts()[2] == 1

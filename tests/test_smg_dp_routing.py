@@ -21,13 +21,14 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from prorsa_lab.doubles.engine.model import EngineConfig
+from prorsa_lab.doubles.sglang_double import EngineConfig
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 
 pytestmark = [
     pytest.mark.skipif(smg_binary() is None, reason="the smg binary is not installed"),
     pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.slow,  # the real smg with DP engines
 ]
 MODEL = "/models/double"
 DP = ["--enable-dp-attention", "--dp-size", "2"]

@@ -20,14 +20,15 @@ import pytest
 import pytest_asyncio
 
 from prorsa_contract.labels import DRAINING, ROLE_LABEL
-from prorsa_lab.doubles.engine.model import EngineCore
 from prorsa_lab.doubles.kube.resources import PODS_KEY
+from prorsa_lab.doubles.sglang_double import EngineCore
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, worker_types
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
 
 pytestmark = [
     pytest.mark.skipif(smg_binary() is None, reason="the smg binary is not installed"),
     pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.slow,  # the real smg against the stack
 ]
 MODEL = "/models/double"  # spec.model.path: the engines' served model name
 

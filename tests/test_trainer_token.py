@@ -172,6 +172,7 @@ async def test_the_operators_own_secret_deleted_is_created_again_with_a_fresh_to
         assert (await env.status(fresh), await env.status(created)) == (200, 401)
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_the_operator_follows_a_rotation_while_a_trainer_posts() -> None:
     """The whole operator: the Secret a running cluster's trainer uses is rotated, then the
     spec is edited to name another Secret; each time the new token works and the old one

@@ -164,6 +164,7 @@ def test_ingest_refuses_plain_http_off_loopback_unless_told(cli_files, certs):
     assert r.returncode == 2 and "cannot load the TLS certificate" in r.stderr
 
 
+@pytest.mark.slow  # the whole operator: left out by `make test-fast`
 async def test_the_operator_webhook_serves_https_and_the_sdk_verifies_it():
     async with stack(webhook_tls=True, tick_seconds=1.0) as env:
         assert env.webhook.startswith("https://") and env.webhook_ca is not None

@@ -34,6 +34,7 @@ from prorsa_agent.config import (
     engine_argv,
     parse_listen,
 )
+from prorsa_agent.kv_store import KvStoreConfig, KvStoreError
 from prorsa_agent.redact import redact_argv
 from prorsa_contract.aio import stop_requested
 from prorsa_contract.labels import AGENT_COMMAND
@@ -160,6 +161,10 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
     if explicit and not args.launch:
         raise ConfigError("engine flags after '--' need --launch")
     launch = gate = None
+    try:
+        kv_store = KvStoreConfig.from_env(env)
+    except KvStoreError as exc:
+        raise ConfigError(str(exc)) from exc
     if args.launch:
         command: Sequence[str] = (
             shlex.split(args.engine_command) if args.engine_command else SGLANG_COMMAND
@@ -178,6 +183,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
                     allow_hicache_storage=env.get(ALLOW_HICACHE_STORAGE_ENV, "") in ("1", "true"),
                     admin_api_key=admin_key,
                     bootstrap_gate=gate,
+                    kv_store=kv_store,
                 )
             ),
             secrets=(admin_key.strip(),) if admin_key else (),
@@ -212,6 +218,7 @@ def build_config(args: argparse.Namespace, env: Mapping[str, str] | None = None)
         timeouts=timeouts,
         launch=launch,
         bootstrap_gate=gate,
+        kv_store=kv_store,
     )
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from prorsa_agent.kv_store import FLAGS as KV_STORE_FLAGS
+from prorsa_agent.kv_store import KV_STORE_ENV, KvStoreConfig
 from prorsa_agent.redact import redact_argv
 
 SGLANG_COMMAND: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
@@ -71,7 +73,7 @@ DISABLE_HICACHE_ENV = "PRORSA_DISABLE_HICACHE"
 CACHE_ENV = frozenset({ALLOW_HICACHE_STORAGE_ENV, DISABLE_HICACHE_ENV})
 """Settings of the prefix-cache flags ``engine_argv`` adds (read by ``cli.build_config``)."""
 
-ENV_VARS = AGENT_ENV | CACHE_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
+ENV_VARS = AGENT_ENV | CACHE_ENV | KV_STORE_ENV | {name for name, _ in ENV_FLAGS} | {EXTRA_ARGS_ENV}
 """Every ``PRORSA_*`` variable an engine pod may set; the engine image is checked against it."""
 
 
@@ -222,6 +224,9 @@ class AgentConfig:
     launch: LaunchSpec | None = None
     bootstrap_gate: BootstrapGateConfig | None = None
     """With ``launch``: serve the engine's bootstrap port (``engine_argv`` moves SGLang's)."""
+    kv_store: KvStoreConfig | None = None
+    """The cluster's shared KV store (``PRORSA_KV_STORE_*``): a flip is refused while it
+    does not answer (prorsa_agent.switch)."""
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.engine_url)
@@ -408,6 +413,23 @@ def prefix_cache_flags(args: Sequence[str], *, hicache: bool = True) -> list[str
     return added
 
 
+def kv_store_args(args: Sequence[str], store: KvStoreConfig, *, hicache: bool) -> list[str]:
+    """The store's flags (``KvStoreConfig.engine_flags``), refused next to flags that would
+    contradict them: the store is HiCache's storage tier, so it needs HiCache (and so the
+    radix cache), and the flags it sets may not be given a second time."""
+    for flag in KV_STORE_FLAGS:
+        if has_flag(args, flag):
+            raise ConfigError(
+                f"{flag} is set by the operator for spec.kvStore; remove it from the engine flags"
+            )
+    if not hicache or has_flag(args, "--disable-radix-cache"):
+        raise ConfigError(
+            "spec.kvStore is HiCache's storage tier: it needs the radix cache and HiCache "
+            f"(unset {DISABLE_HICACHE_ENV}, remove --disable-radix-cache)"
+        )
+    return store.engine_flags()
+
+
 ADMIN_KEY_FLAG = "--admin-api-key"
 API_KEY_FLAG = "--api-key"
 
@@ -447,6 +469,7 @@ def engine_argv(
     allow_hicache_storage: bool = False,
     admin_api_key: str | None = None,
     bootstrap_gate: BootstrapGateConfig | None = None,
+    kv_store: KvStoreConfig | None = None,
 ) -> list[str]:
     """The full engine command line: command, env flags, explicit flags, required flags.
 
@@ -455,9 +478,12 @@ def engine_argv(
     backend, see ``check_hicache_storage``; ``admin_api_key`` (read from
     ``PRORSA_ENGINE_API_KEY_FILE``) protects the engine's admin endpoints, see
     ``admin_key_args``; with ``bootstrap_gate`` SGLang's bootstrap server listens on the
-    gate's ``engine_port`` (the agent serves the announced port, prorsa_agent.bootstrap_gate).
+    gate's ``engine_port`` (the agent serves the announced port, prorsa_agent.bootstrap_gate);
+    ``kv_store`` adds the shared KV store's flags (``kv_store_args``).
     """
     args = [*env_args, *explicit]
+    if kv_store is not None:
+        args += kv_store_args(args, kv_store, hicache=hicache)
     if bootstrap_gate is not None:
         moved = [BOOTSTRAP_FLAG, str(bootstrap_gate.engine_port)]
         args = [*without_flag(args, BOOTSTRAP_FLAG), *moved]
@@ -467,7 +493,7 @@ def engine_argv(
     given = flag_value(args, "--port")
     if given is not None and given != str(port):
         raise ConfigError(f"the engine flag --port {given} does not match --engine-url {port}")
-    check_hicache_storage(args, allow=allow_hicache_storage)
+    check_hicache_storage(args, allow=allow_hicache_storage or kv_store is not None)
     if not has_flag(args, "--disaggregation-mode"):
         args += ["--disaggregation-mode", "decode"]
     if not has_flag(args, "--enable-pd-role-switch"):

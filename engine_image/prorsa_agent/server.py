@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,9 @@ from prorsa_agent.loads_reader import LoadsReader
 from prorsa_agent.supervisor import EngineSupervisor
 from prorsa_agent.switch import Switcher, SwitchProgress
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult, as_role
+from prorsa_contract.bearer import bearer_token
 from prorsa_contract.serving_tls import ServingCert
+from prorsa_contract.watched_files import WatchedFiles
 
 log = logging.getLogger("prorsa_agent")
 
@@ -58,7 +59,7 @@ MAX_ROLE_BODY = 64 << 10
 _READ_CHUNK = 8 << 10
 
 
-class TokenFile:
+class RoleTokenFile:
     """The bearer token for ``/v1/role``, re-read when the file changes (Secret rotation).
 
     An empty or missing file accepts no token at all: a misconfigured pod refuses switches
@@ -70,33 +71,31 @@ class TokenFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int, int] | None = None
+        self._file = WatchedFiles(path)
         self._token = b""
         self._warned = False
 
     def token(self) -> bytes:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-            if stamp != self._stamp:
+            stamp = self._file.changed()
+            if stamp is not None:
                 self._token = self.path.read_bytes().strip()
-                self._stamp = stamp
+                self._file.accept(stamp)
         except OSError as exc:
             if not self._warned:
                 log.error("cannot read the token file %s: %s", self.path, exc)
                 self._warned = True
-            self._stamp, self._token = None, b""
+            self._file.forget()
+            self._token = b""
         return self._token
 
     def check(self, header: str | None) -> bool:
         expected = self.token()
-        if not expected or not header:
-            return False
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer":
+        given = bearer_token(header)
+        if not expected or given is None:
             return False
         try:
-            presented = given.strip().encode("utf-8", "surrogateescape")
+            presented = given.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:  # a surrogate no bytes decoded to: never the token
             return False
         return hmac.compare_digest(presented, expected)
@@ -157,7 +156,7 @@ class Agent:
         self._engine: EngineClient | None = None
         self._switcher: Switcher | None = None
         self._loads: LoadsReader | None = None
-        self._token = TokenFile(config.token_file)
+        self._token = RoleTokenFile(config.token_file)
         self._job: _Job | None = None
         self._last: RoleResult | None = None
         self._lock: asyncio.Lock | None = None

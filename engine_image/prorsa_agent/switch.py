@@ -5,8 +5,9 @@ Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a m
 * the engine flipped, reports the new role in ``/server_info`` and generates: ``ok`` (a flip
   to prefill once the agent's bootstrap port is open again, see prorsa_agent.bootstrap_gate);
 * it refused before tearing anything down (``safe_to_restore: true``, e.g. a backend that
-  cannot switch, no decode-graph headroom) or a control call was rejected: ``failed_safe``,
-  the pod can take its old label back;
+  cannot switch, no decode-graph headroom), a control call was rejected, or the cluster's
+  shared KV store does not answer (the agent asks before draining): ``failed_safe``, the pod
+  can take its old label back;
 * it answered "not idle" (a request slipped in after the drain): the agent drains and aborts
   again and retries, up to ``max_switch_attempts`` calls;
 * an engine call timed out before the flip was asked for (draining, aborting): ``failed_safe``,
@@ -36,6 +37,7 @@ from prorsa_agent.engine_client import (
     internal_states,
 )
 from prorsa_agent.health import EngineHealth
+from prorsa_agent.kv_store import unreachable
 from prorsa_contract.agent_api import Role, RoleResult
 
 log = logging.getLogger("prorsa_agent.switch")
@@ -134,6 +136,14 @@ class Switcher:
     async def run(self, p: SwitchProgress) -> tuple[RoleResult, str]:
         """Run the switch to ``p.target``; returns the result and its metrics label."""
         timeouts = self.config.timeouts
+        store = self.config.kv_store
+        if store is not None:
+            # A flip aborts what the drain leaves running, and those requests resume from
+            # the store (and every engine's prefixes stay there): without it they would be
+            # recomputed in full, so the engine keeps its role until the store answers.
+            down = await unreachable(store, timeout=timeouts.request)
+            if down is not None:
+                return self._fail(p, f"refused: the KV store is unreachable: {down}", safe=True)
         try:
             drain_started = time.monotonic()
             await self._drain(p, deadline=p.started + p.drain_timeout)

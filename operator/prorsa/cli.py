@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from prorsa import __version__
+from prorsa.commands.lab import MissingExtra, missing_extra
 
 # Subcommand name -> module under prorsa.commands. Keep alphabetical.
 COMMANDS: dict[str, str] = {
@@ -82,13 +83,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in LAB_COMMANDS and not lab_installed():
         print(f"prorsa {argv[0]}: error: {LAB_MISSING}", file=sys.stderr)
         return 2
-    parser = build_parser(only=argv[0] if argv else "")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser(only=argv[0] if argv else "")
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
         return int(args._run(args) or 0)
+    except MissingExtra as exc:  # a part of the lab needs a library of an extra
+        print(f"prorsa {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # the command itself needs one (`prorsa operator`)
+        missing = missing_extra(exc)
+        if missing is None:
+            raise
+        print(f"prorsa {argv[0]}: error: {missing}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -27,6 +27,7 @@ from prorsa.k8s import groups, trainer_token
 from prorsa.k8s import objects as obj
 from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
+from prorsa.k8s.leader import LeaderElection
 from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime, EventPoster
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
@@ -63,16 +64,6 @@ class OperatorSettings:
     pod_name: str | None = None  # this process's pod: the webhook Service selects the leader's
     login_kubeconfig: str | None = None  # tests: log in from this kubeconfig
     watch_timeout: float | None = None  # tests: short watch timeouts
-
-
-@dataclass(frozen=True, kw_only=True)
-class LeaderElection:
-    """``prorsa operator --leader-elect-*`` (client-go's defaults, docs/operations.md)."""
-
-    lease_name: str = "prorsa-operator"
-    lease_duration: float = 15.0
-    renew_deadline: float = 10.0
-    retry_period: float = 2.0
 
 
 Serving = Callable[["OperatorState"], Awaitable[None]]

@@ -26,8 +26,8 @@ SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TICK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 SWITCH_DIRECTIONS = (("decode", "prefill"), ("prefill", "decode"))
 SWITCH_RESULTS = ("succeeded", "restored", "replaced", "lost")
-# Where a move's time goes, in order (docs/metrics.md, "Where a switch's time goes").
-SWITCH_PARTS = ("decision", "router", "engine")
+# Where a switch's time goes, in order (docs/metrics.md, "Where a move's time goes").
+SWITCH_PARTS = ("router", "engine")
 # switching.mode of the switches priced: made (Auto) or only recommended (Recommend).
 PRICED_MODES = ("Auto", "Recommend")
 
@@ -142,12 +142,20 @@ class OperatorMetrics:
             buckets=SWITCH_BUCKETS,
             registry=r,
         )
+        self.switch_decision = Histogram(
+            "prorsa_switch_decision_seconds",
+            "Seconds from Eq. 1's best split leaning away from the split in use to the first "
+            "switch made toward it (hold rules, pricing, cooldowns); the switch's own drain, "
+            "router and flip follow, in prorsa_switch_duration_seconds.",
+            [*_CLUSTER],
+            buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
         self.switch_parts = Histogram(
             "prorsa_switch_part_duration_seconds",
-            "Where a move's time goes, by part: decision (from the tick Eq. 1's best split "
-            "last changed, or the last switch ended, to the switch's start: pricing, "
-            "hysteresis, cooldown), router (the draining label until the router no longer "
-            "lists the pod), engine (the agent's drain, abort, flip and verification).",
+            "Where a switch's time goes, by part: router (the draining label until the "
+            "router no longer lists the pod), engine (the agent's drain, abort, flip and "
+            "verification).",
             [*_CLUSTER, "part"],
             buckets=SWITCH_BUCKETS,
             registry=r,
@@ -300,6 +308,12 @@ class OperatorMetrics:
         self._advance(self.recomputed.labels(*key), key, "recomputed", diag.recomputed_tokens)
         for kind, count in diag.anomalies.items():
             self._advance(self.anomalies.labels(*key, kind), key, f"anomaly:{kind}", count)
+
+    def record_decision_wait(self, namespace: str, cluster: str, diag: Diagnostics) -> None:
+        """The decision part of how late the split followed demand, at a tick whose
+        switches started (``Diagnostics.decision_seconds``)."""
+        if diag.decision_seconds is not None:
+            self.switch_decision.labels(namespace, cluster).observe(diag.decision_seconds)
 
     def _advance(self, child: Counter, key: tuple[str, str], name: str, total: float) -> None:
         """Advance ``child`` to a cumulative ``total`` (a smaller one: a new count began)."""

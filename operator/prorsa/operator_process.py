@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from prorsa.k8s import objects as obj
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.leader import LeaderElector, LeadershipLost, LeaseSettings
+from prorsa.k8s.leader import LeaderElector, LeadershipLost
 from prorsa.kopf_handlers import OperatorSettings, OperatorState, build_registry, load_credentials
 from prorsa_contract.serving_tls import ServingCert
 
@@ -275,17 +275,11 @@ class OperatorProcess:
             if config.leader_election is not None:
                 if not config.operator_namespace:
                     raise ValueError("leader election needs --operator-namespace (the Lease's)")
-                election = config.leader_election
                 elector = LeaderElector(
                     kube=self._kube,
-                    settings=LeaseSettings(
-                        namespace=config.operator_namespace,
-                        identity=self.identity,
-                        name=election.lease_name,
-                        lease_duration=election.lease_duration,
-                        renew_deadline=election.renew_deadline,
-                        retry_period=election.retry_period,
-                    ),
+                    election=config.leader_election,
+                    namespace=config.operator_namespace,
+                    identity=self.identity,
                 )
                 self.role = "standby"
                 self._leader.set(0)

@@ -10,10 +10,11 @@ connect: a renewal reaches new connections without a restart. A pair that does n
 from __future__ import annotations
 
 import logging
-import os
 import ssl
 import time
 from pathlib import Path
+
+from prorsa_contract.watched_files import WatchedFiles
 
 log = logging.getLogger("prorsa.tls")
 
@@ -34,20 +35,15 @@ class ServingCert:
         self.cert_file = cert_file
         self.key_file = key_file
         self.context = _server_context()
+        self._files = WatchedFiles(cert_file, key_file)
         try:
-            self._stamp = self._stat()
+            stamp = self._files.stamp()
             self.context.load_cert_chain(cert_file, key_file)
+            self._files.accept(stamp)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"cannot load the TLS certificate {cert_file}: {exc}") from exc
         self._checked = time.monotonic()
         self.context.sni_callback = self._on_client_hello
-
-    def _stat(self) -> tuple[tuple[int, int, int], ...]:
-        stamps = []
-        for path in (self.cert_file, self.key_file):
-            st = os.stat(path)
-            stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
-        return tuple(stamps)
 
     def _on_client_hello(
         self, connection: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _ctx: ssl.SSLContext
@@ -67,8 +63,8 @@ class ServingCert:
 
     def _load_if_changed(self) -> ssl.SSLContext | None:
         try:
-            stamp = self._stat()
-            if stamp == self._stamp:
+            stamp = self._files.changed()
+            if stamp is None:
                 return None
             fresh = _server_context()
             fresh.load_cert_chain(self.cert_file, self.key_file)
@@ -76,6 +72,6 @@ class ServingCert:
         except (OSError, ssl.SSLError) as exc:
             log.warning("keeping the current certificate: cannot load %s: %s", self.cert_file, exc)
             return None
-        self._stamp = stamp
+        self._files.accept(stamp)
         log.info("serving the renewed certificate %s", self.cert_file)
         return fresh

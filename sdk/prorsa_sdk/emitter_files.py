@@ -10,6 +10,8 @@ import contextlib
 import logging
 import os
 
+from prorsa_contract.watched_files import WatchedFiles
+
 log = logging.getLogger("prorsa_sdk")
 
 
@@ -23,7 +25,7 @@ class TokenFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._stamp: tuple[int, int, int] | None = None
+        self._file = WatchedFiles(self.path)
         self._token = ""
         self._warned = False
         if not self.token():  # at start, a missing or empty file is an error
@@ -31,13 +33,13 @@ class TokenFile:
 
     def token(self) -> str:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-            if stamp != self._stamp:
+            stamp = self._file.changed()
+            if stamp is not None:
                 with open(self.path, encoding="utf-8") as f:
                     token = f.read().strip()
                 if token:
-                    self._token, self._stamp, self._warned = token, stamp, False
+                    self._token, self._warned = token, False
+                    self._file.accept(stamp)
         except (OSError, UnicodeDecodeError) as exc:
             if not self._token:
                 raise ValueError(f"cannot read token_file {self.path}: {exc}") from None

@@ -51,6 +51,7 @@ import copy
 import logging
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -67,6 +68,46 @@ def weight_version_key(version: int) -> str:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"weight version must be an int >= 0, got {version!r}")
     return f"weights-v{version}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePrefill:
+    """The prefill the resumed requests cost, as the engines that served them report it.
+
+    A request a role switch cancelled is sent again as ``prompt + output so far``; the engine
+    answers with how many of those tokens it found cached (``meta_info.cached_tokens``:
+    its GPU radix cache, its host tier, or the cluster's shared KV store). Without a store
+    that survives the flip, a resume on another engine recomputes nearly all of it; with
+    ``spec.kvStore`` at most the last partial page (docs/kv-store.md)."""
+
+    resumes: int = 0
+    prompt_tokens: int = 0
+    """Tokens the resumed requests carried (their prompt plus the output before the cut)."""
+    cached_tokens: int = 0
+    """Of those, what the engines found cached instead of prefilling."""
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def add(self, meta: Mapping[str, Any]) -> ResumePrefill:
+        prompt = int(meta.get("prompt_tokens") or 0)
+        cached = min(int(meta.get("cached_tokens") or 0), prompt)
+        return replace(
+            self,
+            resumes=self.resumes + 1,
+            prompt_tokens=self.prompt_tokens + prompt,
+            cached_tokens=self.cached_tokens + cached,
+        )
+
+    def summary(self) -> dict[str, int]:
+        """The demo's summary keys (``resume_*``)."""
+        return {
+            "resume_requests": self.resumes,
+            "resume_prompt_tokens": self.prompt_tokens,
+            "resume_cached_tokens": self.cached_tokens,
+            "resume_recomputed_prefill_tokens": self.recomputed_tokens,
+        }
 
 
 class ResumeExhausted(RuntimeError):
@@ -164,6 +205,8 @@ class ResumableGeneration:
         # Totals over this helper's life, for metrics and tests.
         self.resumes = 0
         self.retries = 0
+        self.resume_prefill = ResumePrefill()
+        """What the resumed requests (not the first sends) cost in prefill."""
 
     # -- SGLang /generate ----------------------------------------------------------------
 
@@ -188,6 +231,8 @@ class ResumableGeneration:
             out = await self._post(path, request)
             pieces.append(out)
             meta = out.get("meta_info") or {}
+            if resume:
+                self.resume_prefill = self.resume_prefill.add(meta)
             new_ids = list(out.get("output_ids") or [])
             output_ids.extend(new_ids)
             text += out.get("text") or ""
@@ -270,6 +315,16 @@ class ResumableGeneration:
             logprobs.extend(((choice.get("logprobs") or {}).get("content")) or [])
             usage = out.get("usage") or {}
             used = int(usage.get("completion_tokens") or 0)
+            if resume:
+                # OpenAI's usage: cached tokens under prompt_tokens_details (SGLang reports
+                # them with --enable-cache-report).
+                details = usage.get("prompt_tokens_details") or {}
+                self.resume_prefill = self.resume_prefill.add(
+                    {
+                        "prompt_tokens": usage.get("prompt_tokens"),
+                        "cached_tokens": details.get("cached_tokens"),
+                    }
+                )
             completion += used
             merged = _merge_chat(first, out, content=content, completion=completion)
             if logprobs:

@@ -32,6 +32,7 @@ from prorsa_agent.config import (
     args_from_env,
     engine_argv,
 )
+from prorsa_agent.kv_store import KvStoreConfig
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 
 from .engine_helpers import ROOT
@@ -95,6 +96,14 @@ def _cases(dense: Path, moe: Path) -> dict[str, dict[str, Any]]:
         extraArgs=["--hicache-storage-backend", "file"],
         env=[{"name": ALLOW_HICACHE_STORAGE_ENV, "value": "1"}],
     )
+    mooncake_store = copy.deepcopy(example)
+    mooncake_store["spec"]["kvStore"] = {
+        "backend": "mooncake",
+        "endpoint": "mooncake-master.rl:50051",
+        "sizeGiB": 64,
+    }
+    file_store = copy.deepcopy(example)
+    file_store["spec"]["kvStore"] = {"backend": "file", "endpoint": "/mnt/kv", "sizeGiB": 8}
     refused = {f"refused: {' '.join(args)}": _with(dp_moe, extraArgs=args) for args in REFUSED}
     return {
         "example: TP8, fp8 KV cache, HiCache host tier, decode radix cache, admin key": example,
@@ -103,6 +112,8 @@ def _cases(dense: Path, moe: Path) -> dict[str, dict[str, Any]]:
         "mori transfer backend": _with(example, transferBackend="mori"),
         "DP attention with MoE TP (TP8, DP8)": dp_moe,
         "multi-node: two pods of 8 GPUs, TP16": multinode,
+        "a shared KV store (kvStore: Mooncake)": mooncake_store,
+        "a shared KV store (kvStore: a shared directory)": file_store,
         **refused,
     }
 
@@ -158,6 +169,7 @@ def _argvs(spec: RolloutClusterSpec) -> list[list[str]]:
                 hicache=env.get(DISABLE_HICACHE_ENV) != "1",
                 allow_hicache_storage=env.get(ALLOW_HICACHE_STORAGE_ENV) == "1",
                 admin_api_key=ADMIN_KEY,
+                kv_store=KvStoreConfig.from_env(env),
             )
         )
     return out
@@ -236,7 +248,7 @@ def verdicts(
 
 def test_sglang_accepts_every_combination_admission_accepts(verdicts):
     accepted = {name: s for name, (a, s) in verdicts.items() if a is None}
-    assert len(accepted) == 6
+    assert len(accepted) == 8
     assert accepted == dict.fromkeys(accepted), accepted
 
 

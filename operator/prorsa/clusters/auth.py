@@ -1,4 +1,5 @@
-"""Bearer-token checks for the trainer webhook.
+"""Bearer-token checks for the trainer webhook (the header is parsed by
+:func:`prorsa_contract.bearer.bearer_token`).
 
 The comparison is constant-time (:func:`hmac.compare_digest` over bytes), so response
 timing does not reveal how many leading characters of a guess were right.
@@ -7,19 +8,6 @@ timing does not reveal how many leading characters of a guess were right.
 from __future__ import annotations
 
 import hmac
-
-_SCHEME = "bearer"
-
-
-def bearer_token(header: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, or None when absent/other."""
-    if not header:
-        return None
-    scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != _SCHEME:
-        return None
-    token = token.strip()
-    return token or None
 
 
 def token_matches(presented: str | None, expected: bytes) -> bool:

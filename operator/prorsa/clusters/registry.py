@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from prorsa.clusters.auth import normalize_token, token_matches
 from prorsa.clusters.clock import ClockOffset
+from prorsa.clusters.control_lock import ControlFirstLock
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
@@ -191,7 +192,7 @@ class WebhookCluster:
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
         controller.table.set_dedupe_window(0)
-        self._lock = asyncio.Lock()
+        self._lock = ControlFirstLock()  # ticks before queued batches (control_lock.py)
         self._seconds_per_event = 5e-6  # EWMA of apply cost, for Retry-After
         self.pending_events = 0
         self.batches = 0
@@ -440,7 +441,9 @@ class WebhookCluster:
         self.snapshots += 1
 
     async def observe_engines(self, states: Sequence[EngineState]) -> None:
-        await self._exclusive(self.controller.observe_engines, states, offload=False, pending=0)
+        await self._exclusive_call(
+            lambda: self.controller.observe_engines(states), offload=False, pending=0, control=True
+        )
 
     async def tick(self, now: float | None = None) -> Decision:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
@@ -453,7 +456,9 @@ class WebhookCluster:
             at = self.trainer_now() if now is None else now
             return self.controller.tick(at, evict_now=self._eviction_now(at))
 
-        return await self._exclusive_call(run, offload=self.limits.offload_ticks, pending=0)
+        return await self._exclusive_call(
+            run, offload=self.limits.offload_ticks, pending=0, control=True
+        )
 
     def _eviction_now(self, now: float) -> float:
         """The present for eviction: ``now``, but advancing at most twice as fast as the
@@ -497,15 +502,19 @@ class WebhookCluster:
         offload: bool,
         pending: int,
         on_error: Callable[[], None] | None = None,
+        control: bool = False,
     ) -> T:
-        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort.
+        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort
+        (``control``: ahead of the event batches waiting for it).
 
         Shielding matters: if a client hangs up while its batch waits or runs, the batch
         still applies exactly once (its ids are already in the dedupe window), and a thread
         is never left running on the Controller after the lock was released.
         """
         self.pending_events += pending
-        task = asyncio.ensure_future(self._locked(fn, offload=offload, pending=pending))
+        task = asyncio.ensure_future(
+            self._locked(fn, offload=offload, pending=pending, control=control)
+        )
 
         def done(t: asyncio.Future[T]) -> None:
             self.pending_events -= pending
@@ -515,8 +524,10 @@ class WebhookCluster:
         task.add_done_callback(done)
         return await asyncio.shield(task)
 
-    async def _locked(self, fn: Callable[[], T], *, offload: bool, pending: int) -> T:
-        async with self._lock:
+    async def _locked(
+        self, fn: Callable[[], T], *, offload: bool, pending: int, control: bool
+    ) -> T:
+        async with self._lock.hold(control=control):
             start = time.perf_counter()
             result = await asyncio.to_thread(fn) if offload else fn()
             if pending:
@@ -526,7 +537,7 @@ class WebhookCluster:
 
     async def idle(self) -> None:
         """Wait until every queued call has run (orderly shutdown)."""
-        async with self._lock:
+        async with self._lock.hold(control=False):
             return
 
     @asynccontextmanager
@@ -536,7 +547,7 @@ class WebhookCluster:
         Batches arriving meanwhile queue up (and get 429 past ``max_pending_events``);
         keep the block short and do blocking work in a thread.
         """
-        async with self._lock:
+        async with self._lock.hold(control=True):
             yield self.controller
 
     def status(self) -> dict[str, Any]:

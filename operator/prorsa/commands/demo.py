@@ -15,6 +15,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from prorsa.commands import lab
+
 HELP = "run the operator, engine doubles and a simulated agentic trainer on this machine"
 
 
@@ -129,22 +131,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.demo.run import (
-        SGLANG_MODEL,
-        DemoInterrupted,
-        DemoOptions,
-        EngineModel,
-        run_demo,
-    )
-
+    demo = lab.load(lab.LAB, "demo")
     real = args.engine == "sglang"
     try:
-        options = DemoOptions(
+        options = demo.DemoOptions(
             duration=args.duration,
             task=args.task,
             instances=args.instances or (3 if real else 4),
             engine=args.engine,
-            model=SGLANG_MODEL if real else EngineModel(),
+            model=demo.SGLANG_MODEL if real else demo.EngineModel(),
             out=args.out,
             live=args.live and sys.stdout.isatty(),
             seed=args.seed,
@@ -160,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(run_demo(options))
-    except DemoInterrupted as exc:
+        summary = asyncio.run(demo.run_demo(options))
+    except demo.DemoInterrupted as exc:
         print(f"prorsa demo: {exc}", file=sys.stderr)
         return 130
     return 0 if summary.ok else 1

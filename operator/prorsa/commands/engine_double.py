@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prorsa.commands import lab
+
 HELP = "run an HTTP double of an SGLang 0.5.23 engine (role switching, loads, aborts)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from prorsa_lab.doubles.engine.cli import configure as configure_engine
-
-    configure_engine(parser)
+    lab.load(lab.LAB, "engine-double").configure(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.doubles.engine.cli import run as run_engine
-
-    return run_engine(args, sys.argv[2:])
+    return int(lab.load(lab.LAB, "engine-double").run(args, sys.argv[2:]))

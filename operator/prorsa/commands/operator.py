@@ -82,8 +82,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prorsa.k8s.leader import LeaderElection
     from prorsa.k8s.runtime import ClusterLoopSettings
-    from prorsa.kopf_handlers import LeaderElection, OperatorSettings
+    from prorsa.kopf_handlers import OperatorSettings
     from prorsa.operator_process import run_operator
     from prorsa.process import tune_gc
 
@@ -104,12 +105,15 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(
                 "prorsa operator: error: --leader-elect needs --operator-namespace (the Lease's)"
             )
-        election = LeaderElection(
-            lease_name=args.leader_elect_resource_name,
-            lease_duration=args.leader_elect_lease_duration,
-            renew_deadline=args.leader_elect_renew_deadline,
-            retry_period=args.leader_elect_retry_period,
-        )
+        try:
+            election = LeaderElection(
+                lease_name=args.leader_elect_resource_name,
+                lease_duration=args.leader_elect_lease_duration,
+                renew_deadline=args.leader_elect_renew_deadline,
+                retry_period=args.leader_elect_retry_period,
+            )
+        except ValueError as exc:  # timings that leave the leader no time to stop
+            raise SystemExit(f"prorsa operator: error: {exc}") from None
     config = OperatorSettings(
         namespaced=not clusterwide,
         namespaces=tuple(args.namespace),

@@ -18,10 +18,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from prorsa_lab.replay.api import ReplayReport
+from prorsa.commands import lab
+
+# The lab's ReplayReport (prorsa_lab.replay.api), reached through its entry point: the
+# operator imports nothing of the lab, not even for a type.
+ReplayReport = Any
 
 HELP = "replay a recorded job on every P/D policy in the rollout simulator: does switching pay?"
 INJECTIONS = ("replaceOnReward", "fixedRate", "groupReplenish", "replaceOnEnd")
@@ -120,15 +123,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prorsa_lab.replay.api import ReplayError, replay_recording
-
+    replay = lab.load(lab.LAB, "replay")
     started = time.monotonic()
 
     def progress(line: str) -> None:
         print(f"prorsa replay: {time.monotonic() - started:5.0f}s {line}", file=sys.stderr)
 
     try:
-        report = replay_recording(
+        report = replay.replay_recording(
             events=args.events,
             cluster=args.cluster,
             model=args.model,
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=progress,
         )
-    except ReplayError as exc:
+    except replay.ReplayError as exc:
         for line in str(exc).splitlines():
             print(f"prorsa replay: error: {line}", file=sys.stderr)
         return 2
@@ -217,7 +219,8 @@ def text(report: ReplayReport) -> str:
     if n_p is not None:
         lines.append(
             f"best static split: {n_p}:{report.instances - n_p} "
-            f"({_s(by['best-static']['makespanSeconds'])})"
+            f"({_s(by['best-static']['makespanSeconds'])}); the start split for a job like "
+            f"this one: roles.prefill.initial: {n_p} (docs/crd-reference.md)"
         )
     if "prorsa" in by:
         p = by["prorsa"]

@@ -61,6 +61,10 @@ OPERATOR_ENV = frozenset(
         # What the agent launches and where it finds it: the pod runs the engine image's.
         "PRORSA_ENGINE_COMMAND",
         "PRORSA_ENGINE_URL",
+        # spec.kvStore (prorsa_agent.kv_store).
+        "PRORSA_KV_STORE_BACKEND",
+        "PRORSA_KV_STORE_ENDPOINT",
+        "PRORSA_KV_STORE_SIZE_GIB",
     }
 )
 """Variables the operator sets on engine pods (``prorsa.k8s.objects``, ``groups``) or that
@@ -193,6 +197,9 @@ class Rule:
         )
 
     def cel(self) -> str:
+        if not (self.args or self.any_args or self.no_args):
+            assert self.env is not None
+            return f"!{self.env.cel()}" if self.env.present else self.env.cel()[1:]
         argv = "self.engine.extraArgs.join('\\n')"
         terms = ["has(self.engine.extraArgs)"]  # absent unless given (no schema default)
         terms += [f"{argv}.matches({_cel_str(p)})" for p in self.args]
@@ -294,6 +301,46 @@ RULES: tuple[Rule, ...] = (
 )
 """The refusals of SGLang (and of the agent) a RolloutCluster's engine flags can run into."""
 
+MOONCAKE_ENDPOINT = r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?"
+"""``spec.kvStore.endpoint`` of a Mooncake store: the master's host[:port]."""
+
+KV_STORE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "extraArgs",
+        "spec.kvStore sets the engine's HiCache storage flags itself (--hicache-storage-backend "
+        "dynamic with the engine image's backend, --hicache-storage-backend-extra-config, "
+        "--disaggregation-decode-enable-offload-kvcache): remove them from engine.extraArgs",
+        args=(
+            given(
+                "--hicache-storage-backend",
+                "--hicache-storage-backend-extra-config",
+                "--disaggregation-decode-enable-offload-kvcache",
+            ),
+        ),
+    ),
+    Rule(
+        "extraArgs",
+        "spec.kvStore is HiCache's storage tier, and HiCache needs the radix cache: remove "
+        "--disable-radix-cache",
+        args=(given("--disable-radix-cache"),),
+    ),
+    Rule(
+        "env",
+        "spec.kvStore is HiCache's storage tier: unset PRORSA_DISABLE_HICACHE",
+        env=EnvCondition("PRORSA_DISABLE_HICACHE", "1|true"),
+    ),
+)
+"""What contradicts ``spec.kvStore``: refused only when the cluster has one."""
+
+
+def kv_store_problems(
+    args: Sequence[str], env: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """``(field, message)`` for each of :data:`KV_STORE_RULES` a cluster with a store breaks."""
+    joined = "\n".join(args)
+    return [(rule.field, rule.message) for rule in KV_STORE_RULES if rule.refuses(joined, env)]
+
+
 _OPERATOR_FLAGS_RULE = Rule(
     "extraArgs",
     "engine.extraArgs may not set a flag the operator sets itself ("
@@ -352,6 +399,25 @@ def cel_rules() -> list[dict[str, str]]:
         }
         for rule in (*RULES, _OPERATOR_FLAGS_RULE)
     ]
+    for rule in KV_STORE_RULES:
+        rules.append(
+            {
+                "rule": f"!has(self.kvStore) || {rule.cel()}",
+                "message": rule.message,
+                "fieldPath": f".engine.{rule.field}",
+                "reason": "FieldValueForbidden",
+            }
+        )
+    rules.append(
+        {
+            "rule": "!has(self.kvStore) || (self.kvStore.backend == 'file' ? "
+            "self.kvStore.endpoint.startsWith('/') : "
+            f"self.kvStore.endpoint.matches({_cel_str('^' + MOONCAKE_ENDPOINT + '$')}))",
+            "message": "kvStore.endpoint must be an absolute path (file) or host[:port] (mooncake)",
+            "fieldPath": ".kvStore.endpoint",
+            "reason": "FieldValueInvalid",
+        }
+    )
     names = ", ".join(_cel_str(n) for n in sorted(OPERATOR_ENV))
     rules.append(
         {

@@ -13,6 +13,7 @@ runs a battery of manifests through both.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -514,6 +515,25 @@ class TrainerSpec(_Spec):
     )
 
 
+class KvStoreSpec(_Spec):
+    """A KV store the cluster's engines share and role flips keep (docs/kv-store.md)."""
+
+    backend: Literal["mooncake", "file"] = Field(
+        description="mooncake: a Mooncake store (production); file: a directory every engine "
+        "pod mounts (a shared volume, for tests and small clusters)."
+    )
+    endpoint: Annotated[str, Field(min_length=1, max_length=1024)] = Field(
+        description="mooncake: the Mooncake master, host[:port] (port 50051 when omitted); "
+        "file: the shared directory's absolute path in the engine pods (mount it with "
+        "engine.volumes and engine.volumeMounts)."
+    )
+    size_gib: Annotated[int, Field(ge=1, le=1_048_576)] = Field(
+        alias="sizeGiB",
+        description="GiB each engine rank gives the store (Mooncake's global segment size), "
+        "or caps its own pages at (file: least recently used pages go first).",
+    )
+
+
 class RolloutClusterSpec(_Spec):
     model: ModelSpec
     engine: EngineSpec = EngineSpec()
@@ -524,6 +544,13 @@ class RolloutClusterSpec(_Spec):
     switching: SwitchingSpec = SwitchingSpec()
     router: RouterSpec = RouterSpec()
     trainer: TrainerSpec = TrainerSpec()
+    kv_store: KvStoreSpec | None = Field(
+        None,
+        alias="kvStore",
+        description="A shared KV store (HiCache's storage tier) that role flips keep: "
+        "prefixes are found across engines and a request a switch cancelled resumes from it. "
+        "Trainers must send their weight version as extra_key (docs/kv-store.md).",
+    )
 
     @property
     def instances(self) -> int:
@@ -705,7 +732,19 @@ def cross_field_problems(get: Callable[[str], Any]) -> list[Problem]:
             )
         return None
 
-    for rule in (budget, nodes, tensor_parallel, minimums, initial):
+    def kv_store_endpoint() -> Problem | None:
+        store = get("kvStore")
+        if store is None:
+            return None
+        if store.backend == "file" and not store.endpoint.startswith("/"):
+            return Problem("kvStore.endpoint", f"{store.endpoint!r} is not an absolute path")
+        if store.backend == "mooncake" and not re.fullmatch(
+            engine_flags.MOONCAKE_ENDPOINT, store.endpoint
+        ):
+            return Problem("kvStore.endpoint", f"{store.endpoint!r} is not host[:port]")
+        return None
+
+    for rule in (budget, nodes, tensor_parallel, minimums, initial, kv_store_endpoint):
         try:
             problem = rule()
         except (_Unknown, ZeroDivisionError):
@@ -721,6 +760,15 @@ def cross_field_problems(get: Callable[[str], Any]) -> list[Problem]:
         Problem(f"engine.{field}", message)
         for field, message in engine_flags.engine_problems(args, env)
     ]
+    try:
+        store = get("kvStore")
+    except _Unknown:
+        return problems
+    if store is not None:
+        problems += [
+            Problem(f"engine.{field}", message)
+            for field, message in engine_flags.kv_store_problems(args, env)
+        ]
     return problems
 
 

@@ -39,7 +39,6 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prorsa.clusters.auth import bearer_token
 from prorsa.clusters.registry import (
     ClusterRegistry,
     IngestLimits,
@@ -59,6 +58,7 @@ from prorsa.ingest.wire import (
     Health,
     SnapshotReply,
 )
+from prorsa_contract.bearer import bearer_token
 from prorsa_contract.events import (
     EMITTER_HEADER,
     BatchError,

@@ -41,12 +41,11 @@ LEASE_NAME = "prorsa-operator"
 
 
 @dataclass(frozen=True, kw_only=True)
-class LeaseSettings:
-    """client-go's defaults (kube-controller-manager's ``--leader-elect-*`` flags)."""
+class LeaderElection:
+    """The Lease's terms: ``prorsa operator --leader-elect-*``, with client-go's defaults
+    (kube-controller-manager's ``--leader-elect-*`` flags; docs/operations.md)."""
 
-    namespace: str
-    identity: str
-    name: str = LEASE_NAME
+    lease_name: str = LEASE_NAME
     lease_duration: float = 15.0
     renew_deadline: float = 10.0
     retry_period: float = 2.0
@@ -69,18 +68,23 @@ def micro_time(at: datetime.datetime) -> str:
 
 
 class LeaderElector:
-    """Takes and keeps the Lease for ``settings.identity``; one per process."""
+    """Takes and keeps the Lease ``election.lease_name`` in ``namespace`` for ``identity``;
+    one per process."""
 
     def __init__(
         self,
         *,
         kube: Kube,
-        settings: LeaseSettings,
+        election: LeaderElection,
+        namespace: str,
+        identity: str,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
     ) -> None:
         self.kube = kube
-        self.settings = settings
+        self.election = election
+        self.namespace = namespace
+        self.identity = identity
         self._monotonic = monotonic
         self._wall = wall
         self._observed: tuple[Any, ...] | None = None  # the record last seen
@@ -90,14 +94,14 @@ class LeaderElector:
 
     async def try_acquire_or_renew(self) -> bool:
         """One attempt: True when this process holds the Lease afterwards."""
-        s = self.settings
+        s = self.election
         now = self._monotonic()
-        lease = await self.kube.read_lease(s.namespace, s.name)
+        lease = await self.kube.read_lease(self.namespace, s.lease_name)
         if lease is None:
-            created = await self.kube.create_lease(s.namespace, self._manifest(None))
+            created = await self.kube.create_lease(self.namespace, self._manifest(None))
             if created:
                 self._observe(None, now)
-                self.holder = s.identity
+                self.holder = self.identity
             return created
         spec = lease.get("spec") or {}
         record = (
@@ -111,13 +115,13 @@ class LeaderElector:
         holder = spec.get("holderIdentity") or None
         self.holder = holder
         expired = now - self._observed_at >= s.lease_duration
-        if holder is not None and holder != s.identity and not expired:
+        if holder is not None and holder != self.identity and not expired:
             return False
         body = self._manifest(lease)
-        if not await self.kube.replace_lease(s.namespace, body):
+        if not await self.kube.replace_lease(self.namespace, body):
             return False  # another replica wrote first: it leads this term
         self._observe(None, now)
-        self.holder = s.identity
+        self.holder = self.identity
         return True
 
     def _observe(self, record: tuple[Any, ...] | None, at: float) -> None:
@@ -125,12 +129,12 @@ class LeaderElector:
         self._observed_at = at
 
     def _manifest(self, lease: dict[str, Any] | None) -> dict[str, Any]:
-        s = self.settings
+        s = self.election
         now = micro_time(self._wall())
         spec: dict[str, Any] = dict((lease or {}).get("spec") or {})
-        taking = spec.get("holderIdentity") != s.identity
+        taking = spec.get("holderIdentity") != self.identity
         spec |= {
-            "holderIdentity": s.identity,
+            "holderIdentity": self.identity,
             "leaseDurationSeconds": max(1, round(s.lease_duration)),
             "renewTime": now,
         }
@@ -139,7 +143,7 @@ class LeaderElector:
             spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (
                 1 if lease is not None else 0
             )
-        metadata: dict[str, Any] = {"name": s.name, "namespace": s.namespace}
+        metadata: dict[str, Any] = {"name": s.lease_name, "namespace": self.namespace}
         if lease is not None:
             metadata["resourceVersion"] = lease["metadata"]["resourceVersion"]
             metadata["labels"] = (lease.get("metadata") or {}).get("labels") or {}
@@ -152,18 +156,21 @@ class LeaderElector:
 
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Wait, as the standby, until this process leads (True) or ``stop`` is set."""
-        s = self.settings
+        s = self.election
         announced: str | None = ""
         while not stop.is_set():
             try:
                 if await self.try_acquire_or_renew():
                     self.leading = True
-                    log.info("%s leads (Lease %s/%s)", s.identity, s.namespace, s.name)
+                    log.info("%s leads (Lease %s/%s)", self.identity, self.namespace, s.lease_name)
                     return True
                 if self.holder != announced:
                     announced = self.holder
                     log.info(
-                        "standing by: %s leads (Lease %s/%s)", self.holder, s.namespace, s.name
+                        "standing by: %s leads (Lease %s/%s)",
+                        self.holder,
+                        self.namespace,
+                        s.lease_name,
                     )
             except Exception as exc:  # the API server may be away for a while
                 log.warning("leader election: %s", exc)
@@ -174,7 +181,7 @@ class LeaderElector:
     async def hold(self) -> None:
         """Renew while leading; raise :class:`LeadershipLost` when a renewal does not succeed
         within the renew deadline, or another holder is seen."""
-        s = self.settings
+        s = self.election
         renewed = self._monotonic()
         while True:
             await asyncio.sleep(s.retry_period)
@@ -189,7 +196,7 @@ class LeaderElector:
             if ok:
                 renewed = now
                 continue
-            if self.holder not in (None, s.identity):
+            if self.holder not in (None, self.identity):
                 self.leading = False
                 raise LeadershipLost(f"{self.holder} holds the Lease now")
             if now - renewed >= s.renew_deadline:
@@ -201,17 +208,17 @@ class LeaderElector:
 
     async def release(self) -> None:
         """Give the Lease up (a clean exit): the standby takes over at its next try."""
-        s = self.settings
+        s = self.election
         if not self.leading:
             return
         self.leading = False
         try:
-            lease = await self.kube.read_lease(s.namespace, s.name)
-            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != s.identity:
+            lease = await self.kube.read_lease(self.namespace, s.lease_name)
+            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
                 return
             body = self._manifest(lease)
             body["spec"] |= {"holderIdentity": "", "leaseDurationSeconds": 1}
-            await self.kube.replace_lease(s.namespace, body)
-            log.info("%s released the Lease %s/%s", s.identity, s.namespace, s.name)
+            await self.kube.replace_lease(self.namespace, body)
+            log.info("%s released the Lease %s/%s", self.identity, self.namespace, s.lease_name)
         except Exception:
             log.warning("could not release the Lease: the standby waits for it to expire")

@@ -108,6 +108,13 @@ def engine_pod(
     ]
     if spec.model.served_name:
         env.append({"name": "PRORSA_SERVED_MODEL_NAME", "value": spec.model.served_name})
+    if spec.kv_store is not None:
+        # The agent renders the store's SGLang flags from these (prorsa_agent.kv_store).
+        env += [
+            {"name": "PRORSA_KV_STORE_BACKEND", "value": spec.kv_store.backend},
+            {"name": "PRORSA_KV_STORE_ENDPOINT", "value": spec.kv_store.endpoint},
+            {"name": "PRORSA_KV_STORE_SIZE_GIB", "value": str(spec.kv_store.size_gib)},
+        ]
     env.extend(e.env)
     volumes = [
         {"name": "agent-token", "secret": {"secretName": agent_secret_name(cluster)}},

@@ -94,11 +94,6 @@ class ClusterRuntime:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _last_advice: tuple[tuple[str, str, str], ...] = ()
     _last_failure: str | None = None  # the failed tick last reported as an Event
-    # Eq. 1's best split at the last tick, and since when (monotonic) the Controller has had
-    # a reason to move: that split's latest change or the end of the last switch, whichever
-    # came later. A switch's start observes the time since as its ``decision`` part.
-    _best: tuple[int, int] | None = None
-    _wanted_since: float = 0.0
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _last_refusal: str | None = None  # the pod refusal last reported as an Event
     _unanswered: dict[str, Unanswered] = field(default_factory=dict)  # this tick's, by pod
@@ -323,21 +318,15 @@ class ClusterRuntime:
         # switch is not priced).
         diag = decision.diagnostics
         priced = {m.instance: m for m in diag.made} if diag is not None else {}
-        if diag is not None and diag.best != self._best:
-            self._best = diag.best
-            self._wanted_since = time.monotonic()
         if bootstrap:
             await self._start_switches(bootstrap, pods)
         elif mode == "Auto":
             started = await self._start_switches(decision.switches, pods)
-            if started:
-                waited = time.monotonic() - self._wanted_since
-                parts = self.metrics.switch_parts.labels(self.namespace, self.name, "decision")
-                for _ in started:
-                    parts.observe(waited)
             moves = [priced[s.instance] for s in started if s.instance in priced]
             if moves:
                 self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
+            if started and diag is not None:
+                self.metrics.record_decision_wait(self.namespace, self.name, diag)
         if mode == "Recommend" and (self.bootstrapped or not self._bootstrap_started):
             # A dry run: say what Auto would do, once per change of recommendation, and
             # count what the Controller expected of those switches, as Auto counts the
@@ -578,7 +567,6 @@ class ClusterRuntime:
         ):
             if seconds is not None:
                 self.metrics.switch_parts.labels(ns, name, part).observe(seconds)
-        self._wanted_since = max(self._wanted_since, time.monotonic())
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
             controller.record_switch(outcome.pod, at=self.handle.trainer_now())

@@ -19,7 +19,7 @@ from typing import IO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from prorsa.kopf_handlers import LeaderElection
+from prorsa.k8s.leader import LeaderElection
 from prorsa_lab.doubles.kubelet import free_port
 from prorsa_lab.doubles.processes import terminate
 from prorsa_lab.doubles.stack import Stack

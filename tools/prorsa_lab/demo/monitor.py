@@ -89,7 +89,10 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
-class SwitchRecord:
+class SeenSwitch:
+    """A switch the demo saw finished: the RolloutCluster status's record of it
+    (``prorsa.core.spec.SwitchRecord``, as the API returns it) and when it was seen."""
+
     pod: str
     origin: str
     to: str
@@ -126,7 +129,7 @@ class Monitor:
     clock: Callable[[], float] = time.time
     decisions: list[dict[str, Any]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
-    switches: dict[tuple[str, str], SwitchRecord] = field(default_factory=dict)
+    switches: dict[tuple[str, str], SeenSwitch] = field(default_factory=dict)
     pods: list[PodState] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     # (wall clock, status.accuracy) at every poll: the WAPE of the rollout is the one read
@@ -230,7 +233,7 @@ class Monitor:
         for entry in self.status.get("switchHistory") or []:
             key = (str(entry.get("pod")), str(entry.get("started")))
             if key not in self.switches:
-                self.switches[key] = SwitchRecord(
+                self.switches[key] = SeenSwitch(
                     pod=key[0],
                     origin=str(entry.get("from")),
                     to=str(entry.get("to")),

@@ -418,6 +418,8 @@ class DemoSummary:
     replay: dict[str, Any] | None = None
     # This machine while the switching run went: CPUs and the 1-minute load average.
     machine: dict[str, Any] = field(default_factory=dict)
+    # What the resumed requests cost in prefill (prorsa_sdk.ResumePrefill.summary).
+    resume_prefill: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -1139,6 +1141,7 @@ def _summarise(
         requests_failed=trainer.failed,
         requests_resumed=trainer.resumed,
         resumes=trainer.resumes,
+        resume_prefill=trainer.resume_prefill,
         tokens_lost=trainer.tokens_lost,
         tokens_generated=trainer.tokens_generated,
         prefill_aborts=router.counters.prefill_aborts,

@@ -129,6 +129,8 @@ class TrainerStats:
     requests: list[RequestRecord] = field(default_factory=list)
     # Seconds since the rollout started at which each trajectory got its reward, in order.
     finish_times: list[float] = field(default_factory=list)
+    # What the resumed requests cost in prefill (prorsa_sdk.ResumePrefill.summary).
+    resume_prefill: dict[str, int] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
@@ -222,6 +224,7 @@ class DemoTrainer:
             await asyncio.gather(*(self._worker() for _ in range(self.concurrency)))
         finally:
             timer.cancel()
+        self.stats.resume_prefill = self.gen.resume_prefill.summary()
         return self.stats
 
     async def _sleep(self, seconds: float) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 from prorsa_contract.aio import cancel_and_wait
 from prorsa_lab.demo.frame import LEGEND, Frame, clock, explain, tokens, wape
 from prorsa_lab.demo.frame import frame as build_frame
-from prorsa_lab.demo.monitor import Monitor, SwitchRecord
+from prorsa_lab.demo.monitor import Monitor, SeenSwitch
 from prorsa_lab.demo.pod_directory import PodDirectory
 from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.demo.trainer import DemoTrainer
@@ -60,7 +60,7 @@ class _View(ABC):
             run_label=self.run_label,
         )
 
-    def fresh_switches(self) -> list[SwitchRecord]:
+    def fresh_switches(self) -> list[SeenSwitch]:
         """Switches the operator finished since the last call."""
         new = [r for k, r in self.monitor.switches.items() if k not in self._seen_switches]
         self._seen_switches.update((r.pod, r.started) for r in new)

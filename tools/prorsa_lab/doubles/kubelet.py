@@ -62,10 +62,15 @@ from prorsa_contract.labels import (
     MANAGED_BY,
     NODES_LABEL,
 )
-from prorsa_lab.doubles.engine.pod import FAST_TIMEOUTS, EnginePod
-from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
 from prorsa_lab.doubles.kube.pod_status import kubelet_pod_status
-from prorsa_lab.doubles.sglang_double import EngineConfig, EngineDouble
+from prorsa_lab.doubles.sglang_double import (
+    FAST_TIMEOUTS,
+    EngineConfig,
+    EngineDouble,
+    EnginePod,
+    NodeGroup,
+    WorkerRank,
+)
 from prorsa_lab.doubles.smg_router import SmgRouter, local_args, smg_binary
 from prorsa_lab.sglang_cpu.environment import CpuEngineEnv
 from prorsa_lab.sglang_cpu.sglang_pod import EngineStartFailed, SglangPod

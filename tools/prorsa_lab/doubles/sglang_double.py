@@ -20,6 +20,9 @@ Use it from Python::
 as a process: ``prorsa engine-double --port 0 --disaggregation-mode decode
 --enable-pd-role-switch --enable-metrics`` (``python -m prorsa_lab.doubles.sglang_double`` is the
 same and ignores SGLang flags it does not model).
+
+This module is the double's one import path: nothing outside :mod:`prorsa_lab.doubles.engine`
+imports that package's modules (the import contract ``engine-double-one-path``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from prorsa_lab.doubles.engine.model import (
 )
 from prorsa_lab.doubles.engine.pod import FAST_TIMEOUTS, EnginePod
 from prorsa_lab.doubles.engine.server import CRASH_EXIT_CODE, EngineDouble
+from prorsa_lab.doubles.engine.worker import NodeGroup, WorkerRank
 
 __all__ = [
     "CRASH_EXIT_CODE",
@@ -54,8 +58,10 @@ __all__ = [
     "EnginePod",
     "Faults",
     "Mode",
+    "NodeGroup",
     "SwitchFailure",
     "TimingModel",
+    "WorkerRank",
 ]
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ import kubernetes
 from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s import crd_manifest as crd
 from prorsa.k8s.kube import Kube
-from prorsa.k8s.leader import LeadershipLost
+from prorsa.k8s.leader import LeaderElection, LeadershipLost
 from prorsa.k8s.runtime import ClusterLoopSettings
-from prorsa.kopf_handlers import LeaderElection, OperatorSettings
+from prorsa.kopf_handlers import OperatorSettings
 from prorsa.operator_process import OperatorProcess
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL

@@ -232,7 +232,7 @@ def _agent_process(conn: Any, config: dict[str, Any]) -> None:
 async def _agent_main(conn: Any, config: dict[str, Any]) -> None:
     from dataclasses import replace
 
-    from prorsa_lab.doubles.engine.pod import FAST_TIMEOUTS, EnginePod
+    from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS, EnginePod
 
     deadlines = {k: v for k, v in config["deadlines"].items() if v is not None}
     timeouts = replace(FAST_TIMEOUTS, **deadlines)

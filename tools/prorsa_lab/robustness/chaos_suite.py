@@ -48,7 +48,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from prorsa.kopf_handlers import LeaderElection
+from prorsa.k8s.leader import LeaderElection
 from prorsa_contract.labels import DRAINING, NODE_RANK_LABEL, ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.demo.run import CLUSTER, DemoOptions, EngineModel, demo_manifest
 from prorsa_lab.demo.smg_client import SmgClient

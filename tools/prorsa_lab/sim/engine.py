@@ -59,10 +59,10 @@ NEW, QUEUED, TRANSFER, WAITING, RUNNING, DONE = range(6)
 class Listener(Protocol):
     """What the engines tell the trainer (the SDK sees these on its HTTP streams)."""
 
-    def on_prefill_started(self, req: Request, instance: str, now: float) -> None: ...
-    def on_prefill_finished(self, req: Request, instance: str, now: float) -> None: ...
-    def on_decode_finished(self, req: Request, now: float) -> None: ...
-    def on_aborted(self, req: Request, now: float) -> None: ...
+    def on_prefill_started(self, req: SimRequest, instance: str, now: float) -> None: ...
+    def on_prefill_finished(self, req: SimRequest, instance: str, now: float) -> None: ...
+    def on_decode_finished(self, req: SimRequest, now: float) -> None: ...
+    def on_aborted(self, req: SimRequest, now: float) -> None: ...
 
 
 class _Detached:
@@ -74,7 +74,7 @@ class _Detached:
     on_prefill_started = on_prefill_finished = on_decode_finished = on_aborted = _fail
 
 
-class Request:
+class SimRequest:
     """One generate call: a full prompt and the tokens this call must produce."""
 
     __slots__ = (
@@ -113,7 +113,7 @@ class Request:
         self.silent = False  # re-prefill after a colocated KV retraction: no new events
         self.where = NEW
         self.inst: Instance | None = None
-        self.rank: Rank | None = None
+        self.rank: SimRank | None = None
         self.admit_counter = 0
         self.admit_kv = 0
         self.finish_counter = 0
@@ -122,7 +122,7 @@ class Request:
         return self.prompt + self.generated
 
 
-class Rank:
+class SimRank:
     """One attention-DP rank: its queues, its running batch, its slice of KV."""
 
     __slots__ = (
@@ -156,14 +156,14 @@ class Rank:
     def __init__(self, inst: Instance, idx: int) -> None:
         self.inst = inst
         self.idx = idx
-        self.pq: deque[Request] = deque()  # waiting for or in prefill (FIFO)
+        self.pq: deque[SimRequest] = deque()  # waiting for or in prefill (FIFO)
         self.pq_tokens = 0  # prompt tokens not yet prefilled in pq (routing load)
         self.processed = 0  # requests smg sent it as a worker (--dp-aware): a tie-break
         self.kv_prefill = 0  # KV held by prompts being prefilled
-        self.wait: deque[Request] = deque()  # decode admission queue
+        self.wait: deque[SimRequest] = deque()  # decode admission queue
         self.wait_tokens = 0
-        self.running: dict[Request, None] = {}  # in admission order (last = newest)
-        self.heap: list[tuple[int, int, Request]] = []  # (finish counter, seq, request)
+        self.running: dict[SimRequest, None] = {}  # in admission order (last = newest)
+        self.heap: list[tuple[int, int, SimRequest]] = []  # (finish counter, seq, request)
         self.counter = 0  # decode steps this rank has run
         self.kv_base = 0  # sum(admit_kv - admit_counter) over running
         self.n_run = 0
@@ -174,7 +174,7 @@ class Rank:
         self.host_tokens = 0
         self.load_seconds = 0.0  # host -> GPU loads to run with the next prefill step
         self.kind = 0  # this step: 0 idle, 1 prefill, 2 decode
-        self.plan: list[tuple[Request, int]] = []
+        self.plan: list[tuple[SimRequest, int]] = []
         self.step_time = 0.0
         self.tx_free = 0.0  # when this rank's NIC is free for the next KV transfer
         self.dkey_n = -1  # memo of the last decode step time: (batch, 128-token bucket)
@@ -206,7 +206,7 @@ class Instance:
         self.name = f"{cluster.prefix}-engine-{index}"
         self.role = role
         p = cluster.profile
-        self.ranks = [Rank(self, i) for i in range(p.ranks)]
+        self.ranks = [SimRank(self, i) for i in range(p.ranks)]
         self.cap = p.kv_capacity_per_rank
         self.host_cap = int(cluster.hicache_ratio * self.cap)
         self.accepting = True
@@ -368,11 +368,11 @@ class Instance:
         self.gen += 1
         self.cluster.loop.at(self.seg_end, self._step_end, self.gen)
 
-    def _plan_prefill(self, r: Rank, now: float, times: StepTimes) -> float:
+    def _plan_prefill(self, r: SimRank, now: float, times: StepTimes) -> float:
         budget = self.cluster.profile.chunk
         tokens = 0
         prefix_weight = 0.0
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[SimRequest, int]] = []
         colocated = self.role == COLOCATED
         for req in r.pq:
             if not req.started:
@@ -397,7 +397,7 @@ class Instance:
         load, r.load_seconds = r.load_seconds, 0.0
         return times.prefill(tokens, prefix_weight / tokens) + load
 
-    def _start_prefill(self, r: Rank, req: Request, now: float) -> None:
+    def _start_prefill(self, r: SimRank, req: SimRequest, now: float) -> None:
         req.started = True
         target = req.prompt + (req.generated if req.silent else 0)
         hit = r.cache.pop(req.traj, 0)
@@ -429,7 +429,7 @@ class Instance:
         if not req.silent:
             self.cluster.listener.on_prefill_started(req, self.name, now)
 
-    def _evict(self, r: Rank) -> None:
+    def _evict(self, r: SimRank) -> None:
         """LRU-evict the prefix cache while KV is over capacity."""
         over = r.kv_used() + r.cache_tokens - self.cap
         cache = r.cache
@@ -438,7 +438,7 @@ class Instance:
             r.cache_tokens -= n
             over -= n
 
-    def _remember(self, r: Rank, traj: str, tokens: int) -> None:
+    def _remember(self, r: SimRank, traj: str, tokens: int) -> None:
         if not self.cluster.prefix_cache:
             return
         self.cluster.home[traj] = r
@@ -502,7 +502,7 @@ class Instance:
         self._stepping = False
         self._plan(now)
 
-    def _finish_prefill_chunk(self, r: Rank, now: float) -> None:
+    def _finish_prefill_chunk(self, r: SimRank, now: float) -> None:
         listener = self.cluster.listener
         for req, take in r.plan:
             if req.where != QUEUED or req.rank is not r:
@@ -531,7 +531,7 @@ class Instance:
                 self._remember(r, req.traj, req.prompt)
                 self.cluster.send_to_decode(req, r, now)
 
-    def _run(self, r: Rank, req: Request, now: float) -> None:
+    def _run(self, r: SimRank, req: SimRequest, now: float) -> None:
         """Add a request with its KV in place to the rank's running batch."""
         req.where = RUNNING
         req.inst, req.rank = self, r
@@ -549,7 +549,7 @@ class Instance:
         cluster.seq += 1
         heapq.heappush(r.heap, (req.finish_counter, cluster.seq, req))
 
-    def _take_off(self, r: Rank, req: Request) -> None:
+    def _take_off(self, r: SimRank, req: SimRequest) -> None:
         """Remove a running request from its rank's batch (KV freed)."""
         generated = req.generated + (r.counter - req.admit_counter)
         req.generated = min(generated, req.new_tokens)
@@ -559,7 +559,7 @@ class Instance:
         del r.running[req]
         req.where = DONE
 
-    def _complete(self, r: Rank, req: Request, now: float) -> None:
+    def _complete(self, r: SimRank, req: SimRequest, now: float) -> None:
         self._take_off(r, req)
         if self.role == COLOCATED:
             self._remember(r, req.traj, req.context())
@@ -567,7 +567,7 @@ class Instance:
             self.cluster.offload(req)
         self.cluster.listener.on_decode_finished(req, now)
 
-    def _finish_decodes(self, r: Rank, now: float) -> None:
+    def _finish_decodes(self, r: SimRank, now: float) -> None:
         heap = r.heap
         while heap and heap[0][0] <= r.counter:
             _c, _i, req = heapq.heappop(heap)
@@ -575,7 +575,7 @@ class Instance:
                 continue
             self._complete(r, req, now)
 
-    def _admit(self, r: Rank) -> None:
+    def _admit(self, r: SimRank) -> None:
         now = self.cluster.loop.now
         while r.wait:
             req = r.wait[0]
@@ -588,7 +588,7 @@ class Instance:
             self._run(r, req, now)
         self._evict(r)
 
-    def _retract(self, r: Rank, now: float) -> None:
+    def _retract(self, r: SimRank, now: float) -> None:
         """KV overflowed while decoding: evict the newest requests (SGLang retract_decode)."""
         cluster = self.cluster
         while r.kv_used() > self.cap and r.n_run > 1:
@@ -612,7 +612,7 @@ class Instance:
                 self.transfers_in += 1
                 cluster.loop.after(delay, self._reload, req, r)
 
-    def _reload(self, req: Request, rank: Rank) -> None:
+    def _reload(self, req: SimRequest, rank: SimRank) -> None:
         self.transfers_in -= 1
         self.cluster.transferring.pop(req, None)
         if req.where != TRANSFER:
@@ -659,7 +659,7 @@ class Instance:
             self.cluster.on_routable(self)
 
 
-def _clear_caches(r: Rank) -> None:
+def _clear_caches(r: SimRank) -> None:
     r.cache.clear()
     r.cache_tokens = 0
     r.host.clear()
@@ -708,14 +708,14 @@ class SimCluster:
         self.times = StepTimes(profile)
         self.instances = [Instance(self, i, role) for i, role in enumerate(roles)]
         self.by_name = {i.name: i for i in self.instances}
-        self.home: dict[str, Rank] = {}  # trajectory -> rank that cached its prefix last
+        self.home: dict[str, SimRank] = {}  # trajectory -> rank that cached its prefix last
         self._prefill_insts: list[Instance] = []
         self._decode_insts: list[Instance] = []
         self._refresh_routes()
-        self.pending_prefill: deque[Request] = deque()
-        self.pending_decode: deque[Request] = deque()
+        self.pending_prefill: deque[SimRequest] = deque()
+        self.pending_decode: deque[SimRequest] = deque()
         # KV on the wire or reloading from host (a dict: insertion order keeps runs reproducible)
-        self.transferring: dict[Request, None] = {}
+        self.transferring: dict[SimRequest, None] = {}
         self.seq = 0  # tie-breaks in heaps: never object ids (reproducible); a plain int pickles
         # Ground truth for measurement: prompt tokens queued or in prefill right now.
         self.backlog_tokens = 0
@@ -723,7 +723,7 @@ class SimCluster:
         self.aborted = 0
         self.retracted = 0
         self.timeline: list[tuple[float, int, int, int]] = []  # (t, prefill, decode, switching)
-        self.on_prefill_complete: Callable[[Request, float], None] | None = None
+        self.on_prefill_complete: Callable[[SimRequest, float], None] | None = None
         self._record_roles()
 
     def host_load_seconds(self, tokens: int) -> float:
@@ -740,7 +740,7 @@ class SimCluster:
         """Fetching ``tokens`` from the shared store to host memory, then to the GPUs."""
         return self.store_write_seconds(tokens) + self.host_load_seconds(tokens)
 
-    def offload(self, req: Request) -> None:
+    def offload(self, req: SimRequest) -> None:
         """Decode-side KV offload: a finished or aborted request's context goes to L3
         (whole pages; the prompt's pages are there from its prefill)."""
         assert self.kv_store is not None
@@ -796,12 +796,12 @@ class SimCluster:
 
     # -- routing -----------------------------------------------------------------------------
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: SimRequest) -> None:
         """A request joins the ready queue (the trainer emitted request_queued)."""
         self.backlog_tokens += req.prompt
         self._route_prefill(req)
 
-    def _route_prefill(self, req: Request) -> None:
+    def _route_prefill(self, req: SimRequest) -> None:
         """smg ``cache_aware`` at its defaults; the rank as the deployment's router picks it.
 
         A worker's load is its request count. When the busiest worker has more than
@@ -831,7 +831,7 @@ class SimCluster:
         target.pq_tokens += req.prompt
         target.inst.poke()
 
-    def _prefix_home(self, req: Request) -> Rank | None:
+    def _prefix_home(self, req: SimRequest) -> SimRank | None:
         """The rank that cached the trajectory's prefix last, if it still serves prefill
         and holds enough of it for cache_aware's match threshold."""
         traj = req.traj
@@ -841,9 +841,9 @@ class SimCluster:
         hit = home.cache.get(traj, 0) or home.host.get(traj, 0)
         return home if hit and hit >= CACHE_THRESHOLD * req.prompt else None
 
-    def _pick_rank(self, req: Request) -> Rank:
+    def _pick_rank(self, req: SimRequest) -> SimRank:
         """cache_aware over attention-DP ranks as workers (smg ``--dp-aware``)."""
-        best: Rank | None = None
+        best: SimRank | None = None
         best_key: tuple[float, float] = (math.inf, math.inf)
         lo, hi = math.inf, -math.inf
         for inst in self._prefill_insts:
@@ -863,7 +863,7 @@ class SimCluster:
         target.processed += 1
         return target
 
-    def _pick_instance(self, req: Request) -> Rank:
+    def _pick_instance(self, req: SimRequest) -> SimRank:
         """cache_aware over instances as workers; SGLang's DP controller picks the rank."""
         best: Instance | None = None
         best_key: tuple[float, float] = (math.inf, math.inf)
@@ -884,12 +884,12 @@ class SimCluster:
         inst.processed += 1
         return inst.ranks[inst.next_rank()]
 
-    def on_prefill_done(self, req: Request, now: float) -> None:
+    def on_prefill_done(self, req: SimRequest, now: float) -> None:
         self.backlog_tokens -= req.prompt
         if self.on_prefill_complete is not None:
             self.on_prefill_complete(req, now)
 
-    def send_to_decode(self, req: Request, src: Rank, now: float) -> None:
+    def send_to_decode(self, req: SimRequest, src: SimRank, now: float) -> None:
         """KV of a finished prompt goes over RDMA to a decode instance (one NIC per rank)."""
         dst = self._pick_decode()
         start = max(now, src.tx_free)
@@ -906,7 +906,7 @@ class SimCluster:
         dst.transfers_in += 1
         self.loop.at(done, self._transfer_done, req, dst)
 
-    def _park_decode(self, req: Request) -> None:
+    def _park_decode(self, req: SimRequest) -> None:
         self.transferring.pop(req, None)
         if req.where == TRANSFER:
             dst = self._pick_decode()
@@ -915,7 +915,7 @@ class SimCluster:
             else:
                 self.arrive_decode(req, dst)
 
-    def _transfer_done(self, req: Request, dst: Instance) -> None:
+    def _transfer_done(self, req: SimRequest, dst: Instance) -> None:
         dst.transfers_in -= 1
         self.transferring.pop(req, None)
         if req.where != TRANSFER:
@@ -939,7 +939,9 @@ class SimCluster:
         self._prefill_insts = [i for i in self.instances if i.accepting and i.role != DECODE]
         self._decode_insts = [i for i in self.instances if i.accepting and i.role == DECODE]
 
-    def arrive_decode(self, req: Request, inst: Instance, *, rank: Rank | None = None) -> None:
+    def arrive_decode(
+        self, req: SimRequest, inst: Instance, *, rank: SimRank | None = None
+    ) -> None:
         if not inst.accepting or inst.role != DECODE:
             other = self._pick_decode()
             if other is None:
@@ -968,7 +970,7 @@ class SimCluster:
 
     # -- cancellation (dropped trajectories) and weight updates ----------------------------
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: SimRequest) -> None:
         """Remove a request wherever it is (its trajectory was dropped)."""
         where, inst, r = req.where, req.inst, req.rank
         if where == QUEUED:
@@ -992,7 +994,7 @@ class SimCluster:
         if inst is not None and not inst.busy:
             inst._maybe_finish_drain(self.loop.now)
 
-    def _unqueue(self, r: Rank, req: Request) -> None:
+    def _unqueue(self, r: SimRank, req: SimRequest) -> None:
         r.pq.remove(req)
         r.inst.nreq -= 1
         target = req.prompt + (req.generated if req.silent else 0)
@@ -1010,7 +1012,7 @@ class SimCluster:
         now = self.loop.now
         if self.kv_store is not None:
             self.kv_store.new_weights()
-        aborted: list[Request] = []
+        aborted: list[SimRequest] = []
         for inst in self.instances:
             inst.gen += 1
             inst.busy = False
@@ -1054,7 +1056,7 @@ class SimCluster:
             if not inst.busy:
                 inst._plan(now)
 
-    def _abort(self, req: Request, now: float) -> None:
+    def _abort(self, req: SimRequest, now: float) -> None:
         req.where = DONE
         req.silent = False
         self.aborted += 1
@@ -1082,9 +1084,9 @@ class SimCluster:
         self._record_roles()
         if inst.role == PREFILL:
             # Queued prompts that have not started go back to the router.
-            moved: list[Request] = []
+            moved: list[SimRequest] = []
             for r in inst.ranks:
-                keep: deque[Request] = deque()
+                keep: deque[SimRequest] = deque()
                 for req in r.pq:
                     if req.started:
                         keep.append(req)
@@ -1114,7 +1116,7 @@ class SimCluster:
         if inst.switch is not job or job.phase != "draining":
             return
         now = self.loop.now
-        victims: list[Request] = []
+        victims: list[SimRequest] = []
         for r in inst.ranks:
             for req in list(r.running):
                 inst._take_off(r, req)

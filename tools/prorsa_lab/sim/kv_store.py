@@ -7,7 +7,8 @@ the store the paper's switch relies on instead (Prorsa, arXiv 2610.16592, Append
 cancelled requests' KV persists in remote storage and their retries resume from it): a
 backend whose ``clear()`` keeps the shared store, loaded by name
 (``--hicache-storage-backend dynamic``), with decode-side KV offload
-(``--disaggregation-decode-enable-offload-kvcache``) on.
+(``--disaggregation-decode-enable-offload-kvcache``) on: what ``spec.kvStore`` ships
+(``prorsa_agent.kv_backend.SharedKVStore``, docs/kv-store.md).
 
 What it holds, per trajectory, is the longest chain of whole pages written for it:
 - a prefill (or colocated) engine writes the prompt it has cached (HiCache writes L3 from
@@ -16,8 +17,9 @@ What it holds, per trajectory, is the longest chain of whole pages written for i
   prompt's chain, when a request finishes and when it is aborted (drain timeout of a
   switch), so the retry resumes from it and recomputes at most the last partial page.
 
-Entries are keyed by weight version (the product will put it in the key): KV computed
-under old weights never hits after an update; old entries age out of the LRU.
+Entries are keyed by weight version (the product's requests carry it as ``extra_key``,
+``prorsa_sdk.weight_version_key``, which seeds SGLang's storage keys): KV computed under old
+weights never hits after an update; old entries age out of the LRU.
 """
 
 from __future__ import annotations

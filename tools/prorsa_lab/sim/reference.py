@@ -45,7 +45,7 @@ CADENCE_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class DecisionPoint:
     """One decision point: what each candidate split would leave, and what was kept."""
 
     at: float
@@ -131,7 +131,7 @@ class Reference:
         # it): the first decision then forks only the moves.
         self.hold: float | None = known_makespan
         self.forked = False  # a copy inside a fork: it holds its split and decides nothing
-        self.decisions: list[Decision] = []
+        self.decisions: list[DecisionPoint] = []
         self.forks = 0
         self.fork_seconds = 0.0
         self.snapshot_seconds = 0.0
@@ -188,7 +188,7 @@ class Reference:
             if makespan < best:  # strictly: ties hold (candidates go nearest first)
                 chosen, best = cand, makespan
         self.decisions.append(
-            Decision(at=now, why=why, split=split, chosen=chosen, makespans=makespans)
+            DecisionPoint(at=now, why=why, split=split, chosen=chosen, makespans=makespans)
         )
         if chosen != split:
             moved = move_to(sim, chosen)

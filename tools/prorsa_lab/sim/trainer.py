@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prorsa_contract import events as ev
-from prorsa_lab.sim.engine import Request, SimCluster
+from prorsa_lab.sim.engine import SimCluster, SimRequest
 from prorsa_lab.sim.loop import Loop
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS, TaskProfile, TrajectoryScript
 
@@ -84,7 +84,7 @@ class Trajectory:
     turn: int = 0
     context: int = 0
     produced: int = 0  # tokens of the current turn produced by aborted attempts
-    req: Request | None = None
+    req: SimRequest | None = None
     attempt: int = 0
     events: int = 0
     finished: bool = False
@@ -167,7 +167,7 @@ class Trainer:
         self._group_sizes = Counter(x.group for x in self.scripts or ())
         # Requests sent while the engines load new weights: the client is paused and sends
         # them when the update ends (AReaL's pause()/resume(); None when not paused).
-        self._held: list[Request] | None = None
+        self._held: list[SimRequest] | None = None
         # Called with the time when a weight update starts (the Prorsa policy ticks then,
         # as the operator wakes on the event).
         self.on_update_started: list[Callable[[float], object]] = []
@@ -326,7 +326,7 @@ class Trainer:
     def _queue(self, t: Trajectory, *, new_tokens: int | None = None) -> None:
         turn = t.script.turns[t.turn]
         t.attempt += 1
-        req = Request(
+        req = SimRequest(
             rid=f"{t.tid}.{t.turn}.{t.attempt}",
             traj=t.tid,
             turn=t.turn,
@@ -352,7 +352,7 @@ class Trainer:
         else:
             self.cluster.submit(req)
 
-    def on_prefill_started(self, req: Request, instance: str, now: float) -> None:
+    def on_prefill_started(self, req: SimRequest, instance: str, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
         t.state = "prefill"
         if self.prefill_events == "full":
@@ -360,7 +360,7 @@ class Trainer:
                 ev.PrefillStarted, t, type="prefill_started", request=req.rid, instance=instance
             )
 
-    def on_prefill_finished(self, req: Request, instance: str, now: float) -> None:
+    def on_prefill_finished(self, req: SimRequest, instance: str, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
         t.state = "decode"
         if self.prefill_events == "full":
@@ -372,15 +372,15 @@ class Trainer:
             transfer = self.cluster.profile.transfer_seconds(req.prompt)
             self.loop.after(transfer, self._first_token, t, req)
 
-    def _first_token(self, t: Trajectory, req: Request) -> None:
+    def _first_token(self, t: Trajectory, req: SimRequest) -> None:
         if t.finished or t.req is not req:
             return  # aborted in transfer: the resend is a new request
         self._emit(ev.PrefillFinished, t, type="prefill_finished", request=req.rid)
 
-    def _on_admission(self, req: Request, now: float) -> None:
+    def _on_admission(self, req: SimRequest, now: float) -> None:
         self.stats.admissions.append((now, req.prompt))
 
-    def on_aborted(self, req: Request, now: float) -> None:
+    def on_aborted(self, req: SimRequest, now: float) -> None:
         """Cancel-and-resend: the SDK resubmits prompt + partial output."""
         t: Trajectory = req.owner  # type: ignore[assignment]
         if t.finished or t.req is not req:
@@ -394,7 +394,7 @@ class Trainer:
         remaining = t.script.turns[t.turn].output - t.produced
         self._queue(t, new_tokens=max(1, remaining))
 
-    def on_decode_finished(self, req: Request, now: float) -> None:
+    def on_decode_finished(self, req: SimRequest, now: float) -> None:
         t: Trajectory = req.owner  # type: ignore[assignment]
         if t.finished or t.req is not req:
             return
@@ -584,7 +584,7 @@ class Trainer:
         self._check_ran_out()
 
     @property
-    def held(self) -> tuple[Request, ...]:
+    def held(self) -> tuple[SimRequest, ...]:
         """Requests the paused client holds until the weight update ends."""
         return tuple(self._held or ())
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from prorsa_lab.doubles.engine.kv_handoff import Bootstrap, KvRooms
+from prorsa_lab.doubles.engine.kv_store import PageStore
 
 SGLANG_VERSION = "0.5.23"
 Mode = Literal["prefill", "decode", "null"]
@@ -204,6 +205,23 @@ class EngineConfig:
     stream_interval: int = 1
     """SGLang's ``--stream-interval``: a stream sends the first token, then a chunk every
     this many tokens, and the last one."""
+    kv_store_dir: str | None = None
+    """The cluster's shared KV store (``spec.kvStore`` with the file backend): HiCache's
+    storage tier, shared by every double given the same directory
+    (:mod:`prorsa_lab.doubles.engine.kv_store`). With it, a request given as ``input_ids``
+    finds its whole pages there (``cached_tokens``; only the rest is prefilled), the pages it
+    computed are stored, and its output tokens follow from its whole context, as a greedy
+    model's do, so a request resumed from ``prompt + partial output`` continues token for
+    token."""
+    kv_page_size: int = 16
+    """SGLang's ``--page-size`` of the store's pages."""
+    kv_prefetch_threshold: int = 256
+    """SGLang's HiCache ``prefetch_threshold`` (default 256 tokens,
+    ``hybrid_cache_controller.py`` ``parse_storage_backend_extra_config``): a store hit
+    shorter than this is not fetched; those tokens are prefilled."""
+    kv_store_clears_on_flip: bool = False
+    """A role flip clears the store, as SGLang's own file backend does (``HiCacheFile.clear``);
+    the shipped backend keeps it (``prorsa_agent.kv_backend``)."""
     serve_bootstrap: bool = False
     """Serve the KV hand-off's bootstrap port (:mod:`prorsa_lab.doubles.engine.kv_handoff`) on
     ``host:bootstrap_port``, as SGLang's prefill side does; a PD router needs it."""
@@ -217,6 +235,7 @@ class EngineConfig:
             "kv_capacity_tokens",
             "max_running_requests",
             "stream_interval",
+            "kv_page_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -243,6 +262,8 @@ class Counters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens found in the KV store instead of prefilled."""
     prefill_busy_seconds: float = 0.0
     abort_calls: int = 0
     switch_calls: int = 0
@@ -273,6 +294,10 @@ class GenerateError(ValueError):
 def token_id(rid: str, index: int, vocab: int) -> int:
     """A deterministic output token: the same request and position give the same token."""
     return (zlib.crc32(rid.encode()) + 7919 * index) % vocab
+
+
+def _token_bytes(tokens: list[int]) -> bytes:
+    return b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
 
 
 def token_text(tok: int) -> str:
@@ -306,6 +331,15 @@ class Request:
     prefill_side: bool = False  # submitted in the prefill role: its end resolves the room
     kv_wait: asyncio.Task[None] | None = None
     updated: asyncio.Event = field(default_factory=asyncio.Event)
+    input_ids: list[int] | None = None
+    extra_key: str | None = None
+    cached_tokens: int = 0
+    context: int = 0
+    """CRC-32 of the context so far (prompt and output): the next token with a KV store."""
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def finished(self) -> bool:
@@ -325,7 +359,7 @@ class Request:
             "num_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
         }
         if self.finished_at is not None:
             meta["e2e_latency"] = self.finished_at - self.created
@@ -566,7 +600,13 @@ class Rank:
                 self.running.append(req)
 
     def _emit(self, req: Request, now: float) -> None:
-        req.output_ids.append(token_id(req.rid, len(req.output_ids), self.core.config.vocab_size))
+        vocab = self.core.config.vocab_size
+        if req.input_ids is not None and self.core.store is not None:
+            tok = req.context % vocab
+            req.context = zlib.crc32(_token_bytes([tok]), req.context)
+        else:
+            tok = token_id(req.rid, len(req.output_ids), vocab)
+        req.output_ids.append(tok)
         if req.first_token_at is None:
             req.first_token_at = now
             self.core.metrics.first_token(req, now - req.created)
@@ -582,11 +622,13 @@ class Rank:
         return time.monotonic() - start
 
     async def _prefill(self, batch: list[Request]) -> None:
-        tokens = sum(r.prompt_tokens for r in batch)
+        tokens = sum(r.uncached_tokens for r in batch)
         mode = self.core.mode
         timing = self.core.config.timing
         try:
-            elapsed = await self._work(timing.prefill_batch_seconds(r.prompt_tokens for r in batch))
+            elapsed = await self._work(
+                timing.prefill_batch_seconds(r.uncached_tokens for r in batch)
+            )
         finally:
             self.prefilling = []
         now = time.monotonic()
@@ -595,6 +637,7 @@ class Rank:
         self.core.note_prefill(tokens, elapsed)
         self._busy.append((now, elapsed, 0))
         for req in batch:
+            self.core.store_pages(req, req.input_ids)
             if req.finished:
                 continue
             if req.to_finish is not None:
@@ -717,6 +760,11 @@ class EngineCore:
         self._next_rank = 0
         self._hangs: list[asyncio.Future[None]] = []
         self._switch_lock = asyncio.Lock()
+        self.store = (
+            PageStore(config.kv_store_dir, page_size=config.kv_page_size)
+            if config.kv_store_dir is not None
+            else None
+        )
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -784,6 +832,8 @@ class EngineCore:
         health: bool = False,
         bootstrap: Bootstrap | None = None,
         dp_rank: int | None = None,
+        input_ids: list[int] | None = None,
+        extra_key: str | None = None,
     ) -> Request:
         if self.crashed:
             raise EngineCrashed("engine crashed")
@@ -812,7 +862,18 @@ class EngineCore:
             rank=rank.index,
             bootstrap=bootstrap,
             prefill_side=self.mode == "prefill",
+            input_ids=input_ids,
+            extra_key=extra_key,
         )
+        if self.store is not None and input_ids is not None and not health:
+            req.context = zlib.crc32(_token_bytes(input_ids))
+            if self.mode != "decode":  # a decode engine gets the prompt's KV from its peer
+                # SGLang matches all but the last token (whose logits it must compute), in
+                # whole pages: at most the last page is prefilled again.
+                keys = self.store.page_keys(input_ids[:-1], extra_key)
+                hit = self.store.hit_pages(keys) * self.store.page_size
+                req.cached_tokens = hit if hit >= self.config.kv_prefetch_threshold else 0
+                self._count(cached_tokens=req.cached_tokens)
         self.requests[rid] = req
         rank.waiting.append(req)
         if not health:
@@ -844,6 +905,14 @@ class EngineCore:
         if req.bootstrap is not None and req.prefill_side:
             aborted = reason.get("type") == "abort"
             self.rooms.resolve(req.bootstrap.room, "aborted" if aborted else "done")
+        if self.store is not None and req.input_ids is not None and self.mode != "prefill":
+            # What reached this engine's KV, aborted requests too, whole pages only: a
+            # unified engine inserts prompt and output into its radix tree, written through
+            # to the store (HiCache write_through); a decode engine offloads the pages after
+            # the prompt's whole ones, which the prefill side stored
+            # (--disaggregation-decode-enable-offload-kvcache, docs/sglang-role-switch.md §3).
+            skip = len(req.input_ids) // self.store.page_size if self.mode == "decode" else 0
+            self.store_pages(req, [*req.input_ids, *req.output_ids], from_page=skip)
         if not req.health:
             aborted = reason.get("type") == "abort"
             self._count(
@@ -854,6 +923,11 @@ class EngineCore:
             )
             self.metrics.request_finished(req)
         req.updated.set()
+
+    def store_pages(self, req: Request, tokens: list[int] | None, *, from_page: int = 0) -> None:
+        if self.store is None or tokens is None or req.health:
+            return
+        self.store.write(self.store.page_keys(tokens, req.extra_key)[from_page:])
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
         """``POST /abort_request``; returns how many requests it hit."""
@@ -991,6 +1065,8 @@ class EngineCore:
                 msg = "role switch failed; instance unhealthy, restart required: injected fault"
                 return self._reply(False, msg, old, requested, False)
             self.mode = "decode" if new == "decode" else "prefill"
+            if self.store is not None and self.config.kv_store_clears_on_flip:
+                self.store.clear()
             if will_capture:
                 await asyncio.sleep(self.config.timing.graph_capture_seconds)
                 self.graph_bs = list(decode_cuda_graph_bs or self.config.decode_cuda_graph_bs)

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from prorsa_agent.config import AgentConfig, Timeouts
+from prorsa_agent.kv_store import KvStoreConfig
 from prorsa_agent.server import Agent
 from prorsa_lab.doubles.engine.model import EngineConfig, Faults
 from prorsa_lab.doubles.engine.server import EngineDouble
@@ -52,6 +53,7 @@ class EnginePod:
         engine_api_key: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        kv_store: KvStoreConfig | None = None,
     ) -> None:
         if not token:
             raise ValueError("the agent token must not be empty")
@@ -71,6 +73,7 @@ class EnginePod:
         self._agent_host = agent_host
         self._agent_port = agent_port
         self._dir: Path | None = None
+        self._kv_store = kv_store
         self.agent: Agent | None = None
 
     @property
@@ -121,6 +124,7 @@ class EnginePod:
                 listen_port=self._agent_port,
                 decode_cuda_graph_memory_gb=self._graph_gb,
                 timeouts=self._timeouts,
+                kv_store=self._kv_store,
             )
         )
         await self.agent.start()

@@ -24,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from prorsa_contract.bearer import bearer_token
 from prorsa_lab.doubles.engine.kv_handoff import Bootstrap, KvFetcher, bootstrap_app
 from prorsa_lab.doubles.engine.model import (
     SGLANG_VERSION,
@@ -220,6 +221,14 @@ class _Prometheus(MetricsSink):
         self.requests = Counter(
             "sglang:num_requests", "Number of requests processed.", stream, registry=reg
         )
+        # 0.5.23 splits cached prompt tokens by where they were found; the double's only
+        # cache is the shared KV store (the storage tier).
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            [*names, "cache_source"],
+            registry=reg,
+        )
         self.aborted = Counter(
             "sglang:num_aborted_requests", "Number of requests aborted.", names, registry=reg
         )
@@ -254,6 +263,8 @@ class _Prometheus(MetricsSink):
         self.prompt_tokens.labels(**labels).inc(req.prompt_tokens)
         self.generation_tokens.labels(**labels).inc(len(req.output_ids))
         self.requests.labels(**labels).inc()
+        if req.cached_tokens:
+            self.cached_tokens.labels(**self._labels, cache_source="storage").inc(req.cached_tokens)
         if req.finished_at is not None:
             self.e2e.labels(**labels).observe(req.finished_at - req.created)
 
@@ -714,8 +725,15 @@ class EngineDouble:
             reqs: list[Request] = []
             bootstrap = None if batch else Bootstrap.from_body(body)
             dp_rank = routed_dp_rank(body, len(core.ranks))
+            ids: Any = body.get("input_ids")
+            ids_of: list[Any] = (
+                (ids if batch else [ids]) if ids is not None else [None] * len(specs)
+            )
+            extra_key = body.get("extra_key")
+            if extra_key is not None and not isinstance(extra_key, str):
+                raise GenerateError("extra_key must be a string")
             try:
-                for rid, prompt, max_new in specs:
+                for i, (rid, prompt, max_new) in enumerate(specs):
                     reqs.append(
                         core.submit(
                             rid=rid,
@@ -724,6 +742,8 @@ class EngineDouble:
                             stream=stream,
                             bootstrap=bootstrap,
                             dp_rank=dp_rank,
+                            input_ids=list(ids_of[i]) if ids_of[i] is not None else None,
+                            extra_key=extra_key,
                         )
                     )
             except GenerateError:
@@ -867,10 +887,8 @@ class EngineDouble:
 
 
 def _bearer_ok(header: str | None, expected: str) -> bool:
-    if not header:
-        return False
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token, expected)
+    token = bearer_token(header)
+    return token is not None and secrets.compare_digest(token, expected)
 
 
 def _errors(exc: ValidationError) -> list[dict[str, Any]]:

@@ -14,6 +14,8 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prorsa_contract.bearer import bearer_token
+
 UNKNOWN_USER = "unknown"
 
 
@@ -37,10 +39,8 @@ def verb_of(method: str, *, named: bool, watch: bool) -> str | None:
 
 
 def user_of(authorization: str | None, users: Mapping[str, str]) -> str:
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer":
-        return UNKNOWN_USER
-    return users.get(token.strip(), UNKNOWN_USER)
+    token = bearer_token(authorization)
+    return UNKNOWN_USER if token is None else users.get(token, UNKNOWN_USER)
 
 
 def api_call(
