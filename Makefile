@@ -89,8 +89,10 @@ test-trainers: trainer-envs
 	PRORSA_REQUIRE_TRAINERS=1 .venv-verl/bin/python -m pytest -q tests/test_verl_real.py
 	PRORSA_REQUIRE_TRAINERS=1 .venv-areal/bin/python -m pytest -q tests/test_areal_real.py
 
-# `make demo` with real SGLang engines on this CPU instead of engine doubles.
-demo-sglang: engine-env $(DEMO_STAMP)
+# `make demo` with real SGLang engines on this CPU instead of engine doubles. In a git
+# worktree, PRORSA_ENGINE_ROOT=<main checkout> uses that checkout's .venv-engine and tiny
+# model instead of building them again (prorsa_lab/sglang_cpu/environment.py).
+demo-sglang: $(if $(PRORSA_ENGINE_ROOT),,engine-env) $(DEMO_STAMP)
 	$(BIN)/prorsa demo --engine sglang $(DEMO_ARGS)
 
 clean:

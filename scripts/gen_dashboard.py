@@ -590,6 +590,29 @@ def rows() -> list[tuple[str, list[Any]]]:
             unit="s",
             span=8,
         ),
+        series(
+            "Where a switch's time goes",
+            "Median seconds per move by part: decision (Eq. 1's best split leaned away until "
+            "the first switch toward it: hold rules, pricing, cooldowns), router (draining "
+            "label until the router dropped the pod), engine (the agent's drain, flip and "
+            "verification).",
+            [
+                q(
+                    "histogram_quantile(0.5, sum by (cluster, le) "
+                    f"(rate(prorsa_switch_decision_seconds_bucket{{{SEL}}}[{RATE}])))",
+                    "{{cluster}} decision p50",
+                    "A",
+                ),
+                q(
+                    "histogram_quantile(0.5, sum by (cluster, part, le) "
+                    f"(rate(prorsa_switch_part_duration_seconds_bucket{{{SEL}}}[{RATE}])))",
+                    "{{cluster}} {{part}} p50",
+                    "B",
+                ),
+            ],
+            unit="s",
+            span=8,
+        ),
     ]
     webhook = [
         series(

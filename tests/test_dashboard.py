@@ -214,6 +214,7 @@ def test_dashboard_shows_what_operators_need(exported):
         "prorsa_demand_instances", "prorsa_safety_margin_ratio",  # ratios
         "prorsa_decode_kv_tokens", "prorsa_forecast_wape_ratio",  # KV, accuracy
         "prorsa_switches_total", "prorsa_switch_duration_seconds_bucket",  # switches
+        "prorsa_switch_part_duration_seconds_bucket",  # where a switch's time goes
         "prorsa_webhook_events_total", "prorsa_webhook_rejects_total",  # webhook
         "prorsa_live_trajectories",  # trajectories by state
         "prorsa_event_anomalies_total",  # a counter since the renames
@@ -539,6 +540,9 @@ def tick(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
     for ns, name in CLUSTERS:
         operator.switches.labels(ns, name, "decode", "prefill", "succeeded").inc()
         operator.switch_seconds.labels(ns, name, "decode", "prefill").observe(12.0)
+        operator.switch_decision.labels(ns, name).observe(4.0)
+        for part, seconds in (("router", 6.0), ("engine", 1.5)):
+            operator.switch_parts.labels(ns, name, part).observe(seconds)
         operator.record_priced(ns, name, [move], switching_mode="Auto")
         operator.record_outcomes(ns, name, _diagnostics(generated=1000 * n, anomalies=n))
         operator.tick_seconds.labels(ns, name).observe(0.004)

@@ -50,3 +50,31 @@ def test_without_the_engine_environment_it_says_what_to_run(
     options = DemoOptions(engine="sglang", instances=2, out=tmp_path / "out", live=False)
     with pytest.raises(DemoInterrupted, match=r"scripts/engine-env.sh. or .make engine-env"):
         asyncio.run(run_demo(options))
+
+
+def test_a_worktree_uses_another_checkouts_engine_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PRORSA_ENGINE_ROOT: that checkout's .venv-engine and tiny model, this one's stand-ins."""
+    from prorsa_lab.sglang_cpu.environment import (
+        ENGINE_VENV,
+        MODEL_DIR,
+        STANDINS,
+        CpuEngineEnv,
+        EngineEnvMissing,
+    )
+
+    main, worktree = tmp_path / "main", tmp_path / "worktree"
+    (main / ENGINE_VENV / "bin").mkdir(parents=True)
+    (main / ENGINE_VENV / "bin" / "python").touch()
+    (main / ENGINE_VENV / ".complete").touch()
+    (main / MODEL_DIR).mkdir(parents=True)
+    (main / MODEL_DIR / "config.json").write_text("{}")
+    (worktree / STANDINS).mkdir(parents=True)
+    (worktree / STANDINS / "sitecustomize.py").touch()
+    with pytest.raises(EngineEnvMissing, match=r"\.venv-engine \(complete\)"):
+        CpuEngineEnv.find(worktree)
+    monkeypatch.setenv("PRORSA_ENGINE_ROOT", str(main))
+    found = CpuEngineEnv.find(worktree)
+    assert found.python == main / ENGINE_VENV / "bin" / "python"
+    assert found.model == main / MODEL_DIR and found.standins == worktree / STANDINS

@@ -155,6 +155,10 @@ async def test_a_restarted_router_listing_nothing_is_not_a_drop(running: Running
     assert outcome.result == "succeeded"
     assert running.agent.flipped_while == ["dropped"]
     assert running.kube.labels == ["draining", "prefill"]
+    # Where the time went: over a second waiting for the router, then the agent's call.
+    assert outcome.router_seconds is not None and outcome.router_seconds >= 1.0
+    assert outcome.engine_seconds is not None
+    assert outcome.router_seconds + outcome.engine_seconds <= outcome.seconds
 
 
 async def test_a_router_that_never_settles_leaves_the_engine_as_it_was(
@@ -171,6 +175,7 @@ async def test_a_router_that_never_settles_leaves_the_engine_as_it_was(
     assert "not switched" in outcome.message
     assert running.agent.flipped_while == [] and running.agent.role == "decode"
     assert running.kube.labels == ["draining", "decode"]
+    assert outcome.router_seconds is not None and outcome.engine_seconds is None  # no flip
     assert json.dumps(outcome.record())  # what the status and events carry
 
 

@@ -138,6 +138,15 @@ async def comes_up_and_follows_demand_both_ways(env: Stack, manifest: dict) -> N
     assert _samples(text, "prorsa_switch_expected_gain_seconds_total", switching_mode="Recommend")
     durations = _samples(text, "prorsa_switch_duration_seconds_count")
     assert durations[("decode", "prefill")] >= 1 and durations[("prefill", "decode")] >= 1
+    # Where each switch's time went: the router's drop and the agent's call for each one.
+    parts = {
+        s.labels["part"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "prorsa_switch_part_duration_seconds_count" and s.labels["cluster"] == "demo"
+    }
+    made = sum(durations.values())
+    assert made >= parts["router"] >= parts["engine"] >= 2, (parts, durations)
     best = {
         s.labels["role"]: s.value
         for family in text_string_to_metric_families(text)

@@ -26,6 +26,8 @@ SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 TICK_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 SWITCH_DIRECTIONS = (("decode", "prefill"), ("prefill", "decode"))
 SWITCH_RESULTS = ("succeeded", "restored", "replaced", "lost")
+# Where a switch's time goes, in order (docs/metrics.md, "Where a move's time goes").
+SWITCH_PARTS = ("router", "engine")
 # switching.mode of the switches priced: made (Auto) or only recommended (Recommend).
 PRICED_MODES = ("Auto", "Recommend")
 
@@ -146,6 +148,15 @@ class OperatorMetrics:
             "switch made toward it (hold rules, pricing, cooldowns); the switch's own drain, "
             "router and flip follow, in prorsa_switch_duration_seconds.",
             [*_CLUSTER],
+            buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
+        self.switch_parts = Histogram(
+            "prorsa_switch_part_duration_seconds",
+            "Where a switch's time goes, by part: router (the draining label until the "
+            "router no longer lists the pod), engine (the agent's drain, abort, flip and "
+            "verification).",
+            [*_CLUSTER, "part"],
             buckets=SWITCH_BUCKETS,
             registry=r,
         )
@@ -352,7 +363,7 @@ class OperatorMetrics:
             self.forecast_tokens, self.forecast_total, self.decode_admission, self.decode_kv,
             self.theta, self.cache_hit, self.instances, self.target, self.demand, self.planned,
             self.cache_floor, self.best, self.margin, self.mode,
-            self.wape, self.switches, self.switch_seconds, self.expected_gain,
+            self.wape, self.switches, self.switch_seconds, self.switch_parts, self.expected_gain,
             self.expected_cost, self.tick_seconds, self.trajectories,
             self.anomalies, self.generated, self.prefill_waiting, self.prefill_wait,
             self.decode_waiting, self.recomputed,

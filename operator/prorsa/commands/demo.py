@@ -71,6 +71,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="length of each tools / reasoning phase (default: duration / 3, 5 to 80 s)",
     )
     parser.add_argument(
+        "--phases",
+        choices=("alternate", "steady"),
+        default="alternate",
+        help="alternate: tools and reasoning phases in turn, whose best splits differ "
+        "(default); steady: reasoning in every phase, a workload that favours one split "
+        "throughout, where switching should cost nothing",
+    )
+    parser.add_argument(
         "--trajectories",
         type=int,
         default=None,
@@ -85,6 +93,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "compare with: N:M; best (every split, one run each: the fastest is compared); none "
         "(no second run). Default: the even split, what one picks without knowing the "
         "workload's mix",
+    )
+    parser.add_argument(
+        "--no-noise",
+        dest="noise",
+        action="store_false",
+        help="skip the second run of the fastest static split on the same seed; without "
+        "it the verdict cannot tell a difference from this machine's noise",
     )
     parser.add_argument(
         "--nodes-per-instance",
@@ -129,10 +144,12 @@ def run(args: argparse.Namespace) -> int:
             live=args.live and sys.stdout.isatty(),
             seed=args.seed,
             phase_seconds=args.phase_seconds,
+            phase_pattern=args.phases,
             concurrency=args.trajectories,
             nodes_per_instance=args.nodes_per_instance,
             baseline=args.baseline,
             record=args.record,
+            noise=args.noise,
         )
     except ValueError as exc:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)

@@ -58,6 +58,12 @@ class SwitchOutcome:
     result: str  # "succeeded" | "restored" | "replaced" | "lost"
     message: str = ""
     aborted_requests: int = 0
+    # Where the seconds went (prorsa_switch_part_duration_seconds): from the ``draining``
+    # label until the router confirmed it dropped the pod, and the agent's role call
+    # (drain, abort, flip, verify; the agent's own histograms split it). None: the switch
+    # never reached that step.
+    router_seconds: float | None = None
+    engine_seconds: float | None = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -163,6 +169,8 @@ class SwitchExecutor:
         ns = self.namespace
         s = self.settings
 
+        marks: dict[str, float] = {}
+
         def outcome(result: str, message: str, res: RoleResult | None = None) -> SwitchOutcome:
             return SwitchOutcome(
                 pod=name,
@@ -173,6 +181,8 @@ class SwitchExecutor:
                 result=result,
                 message=message,
                 aborted_requests=res.aborted_requests if res else 0,
+                router_seconds=marks.get("router"),
+                engine_seconds=marks.get("engine"),
             )
 
         # Step 2: intent first, so a crash from here on is recoverable; then leave the router.
@@ -194,7 +204,9 @@ class SwitchExecutor:
             await groups.label_workers(self.kube, ns, name, DRAINING)
         ip = (pod.get("status") or {}).get("podIP")
         waits = self.router is not None and bool(s.router_url)
-        if waits and ip and not await self._wait_router_drop(pod, ip):
+        dropped = not (waits and ip) or await self._wait_router_drop(pod, ip)
+        marks["router"] = time.monotonic() - t0
+        if not dropped:
             # A flip now could leave the router sending the old role's requests to the new
             # role (decode requests answered with a prefill engine's single token). Undo
             # step 2 instead; the Controller asks again. A resumed switch may have flipped
@@ -227,7 +239,9 @@ class SwitchExecutor:
                 ns, name, {"metadata": {"annotations": {SWITCH_ANNOTATION: phase}}}
             )
             request = RoleRequest(role=to, drain_timeout_seconds=s.drain_timeout)
+            called = time.monotonic()
             result = await self.agents.set_role(address, request=request, token=self.token())
+            marks["engine"] = time.monotonic() - called
 
         # Steps 5–6.
         if result.ok:

@@ -561,6 +561,12 @@ class ClusterRuntime:
         self.metrics.switch_seconds.labels(ns, name, outcome.origin, outcome.to).observe(
             outcome.seconds
         )
+        for part, seconds in (
+            ("router", outcome.router_seconds),
+            ("engine", outcome.engine_seconds),
+        ):
+            if seconds is not None:
+                self.metrics.switch_parts.labels(ns, name, part).observe(seconds)
         ok = outcome.result == "succeeded"
         async with self.handle.exclusive() as controller:
             controller.record_switch(outcome.pod, at=self.handle.trainer_now())

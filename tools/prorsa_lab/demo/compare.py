@@ -116,6 +116,26 @@ def compare(
     )
 
 
+def spread(first: Sequence[float], second: Sequence[float], *, count: int) -> float | None:
+    """How far two runs of one static split on one seed ended apart: the difference of
+    their times to the ``count``-th reward (fewer when either finished fewer); None when
+    either finished none. The machine's other load, not the workload, makes it."""
+    n = min(count, len(first), len(second))
+    if n < 1:
+        return None
+    return round(abs(sorted(first)[n - 1] - sorted(second)[n - 1]), 2)
+
+
+def verdict(saved: float | None, noise: float | None) -> str | None:
+    """``saved`` or ``lost``, or ``within noise`` when the difference is no larger than the
+    spread between two runs of the static split (None: not compared)."""
+    if saved is None:
+        return None
+    if noise is not None and abs(saved) <= noise:
+        return "within noise"
+    return "saved" if saved >= 0 else "lost"
+
+
 def load_average(samples: Sequence[Sample]) -> dict[str, float | None]:
     """The 1-minute load average while a run went: its mean and its maximum."""
     loads = [s.load for s in samples if s.load is not None]

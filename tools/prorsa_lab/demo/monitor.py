@@ -102,6 +102,19 @@ class SeenSwitch:
     seen: float  # wall clock when the demo first saw it finished
 
 
+@dataclass(frozen=True, slots=True)
+class DrainMark:
+    """An agent's cumulative drain seconds (``prorsa_agent_drain_duration_seconds_sum``)
+    as read at ``t``: the difference across a switch is that switch's drain."""
+
+    t: float  # wall clock
+    pod: str
+    total: float
+
+
+AGENT_DRAIN_SUM = "prorsa_agent_drain_duration_seconds_sum"
+
+
 @dataclass
 class Monitor:
     webhook: str
@@ -134,6 +147,10 @@ class Monitor:
     # a client trusting it alone, built once the Secret is readable.
     _agents_http: httpx.AsyncClient | None = None
     _task: asyncio.Task[None] | None = None
+    # Each agent's drain seconds, read at its first poll, then while its pod is labelled
+    # ``draining`` and at the poll after (one /metrics a second per switching pod only).
+    drains: list[DrainMark] = field(default_factory=list)
+    _drain_watch: set[str] = field(default_factory=set)
 
     async def __aenter__(self) -> Monitor:
         self._http = httpx.AsyncClient(timeout=5.0)
@@ -253,22 +270,34 @@ class Monitor:
         views = sorted(self.directory.pods.values(), key=lambda p: p.name)
         client = await self._agent_client()
 
+        seen = {m.pod for m in self.drains}
+        draining = {v.name for v in views if v.role == "draining"}
+        watch, self._drain_watch = self._drain_watch | draining, draining
+
+        async def get(view: Any, path: str) -> httpx.Response:
+            if client is None:
+                assert self._http is not None
+                return await self._http.get(f"http://{view.ip}:{self.agent_port}{path}")
+            name = agent_server_name(pod=view.name, cluster=self.cluster, namespace=self.namespace)
+            return await client.get(
+                f"https://{view.ip}:{self.agent_port}{path}", extensions={"sni_hostname": name}
+            )
+
+        async def drained(view: Any) -> None:
+            reply = await get(view, "/metrics")
+            reply.raise_for_status()
+            total = metric_sum(parse_metrics(reply.text), AGENT_DRAIN_SUM)
+            self.drains.append(DrainMark(t=self.clock(), pod=view.name, total=total))
+
         async def one(view: Any) -> PodState:
             base = PodState(name=view.name, role=view.role, intent=view.intent, engine_role=None)
             if not view.ip:
                 return base
+            if view.name in watch or view.name not in seen:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    await drained(view)
             try:
-                if client is None:
-                    assert self._http is not None
-                    reply = await self._http.get(f"http://{view.ip}:{self.agent_port}/v1/state")
-                else:
-                    name = agent_server_name(
-                        pod=view.name, cluster=self.cluster, namespace=self.namespace
-                    )
-                    reply = await client.get(
-                        f"https://{view.ip}:{self.agent_port}/v1/state",
-                        extensions={"sni_hostname": name},
-                    )
+                reply = await get(view, "/v1/state")
                 body = reply.json()
             except (httpx.HTTPError, ValueError):
                 return base

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from prorsa_lab.demo.lag_parts import LagParts, SwitchSpan, lag_parts
 from prorsa_lab.demo.monitor import Sample
 from prorsa_lab.demo.pod_directory import LabelChange
 from prorsa_lab.demo.smg_client import PrefillJob
@@ -67,6 +68,9 @@ class PhaseChange:
     # Seconds until the split last changed in the phase (None: a switch was still under
     # way when the phase ended).
     settled_seconds: float | None = None
+    # The lag cut into detection, decision, router, drain and flip (None: no lag);
+    # prorsa_lab.demo.lag_parts.
+    lag_parts: LagParts | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,9 +139,11 @@ def phase_changes(
     *,
     t0: float,
     best: Sequence[tuple[float, tuple[int, int]]] = (),
+    switches: Sequence[SwitchSpan] = (),
 ) -> list[PhaseChange]:
     """One :class:`PhaseChange` per span after the first; spans are relative to ``t0``,
-    ``best`` holds (wall clock, Eq. 1's best split) readings."""
+    ``best`` holds (wall clock, Eq. 1's best split) readings, ``switches`` the switches
+    the lag is cut by."""
     out: list[PhaseChange] = []
     for start, end, phase in spans[1:]:
         before = _split_at(timeline, t0 + start)
@@ -153,6 +159,14 @@ def phase_changes(
             want = Split(prefill=target[0], decode=target[1])
             reached = [at for at, s in [(t0 + start, before), *inside] if s == want]
             lag = round(reached[0] - (t0 + start), 2) if reached else None
+        parts = lag_parts(
+            at=t0 + start,
+            lag=lag,
+            before=(before.prefill, before.decode),
+            target=target,
+            best=best,
+            spans=switches,
+        )
         out.append(
             PhaseChange(
                 at=start,
@@ -162,6 +176,7 @@ def phase_changes(
                 target=None if target is None else f"{target[0]}P:{target[1]}D",
                 lag_seconds=lag,
                 settled_seconds=settled,
+                lag_parts=parts,
             )
         )
     return out
@@ -243,4 +258,7 @@ def phases_line(changes: Sequence[PhaseChange]) -> str:
         False: "the split did not follow the phases",
         None: "too few phases to tell",
     }[verdict]
+    if verdict is None and changes and len({c.phase for c in changes}) == 1:
+        held = sorted({c.split_settled for c in changes})
+        said = f"steady phases, settled on {', '.join(held)}"
     return f"  phases        {'; '.join(parts) or 'no phase change'}: {said}"

@@ -47,6 +47,17 @@ class LabelChange:
     new: str | None  # None: the pod is gone
 
 
+@dataclass(frozen=True, slots=True)
+class IntentChange:
+    """The switch intent annotation's phase on a pod: ``draining`` (waiting for the router
+    to drop it), ``switching`` (the router dropped it: the agent drains and flips), or None
+    (no switch runs). What the demo splits each switch's time by (demo/lag_parts.py)."""
+
+    at: float  # wall clock
+    pod: str
+    phase: str | None
+
+
 class PodDirectory:
     """The engine pods of one RolloutCluster as the API server lists them."""
 
@@ -66,6 +77,8 @@ class PodDirectory:
         self.clock = clock
         self.pods: dict[str, PodView] = {}
         self.changes: list[LabelChange] = []
+        self.intents: list[IntentChange] = []
+        self._phases: dict[str, str | None] = {}
         self.refreshed = asyncio.Event()
         self._selector = f"{CLUSTER_LABEL}={cluster},{COMPONENT_LABEL}=engine"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -107,6 +120,10 @@ class PodDirectory:
             parsed = parse_intent(raw) if raw else None
             if parsed:
                 intent = parsed.get("to")
+            phase = str(parsed["phase"]) if parsed and parsed.get("phase") else None
+            if self._phases.get(meta["name"]) != phase:
+                self._phases[meta["name"]] = phase
+                self.intents.append(IntentChange(at=now, pod=meta["name"], phase=phase))
             fresh[meta["name"]] = PodView(
                 name=meta["name"],
                 uid=meta.get("uid", ""),

@@ -43,9 +43,18 @@ from prorsa_agent.config import Timeouts
 from prorsa_contract.aio import drop_stop_signals, on_stop_signals
 from prorsa_contract.labels import NODE_RANK_LABEL, ROLE_LABEL
 from prorsa_lab.demo import recorded, replay_check
-from prorsa_lab.demo.compare import compare, load_average, parse_split, split_text
+from prorsa_lab.demo.compare import (
+    compare,
+    load_average,
+    parse_split,
+    split_text,
+    spread,
+    verdict,
+)
 from prorsa_lab.demo.frame import wrap_lines
+from prorsa_lab.demo.lag_parts import parts_line, switch_spans
 from prorsa_lab.demo.monitor import Monitor
+from prorsa_lab.demo.phase_calls import PhaseCalls, calls_line, phase_calls
 from prorsa_lab.demo.phases import (
     PhaseBacklog,
     PhaseChange,
@@ -60,7 +69,12 @@ from prorsa_lab.demo.pod_directory import PodDirectory
 from prorsa_lab.demo.smg_client import SmgClient
 from prorsa_lab.demo.trainer import DemoTrainer, TrainerStats
 from prorsa_lab.demo.view import LiveView, PlainView
-from prorsa_lab.demo.workload import DEMO_TASKS, PhaseSchedule, default_phase_seconds
+from prorsa_lab.demo.workload import (
+    DEMO_TASKS,
+    PATTERNS,
+    PhaseSchedule,
+    default_phase_seconds,
+)
 from prorsa_lab.doubles.sglang_double import SGLANG_VERSION, EngineConfig, TimingModel
 from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, smg_version
 from prorsa_lab.doubles.stack import Stack, cluster_manifest, stack
@@ -187,6 +201,9 @@ class DemoOptions:
     live: bool = True
     seed: int = 0
     phase_seconds: float | None = None  # default: default_phase_seconds(duration)
+    # "alternate": tools, reasoning, tools...; "steady": reasoning in every phase, a
+    # workload whose phases all favour one split (docs/demo.md, "--phases steady").
+    phase_pattern: str = "alternate"
     concurrency: int | None = None  # live trajectories; TRAJECTORIES_PER_INSTANCE each
     nodes_per_instance: int = 1  # pods per instance: a leader and its worker ranks
     # The static split the switching run is compared with: "N:M"; "best" (every split is
@@ -199,6 +216,9 @@ class DemoOptions:
     # Where each run's trainer events (NDJSON, as `prorsa record` writes them) and the
     # RolloutCluster it ran go, to be replayed in the simulator (None: not recorded).
     record: Path | None = None
+    # Run the fastest static split a second time on the same seed: the two runs' spread is
+    # the comparison's noise, and a difference inside it is said "within noise".
+    noise: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -213,6 +233,10 @@ class DemoOptions:
                 raise ValueError("--engine sglang runs one-node instances only")
         if not (self.duration > 0 and math.isfinite(self.duration)):
             raise ValueError("duration must be a positive number of seconds")
+        if self.phase_pattern not in PATTERNS:
+            raise ValueError(
+                f"unknown phases {self.phase_pattern!r} (known: {', '.join(PATTERNS)})"
+            )
         if self.task not in DEMO_TASKS:
             raise ValueError(f"unknown task {self.task!r} (known: {', '.join(DEMO_TASKS)})")
         if not 2 <= self.instances <= 64:
@@ -251,7 +275,10 @@ class DemoOptions:
 
     @property
     def phases(self) -> PhaseSchedule:
-        return PhaseSchedule(seconds=self.phase_seconds or default_phase_seconds(self.duration))
+        seconds = self.phase_seconds or default_phase_seconds(self.duration)
+        if self.phase_pattern == "steady":
+            return PhaseSchedule(seconds=seconds, first="reasoning", steady=True)
+        return PhaseSchedule(seconds=seconds)
 
 
 def demo_manifest(
@@ -362,7 +389,11 @@ class DemoSummary:
     phase_lag_seconds: list[float | None] = field(default_factory=list)
     phase_changes: list[PhaseChange] = field(default_factory=list)
     prefill_backlog_at_phase_end: list[PhaseBacklog] = field(default_factory=list)
+    # Per phase, the mean model call time under each split the run saw (requests.jsonl);
+    # prorsa_lab.demo.phase_calls.
+    phase_calls: list[PhaseCalls] = field(default_factory=list)
     nodes_per_instance: int = 1
+    seed: int = 0
     pods: int = 0  # engine pods at the end: instances × nodes_per_instance when whole
     # The most KV the decode engines held at once, as their agents reported it.
     decode_kv_peak_tokens: int = 0
@@ -378,6 +409,10 @@ class DemoSummary:
     prorsa: dict[str, Any] | None = None
     switching_saved_seconds: float | None = None
     switching_saved_ratio: float | None = None
+    # The spread of two runs of the baseline's split on this seed (None: not measured, as
+    # with --no-noise), and the verdict: "saved", "lost" or "within noise".
+    noise_seconds: float | None = None
+    verdict: str | None = None
     # With --record: each run's recording replayed in the simulator beside what it
     # measured (prorsa_lab.demo.replay_check.summary).
     replay: dict[str, Any] | None = None
@@ -429,7 +464,9 @@ class DemoSummary:
             f"  events        {self.events_emitted:,} emitted, {self.events_delivered:,} "
             f"delivered, {self.events_dropped} dropped; {anomalies} anomalies",
             summary_line(self.phase_changes, self.prefill_backlog_at_phase_end),
+            parts_line([c.lag_parts for c in self.phase_changes]),
             phases_line(self.phase_changes),
+            calls_line(self.phase_calls, label="calls"),
             *self._baseline_lines(),
             *replay_check.lines(self.replay),
             f"  machine       {self._machine_text()}",
@@ -445,15 +482,35 @@ class DemoSummary:
             f"finished, {b['requests']} model calls; switching: {p['completed_in_run']} "
             f"and {p['requests']}, in {self.seconds:.0f} s of rollout each"
         ]
+        for split, run in (b.get("runs") or {}).items():
+            if run.get("phase_calls"):
+                lines.append(calls_line(run["phase_calls"], label=f"calls {split}"))
         saved, ratio = self.switching_saved_seconds, self.switching_saved_ratio
+        noise = self.noise_seconds
         if saved is None or ratio is None:
             lines.append("  switching     not compared: a run finished no trajectory")
+            return lines
+        said = self.verdict or ("saved" if saved >= 0 else "lost")
+        if said == "within noise":
+            faster = "faster" if saved >= 0 else "slower"
+            head = f"within noise: {abs(saved):.1f} s ({abs(ratio):.0%}) {faster} than"
         else:
-            verb = "saved" if saved >= 0 else "lost"
+            head = f"{said} {abs(saved):.1f} s ({abs(ratio):.0%}) against"
+        lines.append(
+            f"  switching     {head} static {b['split']}: the first {p['completed']} "
+            f"trajectories took {p['seconds']:.1f} s switching, {b['seconds']:.1f} s static"
+        )
+        if noise is None and b.get("again") is not None:
             lines.append(
-                f"  switching     {verb} {abs(saved):.1f} s ({abs(ratio):.0%}) against static "
-                f"{b['split']}: the first {p['completed']} trajectories took "
-                f"{p['seconds']:.1f} s switching, {b['seconds']:.1f} s static"
+                "  noise         not measured: a run of the pair finished no trajectory; "
+                "the verdict ignores it"
+            )
+        elif noise is None:
+            lines.append("  noise         not measured (--no-noise): the verdict ignores it")
+        else:
+            lines.append(
+                f"  noise         two runs of static {b['split']} on seed {self.seed} ended "
+                f"{noise:.1f} s apart: a difference up to that is within noise"
             )
         return lines
 
@@ -687,6 +744,21 @@ async def _with_baseline(
 
     split = min(static, key=lambda s: time_to_common(static[s]))
     fastest = static[split]
+    repeat: Rollout | None = None
+    if options.noise and not stop.is_set():
+        print(
+            f"prorsa demo: static {split_text(split)} once more on seed {options.seed}, to "
+            "measure how far two runs of one split land apart on this machine...",
+            file=stream,
+            flush=True,
+        )
+        repeat = await _rollout(
+            replace(options, out=options.out / f"baseline-{split[0]}P{split[1]}D-again"),
+            stream=stream,
+            stop=stop,
+            operator_started=operator_started,
+            static=split,
+        )
     result = compare(
         switching_times=switching.trainer.finish_times,
         static_times=fastest.trainer.finish_times,
@@ -694,10 +766,21 @@ async def _with_baseline(
         switching_requests=switching.trainer.completed,
         static_requests=fastest.trainer.completed,
     )
+    noise = (
+        None
+        if repeat is None or stop.is_set()
+        else spread(
+            fastest.trainer.finish_times,
+            repeat.trainer.finish_times,
+            count=result.switching.completed,
+        )
+    )
+    checked = [*static.values(), *([repeat] if repeat is not None else [])]
     runs = {
         split_text(s): {
             "completed_in_run": len(r.trainer.finish_times),
             "seconds_to_common": round(time_to_common(r), 2) if common else None,
+            "phase_calls": r.summary.phase_calls,
             "tokens_lost": r.summary.tokens_lost,
             "load_average": r.summary.machine.get("load_average"),
         }
@@ -716,16 +799,27 @@ async def _with_baseline(
         baseline=asdict(result.static)
         | {
             "how": options.baseline or "default",
-            "tokens_lost": sum(r.summary.tokens_lost for r in static.values()),
-            "requests_failed": sum(r.summary.requests_failed for r in static.values()),
-            "events_dropped": sum(r.summary.events_dropped for r in static.values()),
+            "tokens_lost": sum(r.summary.tokens_lost for r in checked),
+            "requests_failed": sum(r.summary.requests_failed for r in checked),
+            "events_dropped": sum(r.summary.events_dropped for r in checked),
             "load_average": base.machine.get("load_average"),
             "seconds_of_rollout": round(fastest.seconds, 1),
             "runs": runs,
+            # The same split again on the same seed (None: --no-noise): its time to the
+            # comparison's count, and what it finished.
+            "again": None
+            if repeat is None
+            else {
+                "completed_in_run": len(repeat.trainer.finish_times),
+                "tokens_lost": repeat.summary.tokens_lost,
+                "load_average": repeat.summary.machine.get("load_average"),
+            },
         },
         prorsa=asdict(result.switching) | {"seconds_of_rollout": round(switching.seconds, 1)},
         switching_saved_seconds=result.saved_seconds,
         switching_saved_ratio=result.saved_ratio,
+        noise_seconds=noise,
+        verdict=verdict(result.saved_seconds, noise),
     )
 
 
@@ -1015,8 +1109,16 @@ def _summarise(
     # The phases of the rollout as asked; a stop a few ms late makes no extra phase.
     spans = options.phases.spans(min(seconds, options.duration))
     best = [(x.t, x.best) for x in monitor.samples if x.best is not None]
+    switches = switch_spans(monitor.directory.changes, monitor.directory.intents, monitor.drains)
     changes = phase_changes(
-        split_timeline(monitor.directory.changes), spans, t0=trainer_t0, best=best
+        split_timeline(monitor.directory.changes),
+        spans,
+        t0=trainer_t0,
+        best=best,
+        switches=switches,
+    )
+    calls = phase_calls(
+        trainer.requests, split_timeline(monitor.directory.changes), spans, t0=trainer_t0
     )
     during = [x for x in monitor.samples if trainer_t0 <= x.t <= trainer_t0 + seconds]
     backlogs = prefill_backlogs(router.jobs, monitor.samples, spans, t0=trainer_t0)
@@ -1024,6 +1126,7 @@ def _summarise(
         task=options.task,
         instances=options.instances,
         nodes_per_instance=options.nodes_per_instance,
+        seed=options.seed,
         gpus=options.instances * options.gpus_per_instance,
         seconds=seconds,
         finish_seconds=finish_seconds,
@@ -1056,6 +1159,7 @@ def _summarise(
         phase_lag_seconds=[c.lag_seconds for c in changes],
         phase_changes=changes,
         prefill_backlog_at_phase_end=backlogs,
+        phase_calls=calls,
         decode_kv_peak_tokens=max((x.kv_used_decode for x in monitor.samples), default=0),
         degraded_seconds=round(monitor.degraded_seconds, 1),
         follows_phases=follows_phases(changes),

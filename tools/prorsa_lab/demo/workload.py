@@ -152,12 +152,19 @@ MATH_DEMO = DemoTask(
 DEMO_TASKS: dict[str, DemoTask] = {t.name: t for t in (CODING_DEMO, GENERAL_DEMO, MATH_DEMO)}
 
 
+PATTERNS = ("alternate", "steady")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseSchedule:
-    """``tools`` for ``seconds``, then ``reasoning`` for ``seconds``, and again."""
+    """``tools`` for ``seconds``, then ``reasoning`` for ``seconds``, and again; or, with
+    ``steady``, ``first`` in every phase: a workload whose phases all favour one split,
+    where switching has nothing to gain and every move it makes is a cost (``--phases
+    steady``, docs/demo.md)."""
 
     seconds: float
     first: PhaseName = "tools"
+    steady: bool = False
 
     def __post_init__(self) -> None:
         if not self.seconds > 0:
@@ -167,7 +174,7 @@ class PhaseSchedule:
         return self._name(int(max(elapsed, 0.0) // self.seconds))
 
     def _name(self, index: int) -> PhaseName:
-        if index % 2 == 0:
+        if index % 2 == 0 or self.steady:
             return self.first
         return "reasoning" if self.first == "tools" else "tools"
 

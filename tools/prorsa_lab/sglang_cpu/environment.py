@@ -20,6 +20,10 @@ STANDINS = Path("tests/real_engine/cpu")
 MODEL_DIR = Path(".cache/real-engine/tiny-llama")
 MODEL_SCRIPT = Path("tests/real_engine/tiny_model.py")
 SETUP = "scripts/engine-env.sh"
+# Another checkout's ``.venv-engine`` and tiny model (about 11 GB, built once): a git
+# worktree uses its main checkout's instead of building its own; the CPU stand-ins still
+# come from this checkout.
+ROOT_VARIABLE = "PRORSA_ENGINE_ROOT"
 
 CPU_ENV: Mapping[str, str] = {
     # SGLang's CPU engine is off without it (srt/platforms/__init__.py).
@@ -74,9 +78,10 @@ class CpuEngineEnv:
             if base is None:
                 continue
             base = base.resolve()
-            python = base / ENGINE_VENV / "bin" / "python"
-            stamp = base / ENGINE_VENV / ".complete"
-            model = base / MODEL_DIR
+            built = Path(os.environ.get(ROOT_VARIABLE) or base).resolve()
+            python = built / ENGINE_VENV / "bin" / "python"
+            stamp = built / ENGINE_VENV / ".complete"
+            model = built / MODEL_DIR
             standins = base / STANDINS
             missing = [
                 what
