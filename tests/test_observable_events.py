@@ -13,7 +13,8 @@ from conftest import make_spec
 
 from prorsa.core.controller import Controller
 from prorsa.core.forecast.model import ForecastConfig, Forecaster
-from prorsa.core.forecast.table import READY, TrajectoryTable
+from prorsa.core.forecast.slots import READY
+from prorsa.core.forecast.table import TrajectoryTable
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.sim.policies import baseline
 from prorsa_lab.sim.simulator import Scenario, simulate

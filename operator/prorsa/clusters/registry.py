@@ -29,7 +29,8 @@ from prorsa.clusters.clock import ClockOffset
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
-from prorsa.core.forecast.table import MAX_EMITTERS, ApplyResult
+from prorsa.core.forecast.emitters import MAX_EMITTERS
+from prorsa.core.forecast.table import ApplyResult
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import CLUSTER_EVENT_TYPES, Event, Snapshot
 

@@ -46,7 +46,7 @@ from prorsa.clusters.registry import (
     TrajectoryLimit,
     WebhookCluster,
 )
-from prorsa.core.forecast.table import TooManyEmitters
+from prorsa.core.forecast.emitters import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside

@@ -16,17 +16,10 @@ import numpy as np
 
 from prorsa.core.forecast.accuracy import AccuracyTracker
 from prorsa.core.forecast.admission import Admissions, predict_admissions
+from prorsa.core.forecast.slots import DECODE, PREFILL, READY, REWARD, STARTING, TOOL
 from prorsa.core.forecast.stats import ClassedDistributions, EmaTable, Prior, WindowMean
 from prorsa.core.forecast.survival import ClassedSurvival
-from prorsa.core.forecast.table import (
-    DECODE,
-    PREFILL,
-    READY,
-    REWARD,
-    STARTING,
-    TOOL,
-    TrajectoryTable,
-)
+from prorsa.core.forecast.table import TrajectoryTable
 
 Policy = Literal["replaceOnReward", "fixedRate", "groupReplenish", "none"]
 
