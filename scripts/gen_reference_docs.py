@@ -56,7 +56,10 @@ DESCRIPTIONS: dict[str, str] = {
     "engine.gpusPerInstance (must divide).",
     "roles.prefill.min": "Never fewer prefill instances than this.",
     "roles.prefill.initial": "Prefill instances the cluster starts with; unset: a quarter of "
-    "the instances, within the minimums.",
+    "the instances, within the minimums. From a recorded job (`prorsa record`), `prorsa "
+    "replay` prints the best static split of that job as this value. Unset or not, once the "
+    "first weight update closes the run's first step the Controller moves toward the split "
+    "that step favours (`switching.stepCycle`).",
     "roles.decode.min": "Never fewer decode instances than this.",
     "roles.decode.initial": "Not used: decode takes the instances prefill does not.",
     "forecast.horizonSeconds": "S: the forecast horizon and the control period.",

@@ -219,6 +219,11 @@ async def test_helm_upgrade_mid_switch_replaces_the_operator_and_loses_nothing(
             state = await env.kube.read_config_map(NAMESPACE, "demo-prorsa-state")
             learned = json.loads((state or {})["learned.json"])
             assert learned["distributions"]["reward"], learned
+            # ... and what switching measured (issue 36: switch durations and the step-cycle
+            # profile did not survive a restart): the new leader prices with them.
+            switching = learned["switching"]
+            assert switching["switchSeconds"] > 0 and 0 <= switching["abortShare"] <= 1
+            assert {"starts", "ticks"} <= set(switching["cycle"]), switching
             holder = str(after["holderIdentity"]).split("_")[0]
             new_leader = next(p for p in deployment.pods if p.name == holder)
             deadline = time.monotonic() + PATIENCE

@@ -89,6 +89,7 @@ def test_table_output_and_png(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert "advice: colocate" in out.out
     assert "inferred: staleness 2" in out.out
     assert "best static split: 1:7" in out.out
+    assert "roles.prefill.initial: 1" in out.out  # the recorded job's advice to start from
     assert "[1/4]" in out.err  # progress on stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -116,6 +116,24 @@ def test_before_a_whole_step_is_seen_at_most_one_instance_is_added_to_the_start(
     assert held.switches == () and held.target == Target(prefill=3, decode=5)
 
 
+def test_once_an_update_closes_the_first_step_the_split_it_favours_is_the_start() -> None:
+    """The run's first step, closed by the first weight update, favours more prefill than
+    one instance over the start split (general tasks at staleness 2 and 8 start at 2P and
+    are best served at 3-4P): the split goes there, not to the start + 1 it held before
+    (seed 1 deepseek-v3-dp8 general at staleness 8 reached 4P only after the second
+    update, 0.96x the best static split)."""
+    rush = Load(a=6.0, b=1.5, knees=3.0, decode_share=0.5)
+    cycle = CycleProfile()
+    for k in range(1, 40):
+        cycle.record(10.0 * k, rush, (3, 5), drain=60.0, update_started=None, max_gap=30)
+    before = plan(plan_inputs(current=(3, 5), now=390.0), cycle)
+    assert cycle.first_split == (3, 5) and before.target == Target(prefill=4, decode=4)
+    cycle.record(400.0, rush, (3, 5), drain=60.0, update_started=400.0, max_gap=30)
+    assert cycle.closed and not cycle.after_update and best_split(cycle, 400.0) > 4
+    after = plan(plan_inputs(current=(4, 4), now=400.0), cycle)
+    assert after.target.prefill > 4 and [s.to for s in after.switches] == ["prefill"]
+
+
 def test_a_step_that_outlasts_the_closed_ones_is_read_and_the_split_follows_it() -> None:
     """A step whose prefill side falls behind for good (its prefix caches thrash, every
     turn recomputes its context) runs many times longer than the step before it. Once it

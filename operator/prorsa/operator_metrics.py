@@ -140,6 +140,15 @@ class OperatorMetrics:
             buckets=SWITCH_BUCKETS,
             registry=r,
         )
+        self.switch_decision = Histogram(
+            "prorsa_switch_decision_seconds",
+            "Seconds from Eq. 1's best split leaning away from the split in use to the first "
+            "switch made toward it (hold rules, pricing, cooldowns); the switch's own drain, "
+            "router and flip follow, in prorsa_switch_duration_seconds.",
+            [*_CLUSTER],
+            buckets=SWITCH_BUCKETS,
+            registry=r,
+        )
         self.expected_gain = Counter(
             "prorsa_switch_expected_gain_seconds",
             "Rollout seconds the Controller expected each switch to save over the payoff "
@@ -288,6 +297,12 @@ class OperatorMetrics:
         self._advance(self.recomputed.labels(*key), key, "recomputed", diag.recomputed_tokens)
         for kind, count in diag.anomalies.items():
             self._advance(self.anomalies.labels(*key, kind), key, f"anomaly:{kind}", count)
+
+    def record_decision_wait(self, namespace: str, cluster: str, diag: Diagnostics) -> None:
+        """The decision part of how late the split followed demand, at a tick whose
+        switches started (``Diagnostics.decision_seconds``)."""
+        if diag.decision_seconds is not None:
+            self.switch_decision.labels(namespace, cluster).observe(diag.decision_seconds)
 
     def _advance(self, child: Counter, key: tuple[str, str], name: str, total: float) -> None:
         """Advance ``child`` to a cumulative ``total`` (a smaller one: a new count began)."""

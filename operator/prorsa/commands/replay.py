@@ -219,7 +219,8 @@ def text(report: ReplayReport) -> str:
     if n_p is not None:
         lines.append(
             f"best static split: {n_p}:{report.instances - n_p} "
-            f"({_s(by['best-static']['makespanSeconds'])})"
+            f"({_s(by['best-static']['makespanSeconds'])}); the start split for a job like "
+            f"this one: roles.prefill.initial: {n_p} (docs/crd-reference.md)"
         )
     if "prorsa" in by:
         p = by["prorsa"]

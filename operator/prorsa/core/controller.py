@@ -36,7 +36,15 @@ from prorsa.core.forecast.model import ForecastConfig, Forecaster
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa.core.switch_cost import CycleProfile, Load, Persistence, Regret, SwitchCosts
+from prorsa.core.switch_cost import (
+    CycleProfile,
+    Load,
+    Persistence,
+    Regret,
+    SwitchCosts,
+    export_switching,
+    restore_switching,
+)
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import (
     Demand,
@@ -118,6 +126,9 @@ class Controller:
         # The latest Decision: one reference to a frozen object, safe to read from any task.
         self.last_decision: Decision | None = None
         self.ticks = 0
+        # Since when Eq. 1's best split has leaned away from the split in use, and which
+        # way ("prefill": more prefill instances); whether a switch that way was made since.
+        self._lean: tuple[Role, float, bool] | None = None
 
     def apply_spec(self, spec: RolloutClusterSpec) -> None:
         """Follow an edited spec without forgetting what was learned.
@@ -264,12 +275,28 @@ class Controller:
         return self.theta.value
 
     def learned_state(self) -> dict[str, object]:
-        """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap)."""
-        return export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap):
+        the forecaster's, θ_P's busy intervals, and what switching measured (durations,
+        aborts, how long demand leans one way, the step-cycle profile)."""
+        data = export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        data["switching"] = export_switching(
+            costs=self.switch_costs, persistence=self.persistence, cycle=self.cycle
+        )
+        return data
 
     def restore_learned(self, data: dict[str, object]) -> None:
-        """Load :meth:`learned_state` output; raises ValueError on an unknown format."""
+        """Load :meth:`learned_state` output; raises ValueError on an unknown format or a
+        malformed field (named in the message)."""
         restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        switching = data.get("switching")
+        if switching is not None and not isinstance(switching, dict):
+            raise ValueError("learned state: switching must be an object")
+        restore_switching(
+            switching or {},
+            costs=self.switch_costs,
+            persistence=self.persistence,
+            cycle=self.cycle,
+        )
 
     def accuracy(self) -> dict[str, float | None]:
         acc = self.forecaster.accuracy
@@ -316,7 +343,8 @@ class Controller:
         if not self._engines:  # no engine has answered: the split assumed next tick
             self._assumed_prefill = plan.target.prefill
         # 10. The Decision: where the split goes, why, and what this tick saw.
-        decision = self._decision(now, inputs, sizing, plan)
+        waited = self._decision_wait(now, sizing, roles, plan)
+        decision = self._decision(now, inputs, sizing, plan, waited)
         self.last_decision = decision
         return decision
 
@@ -490,7 +518,38 @@ class Controller:
             kv = self._engines[sw.instance].kv_used_tokens
             self.switch_costs.started(sw.instance, at=at, src=sw.from_, kv_tokens=kv)
 
-    def _decision(self, now: float, inputs: DemandInputs, sizing: Sizing, plan: Plan) -> Decision:
+    def _decision_wait(
+        self, now: float, sizing: Sizing, roles: RoleCounts, plan: Plan
+    ) -> float | None:
+        """Seconds from Eq. 1's best split leaning away from the split in use to the first
+        switch made toward it (None: no such switch at this tick).
+
+        Part of how late the split follows a change of demand: what the hold rules, the
+        pricing and cooldowns add once the forecast has crossed (``Diagnostics.decision_seconds``,
+        ``prorsa_switch_decision_seconds``); the switch's own drain, router and flip follow
+        (``prorsa_switch_duration_seconds``).
+        """
+        best, cur = sizing.best.prefill, roles.prefill
+        lean: Role | None = "prefill" if best > cur else "decode" if best < cur else None
+        if lean is None:
+            self._lean = None
+        elif self._lean is None or self._lean[0] != lean:
+            self._lean = (lean, now, False)
+        toward = [sw for sw in plan.switches if self._lean and sw.to == self._lean[0]]
+        if not toward or self._lean is None or self._lean[2]:
+            return None
+        way, since, _ = self._lean
+        self._lean = (way, since, True)
+        return now - since
+
+    def _decision(
+        self,
+        now: float,
+        inputs: DemandInputs,
+        sizing: Sizing,
+        plan: Plan,
+        waited: float | None = None,
+    ) -> Decision:
         """Step 10: the Decision, its reason, and the Diagnostics of what this tick saw."""
         demand, best, target = sizing.demand, sizing.best, plan.target
         a, b, cache = sizing.a, sizing.b, sizing.cache
@@ -542,6 +601,7 @@ class Controller:
             prefill_oldest_wait=oldest,
             decode_waiting=measure.decode_waiting(inputs.engines),
             recomputed_tokens=self._recomputed,
+            decision_seconds=waited,
         )
         return Decision(
             at=now,

@@ -46,6 +46,9 @@ class Diagnostics:
     # Prefill tokens the engines computed beyond what each prompt needed past its cached
     # prefix (its previous turn's context): contexts computed again.
     recomputed_tokens: float = 0.0
+    # Seconds from Eq. 1's best split leaning away from the split in use to the first
+    # switch toward it, at the tick that made that switch (None at every other tick).
+    decision_seconds: float | None = None
 
     @property
     def cache_hit_ratio(self) -> float | None:

@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 # Before any switch was measured, about 13 s: smg 1.13.0 (measured against the real binary,
 # tests/test_smg_router.py) drops a worker relabelled ``draining`` ~6 s after the relabel
@@ -371,6 +372,35 @@ class CycleProfile:
             self.ticks.popleft()
 
     @property
+    def starts(self) -> tuple[float, ...]:
+        """The cycle starts kept: the run's first tick, then each weight update's start."""
+        return tuple(self._starts)
+
+    @property
+    def last(self) -> float | None:
+        """The time of the latest tick recorded."""
+        return self._last
+
+    @property
+    def last_update(self) -> float | None:
+        """The start of the latest weight update seen."""
+        return self._last_update
+
+    def load(
+        self,
+        *,
+        starts: Sequence[float],
+        ticks: Sequence[tuple[float, float, Load, tuple[int, int], float]],
+        last: float | None,
+        last_update: float | None,
+        first: tuple[int, int] | None,
+    ) -> None:
+        """Take over a profile saved by an earlier operator (:func:`restore_switching`)."""
+        self._starts = list(starts)[-(CYCLES + 1) :]
+        self.ticks = deque(sorted(ticks, key=lambda row: row[0]))
+        self._last, self._last_update, self._first = last, last_update, first
+
+    @property
     def first_split(self) -> tuple[int, int] | None:
         """The split in use at the first tick recorded (None: none yet)."""
         return self._first
@@ -382,6 +412,11 @@ class CycleProfile:
         prefill instances serve. A step under way that has outlasted the closed ones
         counts: its burst is behind it, and it is read (:meth:`window`)."""
         return len(self._starts) > CYCLES or self.overdue
+
+    @property
+    def closed(self) -> bool:
+        """Whether a weight update has closed the run's first cycle."""
+        return len(self._starts) > 1
 
     @property
     def overdue(self) -> bool:
@@ -460,3 +495,122 @@ def turn_time(n_prefill: int, n_decode: int, load: Load) -> float:
     busy = min(max(load.a, 0.0) / n_prefill, MAX_PREFILL_BUSY)
     share = min(max(load.decode_share, 0.0), 1.0)
     return base + base * (1.0 - share) * (1.0 / (1.0 - busy) - 1.0)
+
+
+# -- the saved form ----------------------------------------------------------------------------
+# What the switch plan learned, as JSON, so a restarted operator goes on from it. The
+# forecaster's statistics are saved by prorsa.core.forecast.persist; this saves what the
+# switch plan measured besides (issue 36: "the step-cycle profile and switch durations do
+# not survive a restart"): how long a switch takes and how much decode work it aborts
+# (SwitchCosts), how long demand keeps leaning one way (Persistence) and the training steps
+# seen so far (CycleProfile). A new leader that restores them prices its first moves with
+# measured durations and reads the step-scale target at once, instead of holding the split
+# for two minutes to learn it again. Times are the trainer's clock, which a restart does not
+# reset. What is read back is checked: a field that is missing, not a number or not finite
+# raises ValueError naming it (the operator then starts from its priors and says so).
+
+# The ticks of the cycle profile kept in the saved form, newest last: at a 10 s horizon,
+# three training steps of ten minutes are 180 ticks.
+MAX_SAVED_TICKS = 2000
+
+
+def _number(data: dict[str, Any], key: str, where: str, *, optional: bool = False) -> Any:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"learned state: {where}.{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"learned state: {key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def export_switching(
+    *, costs: SwitchCosts, persistence: Persistence, cycle: CycleProfile
+) -> dict[str, Any]:
+    """The ``switching`` section of the learned state."""
+    ticks = list(cycle.ticks)[-MAX_SAVED_TICKS:]
+    first = cycle.first_split
+    return {
+        "switchSeconds": costs.seconds,
+        "abortShare": costs.abort_share,
+        "measuredSwitches": costs.measured,
+        "persistenceSeconds": persistence.seconds,
+        "cycle": {
+            "starts": list(cycle.starts),
+            "last": cycle.last,
+            "lastUpdate": cycle.last_update,
+            "first": list(first) if first is not None else None,
+            # [at, dt, a, b, knees, decodeShare, pinned, nPrefill, nDecode, drain]
+            "ticks": [
+                [t, dt, ld.a, ld.b, ld.knees, ld.decode_share, ld.pinned, cur[0], cur[1], drain]
+                for t, dt, ld, cur, drain in ticks
+            ],
+        },
+    }
+
+
+def restore_switching(
+    data: dict[str, Any], *, costs: SwitchCosts, persistence: Persistence, cycle: CycleProfile
+) -> None:
+    """Load :func:`export_switching` output; a state saved before it existed loads nothing.
+
+    Everything is checked before anything is changed, so a bad section leaves the priors.
+    """
+    if not data:
+        return
+    where = "switching"
+    seconds = _number(data, "switchSeconds", where)
+    abort = _number(data, "abortShare", where)
+    measured = _number(data, "measuredSwitches", where)
+    lasting = _number(data, "persistenceSeconds", where)
+    if seconds <= 0 or not 0 <= abort <= 1 or measured < 0 or lasting <= 0:
+        raise ValueError(
+            f"learned state: {where} out of range (switchSeconds {seconds} > 0, abortShare "
+            f"{abort} in [0, 1], measuredSwitches {measured} >= 0, persistenceSeconds "
+            f"{lasting} > 0)"
+        )
+    saved = _section(data, "cycle")
+    profile = _cycle(saved) if saved is not None else None
+    costs.seconds, costs.abort_share, costs.measured = seconds, abort, int(measured)
+    persistence.seconds = lasting
+    if profile is not None:
+        cycle.load(**profile)
+
+
+def _cycle(data: dict[str, Any]) -> dict[str, Any]:
+    where = "switching.cycle"
+    starts, ticks, first = data.get("starts"), data.get("ticks"), data.get("first")
+    if not isinstance(starts, list) or not isinstance(ticks, list):
+        raise ValueError(f"learned state: {where}.starts and .ticks must be lists")
+    start_times = [_number({"start": s}, "start", where) for s in starts]
+    split: tuple[int, int] | None = None
+    if first is not None:
+        if not (isinstance(first, list) and len(first) == 2):
+            raise ValueError(f"learned state: {where}.first must be [prefill, decode]")
+        split = (
+            int(_number({"p": first[0]}, "p", where)),
+            int(_number({"d": first[1]}, "d", where)),
+        )
+    rows: list[tuple[float, float, Load, tuple[int, int], float]] = []
+    for i, row in enumerate(ticks):
+        if not (isinstance(row, list) and len(row) == 10):
+            raise ValueError(f"learned state: {where}.ticks[{i}] must hold 10 numbers")
+        values = [_number({"v": v}, "v", f"{where}.ticks[{i}]") for v in row]
+        at, dt, a, b, knees, share, pinned, n_p, n_d, drain = values
+        load = Load(a=a, b=b, knees=knees, decode_share=share, pinned=pinned)
+        rows.append((at, dt, load, (int(n_p), int(n_d)), drain))
+    return {
+        "starts": start_times,
+        "ticks": rows,
+        "last": _number(data, "last", where, optional=True),
+        "last_update": _number(data, "lastUpdate", where, optional=True),
+        "first": split,
+    }

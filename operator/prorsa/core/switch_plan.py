@@ -141,9 +141,12 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
     first = cycle.first_split
     if not cycle.after_update and first is not None:
         # Not yet seen: the re-prefill burst after a weight update. Prefill is not given
-        # up on a window that lacks it (a step's calm alone favours decode), and on so
-        # little of the run at most one instance is added to the start split.
-        top = max(cur_p, first[0] + 1)
+        # up on a window that lacks it (a step's calm alone favours decode). Before the
+        # first weight update, on so little of the run, at most one instance is added to
+        # the start split; once an update has closed the run's first step (which began,
+        # like a step after an update, with every prompt prefilled from empty caches), the
+        # split that step favours is the start split the workload asks for.
+        top = total if cycle.closed else max(cur_p, first[0] + 1)
         p = min(max(best[0], cur_p), top)
         best = (p, total - p)
     target = Target(prefill=best[0], decode=best[1])

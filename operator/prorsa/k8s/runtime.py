@@ -325,6 +325,8 @@ class ClusterRuntime:
             moves = [priced[s.instance] for s in started if s.instance in priced]
             if moves:
                 self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
+            if started and diag is not None:
+                self.metrics.record_decision_wait(self.namespace, self.name, diag)
         if mode == "Recommend" and (self.bootstrapped or not self._bootstrap_started):
             # A dry run: say what Auto would do, once per change of recommendation, and
             # count what the Controller expected of those switches, as Auto counts the
