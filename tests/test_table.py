@@ -6,7 +6,8 @@ import tracemalloc
 
 import numpy as np
 
-from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.table import TrajectoryTable
 from prorsa_contract import events as ev
 
