@@ -1,4 +1,4 @@
-"""Appendix B: the six sources of prefill demand and the decode-admission forecast.
+"""Appendix B's forecast: Eq. 15 over the sources of prefill demand, and Eq. 13–14.
 
 :class:`Forecaster` learns from lifecycle facts the table reports (it is the table's
 observer, :class:`~prorsa.core.forecast.learning.LifecycleStats`) and, at a tick, reads the
