@@ -1,13 +1,14 @@
 """One cluster's Controller, called by one caller at a time: the calls waiting are the queue.
 
-The Controller is not thread-safe, so every call into it goes through one
-:class:`asyncio.Lock`. Small batches apply inline, which costs a few milliseconds at most;
-large batches and control ticks, whose cost grows with the batch or with the number of
-live trajectories, run in a worker thread so the event loop keeps serving other requests
-and other clusters meanwhile. The queue's length in events is bounded
-(``max_pending_events``) and a batch that would exceed it is refused with
-:class:`~prorsa.clusters.limits.QueueFull` and a Retry-After computed from the measured
-apply rate.
+The Controller is not thread-safe, so every call into it goes through one lock, the
+operator's control calls (tick, engine states, persistence) ahead of the event batches
+waiting for it (:class:`~prorsa.clusters.control_lock.ControlFirstLock`). Small batches
+apply inline, which costs a few milliseconds at most; large batches and control ticks,
+whose cost grows with the batch or with the number of live trajectories, run in a worker
+thread so the event loop keeps serving other requests and other clusters meanwhile. The
+queue's length in events is bounded (``max_pending_events``) and a batch that would exceed
+it is refused with :class:`~prorsa.clusters.limits.QueueFull` and a Retry-After computed
+from the measured apply rate.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+from prorsa.clusters.control_lock import ControlFirstLock
 from prorsa.clusters.limits import QueueFull
 from prorsa.core.controller import Controller
 
@@ -31,7 +33,7 @@ class CallQueue:
     def __init__(self, controller: Controller, *, max_pending_events: int) -> None:
         self._controller = controller
         self._max_pending = max_pending_events
-        self._lock = asyncio.Lock()
+        self._lock = ControlFirstLock()  # ticks before queued batches (control_lock.py)
         self._seconds_per_event = 5e-6  # EWMA of apply cost, for Retry-After
         self.pending_events = 0
 
@@ -53,15 +55,19 @@ class CallQueue:
         offload: bool,
         pending: int,
         on_error: Callable[[], None] | None = None,
+        control: bool = False,
     ) -> T:
-        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort.
+        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort
+        (``control``: ahead of the event batches waiting for it).
 
         Shielding matters: if a client hangs up while its batch waits or runs, the batch
         still applies exactly once (its ids are already in the dedupe window), and a thread
         is never left running on the Controller after the lock was released.
         """
         self.pending_events += pending
-        task = asyncio.ensure_future(self._locked(fn, offload=offload, pending=pending))
+        task = asyncio.ensure_future(
+            self._locked(fn, offload=offload, pending=pending, control=control)
+        )
 
         def done(t: asyncio.Future[T]) -> None:
             self.pending_events -= pending
@@ -71,8 +77,10 @@ class CallQueue:
         task.add_done_callback(done)
         return await asyncio.shield(task)
 
-    async def _locked(self, fn: Callable[[], T], *, offload: bool, pending: int) -> T:
-        async with self._lock:
+    async def _locked(
+        self, fn: Callable[[], T], *, offload: bool, pending: int, control: bool
+    ) -> T:
+        async with self._lock.hold(control=control):
             start = time.perf_counter()
             result = await asyncio.to_thread(fn) if offload else fn()
             if pending:
@@ -82,7 +90,7 @@ class CallQueue:
 
     async def idle(self) -> None:
         """Wait until every queued call has run (orderly shutdown)."""
-        async with self._lock:
+        async with self._lock.hold(control=False):
             return
 
     @asynccontextmanager
@@ -92,5 +100,5 @@ class CallQueue:
         Batches arriving meanwhile queue up (and get 429 past ``max_pending_events``);
         keep the block short and do blocking work in a thread.
         """
-        async with self._lock:
+        async with self._lock.hold(control=True):
             yield self._controller

@@ -270,7 +270,9 @@ class WebhookCluster:
         self.snapshots += 1
 
     async def observe_engines(self, states: Sequence[EngineState]) -> None:
-        await self._exclusive(self.controller.observe_engines, states, offload=False, pending=0)
+        await self._queue.call(
+            lambda: self.controller.observe_engines(states), offload=False, pending=0, control=True
+        )
 
     async def tick(self, now: float | None = None) -> Decision:
         """One control tick at ``now`` (trainer clock; default: the corrected present)."""
@@ -283,7 +285,9 @@ class WebhookCluster:
             at = self.trainer_now() if now is None else now
             return self.controller.tick(at, evict_now=self._eviction_now(at))
 
-        return await self._queue.call(run, offload=self.limits.offload_ticks, pending=0)
+        return await self._queue.call(
+            run, offload=self.limits.offload_ticks, pending=0, control=True
+        )
 
     def _eviction_now(self, now: float) -> float:
         """The present for eviction: ``now``, but advancing at most twice as fast as the
