@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import Any
 
 from prorsa.clusters.auth import normalize_token, token_matches
 from prorsa.clusters.call_queue import CallQueue
@@ -29,8 +29,6 @@ from prorsa.core.dedupe import DedupeWindow
 from prorsa.core.forecast.table import ApplyResult
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import Event, Snapshot
-
-T = TypeVar("T")
 
 EVICTION_CLOCK_RATE = 2.0
 """The eviction clock runs at most this many times as fast as real time (see tick)."""
@@ -175,9 +173,8 @@ class WebhookCluster:
                     on_applied(fits)
                 return result, refused
 
-            result, left = await self._exclusive(
-                observe,
-                fresh,
+            result, left = await self._queue.call(
+                lambda: observe(fresh),
                 offload=len(fresh) > self.limits.offload_events,
                 pending=len(fresh),
                 on_error=lambda: window.forget(e.id for e in fresh),
@@ -256,9 +253,8 @@ class WebhookCluster:
                 controller.observe_snapshot(loaded)
             return None
 
-        refused = await self._exclusive(
-            observe,
-            snapshot,
+        refused = await self._queue.call(
+            lambda: observe(snapshot),
             offload=n > self.limits.offload_events,
             pending=n,
             on_error=undo,
@@ -310,19 +306,6 @@ class WebhookCluster:
         return at
 
     # -- the queue -----------------------------------------------------------------------
-
-    async def _exclusive(
-        self,
-        fn: Callable[[Any], T],
-        arg: Any,
-        *,
-        offload: bool,
-        pending: int,
-        on_error: Callable[[], None] | None = None,
-    ) -> T:
-        return await self._queue.call(
-            lambda: fn(arg), offload=offload, pending=pending, on_error=on_error
-        )
 
     async def idle(self) -> None:
         """Wait until every queued call has run (orderly shutdown)."""
