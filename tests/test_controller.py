@@ -15,8 +15,10 @@ from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision, Forecast, Target
 from prorsa.core.demand import forecast_demand
 from prorsa.core.diagnostics import Diagnostics
-from prorsa.core.forecast.model import DecodeBacklog, ForecastConfig, Forecaster
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.forecast.view import DecodeBacklog
 from prorsa.core.measure import decode_backlog
 from prorsa.core.switch_cost import Persistence, Regret
 from prorsa.core.switch_plan import lost_tokens, plan_switches

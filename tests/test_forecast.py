@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 
 from prorsa.core.forecast.admission import predict_admissions
-from prorsa.core.forecast.model import (
-    DecodeBacklog,
-    ForecastConfig,
-    Forecaster,
-    PrefillSite,
-    prefill_work,
-)
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster, PrefillSite
 from prorsa.core.forecast.stats import ClassedDistributions, EmaTable, EmpiricalDistribution, Prior
 from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.forecast.view import DecodeBacklog, prefill_work
 
 SITE = PrefillSite(names=("p0",), seconds_per_token=1e-3)  # θ_P = 1000 tokens/s
 

@@ -3,11 +3,14 @@
 A module's file name is what a reader sees in tracebacks, logs and ``git log --stat``, with
 its folder: ``doubles/kube/watch.py`` says which watch it is, so a name need be unique only
 within its subpackage, and a name does not repeat what its package already says
-(``kube/watch.py``, not ``kube/kube_watch.py``).
+(``kube/watch.py``, not ``kube/kube_watch.py``). No class of the operator package is longer
+than a reader can hold: one that grows past :data:`MAX_CLASS_LINES` is cut along what it
+does.
 """
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -142,3 +145,38 @@ def test_the_contract_package_says_what_it_holds() -> None:
         if path.name != "__init__.py" and f"prorsa_contract.{path.stem}`" not in doc
     ]
     assert not missing, f"sdk/prorsa_contract/__init__.py: list these modules: {missing}"
+
+
+# A class of the operator package that passes this many lines is cut along what it does, as
+# the Controller was cut along its tick and the trajectory table along its parts.
+MAX_CLASS_LINES = 400
+# Longer still, each with the change that cuts it. The list only shrinks: an entry that is
+# no longer over the bound (or no longer there) fails the test too.
+LONG_CLASSES = {
+    "k8s/runtime.py::ClusterRuntime": "the operator shell cut by role (issue 35 part 2)",
+    "core/controller.py::Controller": "sizing as a stage module of its own (issue 35 part 4)",
+}
+
+
+def class_lengths(package: Path) -> dict[str, int]:
+    """Lines of every class (nested ones too) under ``package``, by ``module::Class``."""
+    lengths: dict[str, int] = {}
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lengths[f"{module}::{node.name}"] = node.end_lineno - node.lineno + 1
+    return lengths
+
+
+def test_no_class_of_the_operator_package_is_over_400_lines() -> None:
+    lengths = class_lengths(ROOT / "operator" / "prorsa")
+    assert "core/forecast/table.py::TrajectoryTable" in lengths  # the walk found the package
+    over = {name: n for name, n in lengths.items() if n > MAX_CLASS_LINES}
+    new = {name: n for name, n in over.items() if name not in LONG_CLASSES}
+    assert not new, (
+        f"classes over {MAX_CLASS_LINES} lines (operator/prorsa/): {new}; cut each along "
+        "what it does"
+    )
+    done = sorted(set(LONG_CLASSES) - set(over))
+    assert not done, f"no longer over {MAX_CLASS_LINES} lines: drop {done} from LONG_CLASSES"

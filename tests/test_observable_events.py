@@ -12,8 +12,10 @@ import pytest
 from conftest import make_spec
 
 from prorsa.core.controller import Controller
-from prorsa.core.forecast.model import ForecastConfig, Forecaster
-from prorsa.core.forecast.table import READY, TrajectoryTable
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster
+from prorsa.core.forecast.slots import READY
+from prorsa.core.forecast.table import TrajectoryTable
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.sim.policies import baseline
 from prorsa_lab.sim.simulator import Scenario, simulate

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from prorsa.core.forecast.model import ForecastConfig, Forecaster, PrefillSite
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster, PrefillSite
 from prorsa.core.forecast.stats import EmpiricalDistribution, Prior
 from prorsa.core.forecast.survival import ClassedSurvival, SurvivalWindow
 from prorsa.core.forecast.table import TrajectoryTable

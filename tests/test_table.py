@@ -6,7 +6,8 @@ import tracemalloc
 
 import numpy as np
 
-from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.table import TrajectoryTable
 from prorsa_contract import events as ev
 
@@ -414,7 +415,7 @@ def test_a_named_snapshot_leaves_a_weight_update_it_does_not_mention(log) -> Non
 
 
 def test_emitter_ids_are_bounded() -> None:
-    from prorsa.core.forecast.table import MAX_EMITTERS, TooManyEmitters
+    from prorsa.core.forecast.emitters import MAX_EMITTERS, TooManyEmitters
 
     t = table()
     for i in range(MAX_EMITTERS):

@@ -8,14 +8,8 @@ resync state, and the estimate of the trainer's clock.
 """
 
 from prorsa.clusters.clock import ClockOffset
-from prorsa.clusters.registry import (
-    BatchOutcome,
-    ClusterRegistry,
-    IngestLimits,
-    QueueFull,
-    TrajectoryLimit,
-    WebhookCluster,
-)
+from prorsa.clusters.limits import BatchOutcome, IngestLimits, QueueFull, TrajectoryLimit
+from prorsa.clusters.registry import ClusterRegistry, WebhookCluster
 
 __all__ = [
     "BatchOutcome",

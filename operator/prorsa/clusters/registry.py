@@ -4,156 +4,34 @@ The registry is what lets one aiohttp listener serve many RolloutClusters: the o
 adds a :class:`WebhookCluster` when it starts managing a cluster and removes it when the
 cluster goes away, at runtime, from the same asyncio loop the server runs on.
 
-A handle serialises every call into its Controller (which is not thread-safe) behind one
-:class:`asyncio.Lock`. Small batches apply inline, which costs a few milliseconds at most;
-large batches and control ticks, whose cost grows with the batch or with the number of
-live trajectories, run in a worker thread so the event loop keeps serving other requests
-and other clusters meanwhile. The requests waiting for the lock are the queue; its length
-in events is bounded (``max_pending_events``) and a batch that would exceed it is refused
-with 429 and a Retry-After computed from the measured apply rate.
+A handle takes a trainer's batches and snapshots to its Controller: it dedupes them,
+leaves out what a snapshot superseded (:mod:`prorsa.clusters.resync`) and what would pass
+the live-trajectory limit (:mod:`prorsa.clusters.limits`), and makes every call into the
+Controller through its queue (:mod:`prorsa.clusters.call_queue`), one at a time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 from prorsa.clusters.auth import normalize_token, token_matches
+from prorsa.clusters.call_queue import CallQueue
 from prorsa.clusters.clock import ClockOffset
-from prorsa.clusters.control_lock import ControlFirstLock
+from prorsa.clusters.limits import BatchOutcome, IngestLimits, TrajectoryLimit
+from prorsa.clusters.resync import ResyncState
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
-from prorsa.core.forecast.table import MAX_EMITTERS, ApplyResult
+from prorsa.core.forecast.table import ApplyResult
 from prorsa_contract.agent_api import EngineState
-from prorsa_contract.events import CLUSTER_EVENT_TYPES, Event, Snapshot
-
-T = TypeVar("T")
+from prorsa_contract.events import Event, Snapshot
 
 EVICTION_CLOCK_RATE = 2.0
 """The eviction clock runs at most this many times as fast as real time (see tick)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IngestLimits:
-    """Every bound that keeps the server's memory and latency finite under any input."""
-
-    max_batch_bytes: int = 4 << 20
-    """Largest ``POST .../events`` body (after any Content-Encoding); larger gets 413."""
-    max_snapshot_bytes: int = 32 << 20
-    """Largest ``POST .../snapshot`` body: a snapshot lists every live trajectory (the
-    default cap of 100,000 at ~300 bytes each fits). Parsed, a snapshot takes about 12
-    times its size in memory."""
-    max_inflight_bytes: int = 16 << 20
-    """Event batch bodies being read or parsed at once, whole server; beyond it 429: four
-    of the largest batches, or 160 of the SDK's (500 events). Parsed events take about 10
-    times their JSON's size, so this bounds that memory."""
-    max_inflight_snapshot_bytes: int = 32 << 20
-    """Snapshot bodies being read, parsed or loaded at once, whole server; beyond it 429:
-    by default one snapshot of the largest size at a time."""
-    max_pending_events: int = 50_000
-    """Validated events waiting for one cluster's Controller; beyond it 429."""
-    dedupe_window: int = 65_536
-    """Most recent event ids remembered per cluster to count replays."""
-    offload_events: int = 500
-    """Batches of more events than this parse and apply in a worker thread. A batch of
-    500 (the SDK's default) costs ~1 ms to parse and ~2-4 ms in the Controller: inline
-    that is a short, bounded stall and the cheapest path; larger batches would stall the
-    loop in proportion, so they move to a thread (at some cost in throughput)."""
-    offload_ticks: bool = True
-    """Run ``Controller.tick`` in a worker thread (its cost grows with live trajectories)."""
-    header_timeout_seconds: float = 30.0
-    """A connection must send a request's line and headers within this long of connecting
-    (or of its previous reply, kept alive); then it is closed without a reply."""
-    body_timeout_seconds: float = 60.0
-    """A request must send its whole body within this long of its headers; then 408."""
-    max_clock_ahead_seconds: float = 3600.0
-    """Trainer timestamps (event ``ts``, snapshot times, ``X-Prorsa-Sent-At``) more than
-    this far ahead of the server's wall clock are refused (422)."""
-    max_clock_behind_seconds: float = 7 * 86400.0
-    """... and more than this far behind it: milliseconds, seconds since the trainer
-    started, or a clock years off are trainer bugs, not times."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_batch_bytes",
-            "max_snapshot_bytes",
-            "max_inflight_bytes",
-            "max_inflight_snapshot_bytes",
-            "max_pending_events",
-            "dedupe_window",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.offload_events < 0:
-            raise ValueError("offload_events must be >= 0")
-        for name in (
-            "header_timeout_seconds",
-            "body_timeout_seconds",
-            "max_clock_ahead_seconds",
-            "max_clock_behind_seconds",
-        ):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchOutcome:
-    """What happened to one accepted batch, as the reply reports it."""
-
-    accepted: int
-    applied: int
-    duplicates: int
-    superseded: int
-    anomalies: int
-
-
-class TrajectoryLimit(Exception):
-    """The cluster holds ``spec.trainer.maxLiveTrajectories``: events that would start new
-    trajectories (``deferred`` of them), or a snapshot, were not applied. ``outcome`` is
-    what the rest of the batch did; ``retry_after`` None means a retry cannot fit (a
-    snapshot that lists more trajectories than the limit)."""
-
-    def __init__(
-        self,
-        *,
-        live: int,
-        limit: int,
-        deferred: int,
-        retry_after: int | None,
-        outcome: BatchOutcome | None = None,
-    ) -> None:
-        if outcome is None:
-            what = "the snapshot was not loaded"
-        else:
-            what = (
-                f"{deferred} event(s) that would start new trajectories were not applied "
-                f"(the other {outcome.accepted} were: resending the whole batch is safe)"
-            )
-        super().__init__(
-            f"{live} live trajectories, at spec.trainer.maxLiveTrajectories ({limit}): {what}"
-        )
-        self.live = live
-        self.limit = limit
-        self.deferred = deferred
-        self.retry_after = retry_after
-        self.outcome = outcome
-
-
-class QueueFull(Exception):
-    """The cluster's Controller is behind; the client should retry after ``retry_after`` s."""
-
-    def __init__(self, *, pending: int, retry_after: int) -> None:
-        super().__init__(f"{pending} events are waiting for the controller")
-        self.pending = pending
-        self.retry_after = retry_after
 
 
 def _epoch_now() -> int:
@@ -182,19 +60,12 @@ class WebhookCluster:
         self.limits = limits or IngestLimits()
         self.clock = clock or ClockOffset()
         self._token = normalize_token(token)
-        self._resync = resync
-        self._snapshot_ts: float | None = None
-        # Per named emitter: its last snapshot's ts (its events stamped earlier are
-        # superseded), and, while ``resync`` holds, the emitters that have resynced.
-        self._emitter_snapshot_ts: OrderedDict[str, float] = OrderedDict()
-        self._resynced: OrderedDict[str, None] = OrderedDict()
+        self._resync = ResyncState(resync=resync)
         self._evicted_at: tuple[float, float] | None = None  # (monotonic, eviction present)
         self._window = DedupeWindow(capacity=self.limits.dedupe_window)
         # This handle dedupes every batch before the Controller sees it: one window is enough.
         controller.table.set_dedupe_window(0)
-        self._lock = ControlFirstLock()  # ticks before queued batches (control_lock.py)
-        self._seconds_per_event = 5e-6  # EWMA of apply cost, for Retry-After
-        self.pending_events = 0
+        self._queue = CallQueue(controller, max_pending_events=self.limits.max_pending_events)
         self.batches = 0
         self.applied = 0
         self.duplicates = 0
@@ -228,33 +99,15 @@ class WebhookCluster:
     def resync(self) -> bool:
         """True until the trainer has posted a snapshot of every trajectory to this epoch
         (one without an emitter id; named emitters each resync on their own)."""
-        return self._resync
+        return self._resync.resync
 
     def resync_for(self, emitter: str | None) -> bool:
-        """Whether the replies to ``emitter`` ask for its snapshot: until it has posted
-        one to this epoch (or a snapshot of every trajectory came)."""
-        return self._resync and (emitter is None or emitter not in self._resynced)
+        """Whether the replies to ``emitter`` ask for its snapshot (:class:`ResyncState`)."""
+        return self._resync.resync_for(emitter)
 
     def request_resync(self) -> None:
         """Ask the trainer for a snapshot in the next reply (e.g. after losing state)."""
-        self._resync = True
-        self._resynced.clear()
-
-    def _superseded(
-        self, events: Sequence[Event], emitter: str | None
-    ) -> tuple[Sequence[Event], list[Event]]:
-        """``events`` less the trajectory events a named emitter's last snapshot holds
-        already (stamped before it), and those. Its cluster events stay: a snapshot of one
-        emitter's trajectories says nothing of a weight update's end."""
-        mine = None if emitter is None else self._emitter_snapshot_ts.get(emitter)
-        every = self._snapshot_ts
-        if mine is None or (every is not None and every >= mine):
-            return events, []
-        kept: list[Event] = []
-        stale: list[Event] = []
-        for e in events:
-            (kept if not e.ts < mine or e.type in CLUSTER_EVENT_TYPES else stale).append(e)
-        return kept, stale
+        self._resync.request()
 
     def trainer_now(self) -> float:
         return self.clock.trainer_now()
@@ -265,16 +118,15 @@ class WebhookCluster:
 
     # -- inputs --------------------------------------------------------------------------
 
-    def check_capacity(self, incoming: int = 1) -> None:
-        """Raise :class:`QueueFull` when ``incoming`` more events would overflow the queue.
+    @property
+    def pending_events(self) -> int:
+        """Validated events waiting for the Controller, or being applied."""
+        return self._queue.pending_events
 
-        A lone batch larger than the bound is still admitted into an empty queue (the body
-        size limit bounds it), so a legal batch is never refused forever.
-        """
-        pending = self.pending_events
-        if pending and pending + incoming > self.limits.max_pending_events:
-            wait = pending * self._seconds_per_event
-            raise QueueFull(pending=pending, retry_after=max(1, math.ceil(wait)))
+    def check_capacity(self, incoming: int = 1) -> None:
+        """Raise :class:`~prorsa.clusters.limits.QueueFull` when ``incoming`` more events
+        would overflow the queue (:meth:`CallQueue.check_capacity`)."""
+        self._queue.check_capacity(incoming)
 
     async def apply(
         self,
@@ -295,12 +147,12 @@ class WebhookCluster:
             newest = sent_at if sent_at is not None else max(e.ts for e in events)
             self.clock.observe(received=received, trainer_sent=newest)
         window = self._window
-        current, stale = self._superseded(events, emitter)
+        current, stale = self._resync.superseded(events, emitter)
         if stale:
             # Seen all the same: sent again under another emitter id (or none), they would
             # apply what this emitter's snapshot already holds.
             window.admit(stale)
-        fresh, duplicates, older = window.admit(current, before=self._snapshot_ts)
+        fresh, duplicates, older = window.admit(current, before=self._resync.snapshot_ts)
         superseded = len(stale) + older
         applied = anomalies = 0
         left: list[Event] = []
@@ -321,9 +173,8 @@ class WebhookCluster:
                     on_applied(fits)
                 return result, refused
 
-            result, left = await self._exclusive(
-                observe,
-                fresh,
+            result, left = await self._queue.call(
+                lambda: observe(fresh),
                 offload=len(fresh) > self.limits.offload_events,
                 pending=len(fresh),
                 on_error=lambda: window.forget(e.id for e in fresh),
@@ -387,26 +238,7 @@ class WebhookCluster:
         n = len(snapshot.trajectories)
         # The cutoff moves now, as the snapshot joins the queue: batches queued before it
         # apply first and are then replaced by it; batches arriving after it are filtered.
-        cutoffs = self._emitter_snapshot_ts
-        if emitter is None:
-            previous, self._snapshot_ts = self._snapshot_ts, snapshot.ts
-        else:
-            previous = cutoffs.pop(emitter, None)
-            cutoffs[emitter] = snapshot.ts
-            if len(cutoffs) > MAX_EMITTERS:
-                cutoffs.popitem(last=False)
-
-        def undo() -> None:
-            # Unless a later snapshot moved the cutoff meanwhile.
-            if emitter is None:
-                if self._snapshot_ts == snapshot.ts:
-                    self._snapshot_ts = previous
-            elif cutoffs.get(emitter) == snapshot.ts:
-                if previous is None:
-                    del cutoffs[emitter]
-                else:
-                    cutoffs[emitter] = previous
-
+        undo = self._resync.move_cutoff(snapshot.ts, emitter)
         controller = self.controller
 
         def observe(loaded: Snapshot) -> bool | None:
@@ -421,9 +253,8 @@ class WebhookCluster:
                 controller.observe_snapshot(loaded)
             return None
 
-        refused = await self._exclusive(
-            observe,
-            snapshot,
+        refused = await self._queue.call(
+            lambda: observe(snapshot),
             offload=n > self.limits.offload_events,
             pending=n,
             on_error=undo,
@@ -431,17 +262,11 @@ class WebhookCluster:
         if refused is not None:
             undo()
             raise self._at_limit(deferred=n, outcome=None, retry=refused)
-        if emitter is None:
-            self._resync = False
-            self._resynced.clear()
-        elif self._resync:
-            self._resynced[emitter] = None
-            if len(self._resynced) > MAX_EMITTERS:
-                self._resynced.popitem(last=False)
+        self._resync.loaded(emitter)
         self.snapshots += 1
 
     async def observe_engines(self, states: Sequence[EngineState]) -> None:
-        await self._exclusive_call(
+        await self._queue.call(
             lambda: self.controller.observe_engines(states), offload=False, pending=0, control=True
         )
 
@@ -456,7 +281,7 @@ class WebhookCluster:
             at = self.trainer_now() if now is None else now
             return self.controller.tick(at, evict_now=self._eviction_now(at))
 
-        return await self._exclusive_call(
+        return await self._queue.call(
             run, offload=self.limits.offload_ticks, pending=0, control=True
         )
 
@@ -482,73 +307,14 @@ class WebhookCluster:
 
     # -- the queue -----------------------------------------------------------------------
 
-    async def _exclusive(
-        self,
-        fn: Callable[[Any], T],
-        arg: Any,
-        *,
-        offload: bool,
-        pending: int,
-        on_error: Callable[[], None] | None = None,
-    ) -> T:
-        return await self._exclusive_call(
-            lambda: fn(arg), offload=offload, pending=pending, on_error=on_error
-        )
-
-    async def _exclusive_call(
-        self,
-        fn: Callable[[], T],
-        *,
-        offload: bool,
-        pending: int,
-        on_error: Callable[[], None] | None = None,
-        control: bool = False,
-    ) -> T:
-        """Run ``fn`` alone on the Controller, as a task a cancelled request cannot abort
-        (``control``: ahead of the event batches waiting for it).
-
-        Shielding matters: if a client hangs up while its batch waits or runs, the batch
-        still applies exactly once (its ids are already in the dedupe window), and a thread
-        is never left running on the Controller after the lock was released.
-        """
-        self.pending_events += pending
-        task = asyncio.ensure_future(
-            self._locked(fn, offload=offload, pending=pending, control=control)
-        )
-
-        def done(t: asyncio.Future[T]) -> None:
-            self.pending_events -= pending
-            if (t.cancelled() or t.exception() is not None) and on_error is not None:
-                on_error()
-
-        task.add_done_callback(done)
-        return await asyncio.shield(task)
-
-    async def _locked(
-        self, fn: Callable[[], T], *, offload: bool, pending: int, control: bool
-    ) -> T:
-        async with self._lock.hold(control=control):
-            start = time.perf_counter()
-            result = await asyncio.to_thread(fn) if offload else fn()
-            if pending:
-                per_event = (time.perf_counter() - start) / pending
-                self._seconds_per_event += 0.2 * (per_event - self._seconds_per_event)
-            return result
-
     async def idle(self) -> None:
         """Wait until every queued call has run (orderly shutdown)."""
-        async with self._lock.hold(control=False):
-            return
+        await self._queue.idle()
 
-    @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[Controller]:
-        """Hold the Controller alone, e.g. to persist its statistics consistently.
-
-        Batches arriving meanwhile queue up (and get 429 past ``max_pending_events``);
-        keep the block short and do blocking work in a thread.
-        """
-        async with self._lock.hold(control=True):
-            yield self.controller
+    def exclusive(self) -> AbstractAsyncContextManager[Controller]:
+        """Hold the Controller alone (:meth:`CallQueue.exclusive`), e.g. to persist its
+        statistics consistently; keep the block short."""
+        return self._queue.exclusive()
 
     def status(self) -> dict[str, Any]:
         """The handle's state for ``GET .../status`` (camelCase, like the CRD status)."""
@@ -558,7 +324,7 @@ class WebhookCluster:
             "namespace": self.namespace,
             "name": self.name,
             "epoch": self.epoch,
-            "resync": self._resync,
+            "resync": self._resync.resync,
             "trainerNow": self.trainer_now(),
             "clockSkewSeconds": self.clock.skew(),
             "pendingEvents": self.pending_events,

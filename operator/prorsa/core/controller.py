@@ -32,7 +32,8 @@ from prorsa.core.decision import Capacity, Decision, Switch
 from prorsa.core.demand import ForecastDemand
 from prorsa.core.diagnostics import Diagnostics
 from prorsa.core.estimators import DemandSmoother, PrefillSpeed, PrefixCacheHits
-from prorsa.core.forecast.model import ForecastConfig, Forecaster
+from prorsa.core.forecast.config import ForecastConfig
+from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
 from prorsa.core.spec import RolloutClusterSpec

@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from prorsa.core.forecast.model import DecodeBacklog
-from prorsa.core.forecast.table import DECODE, PREFILL, READY, TOOL, TrajectoryTable
+from prorsa.core.forecast.slots import DECODE, PREFILL, READY, TOOL
+from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.forecast.view import DecodeBacklog
 from prorsa.core.switch_cost import PRIOR_DECODE_SHARE
 from prorsa.core.types import RoleCounts
 from prorsa_contract.agent_api import EngineState, Role

@@ -39,14 +39,9 @@ from typing import TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prorsa.clusters.registry import (
-    ClusterRegistry,
-    IngestLimits,
-    QueueFull,
-    TrajectoryLimit,
-    WebhookCluster,
-)
-from prorsa.core.forecast.table import TooManyEmitters
+from prorsa.clusters.limits import IngestLimits, QueueFull, TrajectoryLimit
+from prorsa.clusters.registry import ClusterRegistry, WebhookCluster
+from prorsa.core.forecast.emitters import TooManyEmitters
 from prorsa.ingest.openapi import CLUSTER_PATH, NDJSON_TYPES, SENT_AT_HEADER, openapi_document
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.ingest.window import TimeWindow, events_outside, snapshot_outside

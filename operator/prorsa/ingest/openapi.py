@@ -12,7 +12,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from prorsa import __version__
-from prorsa.clusters.registry import IngestLimits
+from prorsa.clusters.limits import IngestLimits
 from prorsa.core.decision import Decision
 from prorsa.ingest.wire import BatchReply, ClusterStatus, ErrorReply, Health, SnapshotReply
 from prorsa_contract.events import EMITTER_HEADER, EMITTER_PATTERN, EventBatch, Snapshot

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from prorsa.core.estimators import PrefillSpeed
+from prorsa.core.forecast.interner import Interner
 from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.stats import ClassedDistributions
 from prorsa.core.forecast.survival import ClassedSurvival
-from prorsa.core.forecast.table import Interner, TrajectoryTable
+from prorsa.core.forecast.table import TrajectoryTable
 
 FORMAT = 1
 
