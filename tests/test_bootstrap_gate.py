@@ -12,13 +12,10 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 import pytest_asyncio
 from aiohttp import web
 
 from prorsa_agent.bootstrap_gate import BootstrapGate, hold_seconds
-
-pytestmark = pytest.mark.asyncio
 
 
 def _free_port() -> int:

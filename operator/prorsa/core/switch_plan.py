@@ -37,7 +37,7 @@ from prorsa.core.types import Plan, PlanInputs
 from prorsa_contract.agent_api import EngineState, Role
 
 # Before a weight update closes the first cycle, the one under way is read once it is this
-# many horizons long (a minute at the default 10 s).
+# many horizons long (two minutes at the default 10 s).
 CYCLE_LEAST_HORIZONS = 12
 HOLD_WHILE_LEARNING = True
 # A move toward the step-scale target must save this many times what it costs: the target
