@@ -22,10 +22,14 @@ import httpx
 import pytest
 
 from prorsa_contract.labels import ROLE_LABEL, SWITCH_ANNOTATION, switch_intent
-from prorsa_lab.doubles.smg_router import smg_binary, worker_types
+from prorsa_lab.doubles.smg_router import SmgRouter, smg_binary, worker_types
 from prorsa_lab.doubles.stack import cluster_manifest, stack
 
-pytestmark = pytest.mark.skipif(smg_binary() is None, reason="the smg binary is not installed")
+# The whole operator behind the real smg: a slow test (make test-fast leaves it out).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(smg_binary() is None, reason="the smg binary is not installed"),
+]
 
 
 async def test_a_removal_smg_has_begun_removes_the_pods_next_registration(
@@ -39,8 +43,14 @@ async def test_a_removal_smg_has_begun_removes_the_pods_next_registration(
     async with stack(run_router=True, log_dir=tmp_path) as env:
         await env.create_cluster(manifest)
         await env.kubelet.wait_running(4, timeout=120)
-        router = env.kubelet.router
-        assert router is not None
+
+        async def router_running() -> SmgRouter | None:
+            # The kubelet starts smg when it next lists the router Deployment, which can be
+            # after the engine pods run.
+            return env.kubelet.router
+
+        router = await env.wait_for(router_running, timeout=60, what="smg running")
+        assert isinstance(router, SmgRouter)
         async with httpx.AsyncClient(trust_env=False) as client:
 
             async def every_engine_listed() -> bool:
