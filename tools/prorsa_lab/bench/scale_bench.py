@@ -44,7 +44,7 @@ from prorsa.process import tune_gc
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION, parse_intent
 from prorsa_lab.bench import replicas as rep
-from prorsa_lab.bench.trainer_load import ClusterLoad, LoadSettings, TrainerLoad, event_rate
+from prorsa_lab.bench.trainer_load import LoadSettings, TrainerLoad, cluster_loads
 from prorsa_lab.doubles.sglang_double import EngineConfig, TimingModel
 from prorsa_lab.doubles.stack import OPERATOR_USER, Stack, cluster_manifest, stack
 
@@ -370,15 +370,7 @@ async def measure(sizes: Sizes, out_dir: Path) -> dict[str, Any]:
             ready_at = time.monotonic()
             progress(f"every engine pod up and bootstrapped in {ready_at - started:.0f}s")
 
-            loads = tuple(
-                ClusterLoad(
-                    name=name,
-                    task=sizes.task(i),
-                    live=sizes.trajectories,
-                    rate=event_rate(sizes.task(i), sizes.trajectories),
-                )
-                for i, name in enumerate(names)
-            )
+            loads = cluster_loads(names, task=sizes.task, live=sizes.trajectories)
             load = TrainerLoad(
                 LoadSettings(
                     url=env.webhook, namespace=env.namespace, token=env.token, clusters=loads

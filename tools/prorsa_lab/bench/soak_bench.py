@@ -35,7 +35,7 @@ from prorsa_lab.bench.scale_bench import (
     split_of,
     wait_until,
 )
-from prorsa_lab.bench.trainer_load import ClusterLoad, LoadSettings, TrainerLoad, event_rate
+from prorsa_lab.bench.trainer_load import LoadSettings, TrainerLoad, cluster_loads
 
 HELP = "the operator for an hour at a steady event rate: RSS, open files, table size over time"
 
@@ -131,15 +131,7 @@ async def soak(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
                 return True
 
             await wait_until(up, timeout=120 + 2 * sizes.instances * sizes.clusters, what="pods")
-            loads = tuple(
-                ClusterLoad(
-                    name=name,
-                    task=sizes.task(i),
-                    live=sizes.trajectories,
-                    rate=event_rate(sizes.task(i), sizes.trajectories),
-                )
-                for i, name in enumerate(names)
-            )
+            loads = cluster_loads(names, task=sizes.task, live=sizes.trajectories)
             load = TrainerLoad(
                 LoadSettings(
                     url=env.webhook,

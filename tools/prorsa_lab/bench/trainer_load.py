@@ -21,7 +21,7 @@ import functools
 import multiprocessing
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,16 @@ def events_per_trajectory(task: str, *, samples: int = 2000, seed: int = 11) -> 
 def event_rate(task: str, live: int) -> float:
     """Events per second of ``live`` trajectories of ``task`` at the paper's durations."""
     return live * events_per_trajectory(task) / TRAJECTORY_SECONDS[task]
+
+
+def cluster_loads(
+    names: Sequence[str], *, task: Callable[[int], str], live: int
+) -> tuple[ClusterLoad, ...]:
+    """Each named cluster's load: ``live`` trajectories of ``task(i)`` at its paper rate."""
+    return tuple(
+        ClusterLoad(name=name, task=task(i), live=live, rate=event_rate(task(i), live))
+        for i, name in enumerate(names)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
