@@ -1,7 +1,7 @@
 """Why a switch waits for smg to finish removing the pod: the floor of the lag's router part.
 
 The switch executor relabels a pod ``draining`` and waits until smg 1.13.0's ``/workers``
-no longer lists it before the engine flips (operator/prorsa/k8s/executor.py). smg takes
+no longer lists it before the engine flips (operator/prorsa/switching/executor.py). smg takes
 about 6 s for that: about 1 s for its Kubernetes discovery to notice the label, then its
 worker-removal job marks the worker ``draining`` (it gets no new requests) and removes it
 after a fixed 5 s. Telling smg directly, ``DELETE /workers/{id}``, starts the same job at

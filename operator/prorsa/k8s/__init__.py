@@ -1,1 +1,1 @@
-"""Kubernetes side of the operator: CRD, object builders, kopf handlers, switch executor."""
+"""Kubernetes side of the operator: CRD, object builders, the client, pod groups, agents."""

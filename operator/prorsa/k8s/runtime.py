@@ -33,9 +33,9 @@ from prorsa.k8s import objects as obj
 from prorsa.k8s.agent_tls import issue_agent_cert
 from prorsa.k8s.agents import AgentClient, RouterClient, Unanswered, agent_address
 from prorsa.k8s.availability import Availability, DegradedReporter, assess
-from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
+from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.labels import (
     AGENT_PORT,

@@ -214,7 +214,7 @@ CLOCK_DRIVEN = {("get", "leases"), ("update", "leases"), ("create", "leases"), (
 the trainer-token follower's Secret reads (one per cluster every 2 s,
 :mod:`prorsa.k8s.trainer_token`); counted apart, per second."""
 SWITCH_CALLS = {("patch", "pods"), ("get", "pods")}
-"""A switch's own calls (:mod:`prorsa.k8s.executor`): the intent and ``draining`` label,
+"""A switch's own calls (:mod:`prorsa.switching.executor`): the intent and ``draining`` label,
 its phase, the relabel (and a re-read of a pod without an IP); its Events are counted by
 reason (``Switch*``). A tick relabels a pod only to correct a drifted label
 (``prorsa_role_label_corrections_total``, reported)."""

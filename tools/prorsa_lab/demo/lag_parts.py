@@ -9,7 +9,7 @@ taken from what the system itself records:
   the workload turning over and the forecast following it (``smoothingSeconds``).
 * ``router``: within each switch, from the pod's ``draining`` label until the executor's
   intent annotation turned to ``switching``, which it writes once smg no longer lists the
-  pod (operator/prorsa/k8s/executor.py, step 2). smg learns the label through its
+  pod (operator/prorsa/switching/executor.py, step 2). smg learns the label through its
   Kubernetes discovery.
 * ``drain``: the agent's own drain seconds for that switch (the difference of its
   ``prorsa_agent_drain_duration_seconds_sum`` across the switch): in-flight requests
