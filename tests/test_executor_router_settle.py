@@ -24,6 +24,7 @@ from aiohttp import web
 from prorsa.core.decision import Switch
 from prorsa.k8s.agents import AgentClient, RouterClient
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
+from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult
 from prorsa_contract.labels import CLUSTER_LABEL, ROLE_LABEL
 
@@ -141,7 +142,7 @@ async def test_a_restarted_router_listing_nothing_is_not_a_drop(running: Running
     switches = running.executor()
     mine = pod(POD, IP, "decode")
     try:
-        assert switches.start(SWITCH, pod=mine)
+        assert switches.start(SWITCH, pod=PodView.from_manifest(mine))
         task = next(iter(switches.active.values()))
         await asyncio.sleep(0.5)  # ten polls of a router that lists nothing yet
         assert running.agent.flipped_while == []
@@ -167,7 +168,7 @@ async def test_a_router_that_never_settles_leaves_the_engine_as_it_was(
     """Still registering (lists nothing) at the settle timeout: no flip, label restored."""
     switches = running.executor(settle_timeout=0.6)
     try:
-        assert switches.start(SWITCH, pod=pod(POD, IP, "decode"))
+        assert switches.start(SWITCH, pod=PodView.from_manifest(pod(POD, IP, "decode")))
         outcome = await asyncio.wait_for(next(iter(switches.active.values())), 10)
     finally:
         await switches.agents.aclose()
@@ -189,7 +190,7 @@ async def test_a_router_that_does_not_answer_at_all_does_not_block_the_switch(
         closed = probe.getsockname()[1]
     switches = running.executor(settle_timeout=0.3, router_url=f"http://127.0.0.1:{closed}")
     try:
-        assert switches.start(SWITCH, pod=pod(POD, IP, "decode"))
+        assert switches.start(SWITCH, pod=PodView.from_manifest(pod(POD, IP, "decode")))
         outcome = await asyncio.wait_for(next(iter(switches.active.values())), 10)
     finally:
         await switches.agents.aclose()

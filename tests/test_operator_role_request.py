@@ -17,6 +17,7 @@ from prorsa.core.decision import Switch
 from prorsa.k8s.agents import AgentClient, agent_address
 from prorsa.kopf_handlers import parse_spec
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
+from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult
 from prorsa_contract.labels import ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.doubles.stack import cluster_manifest
@@ -123,7 +124,10 @@ async def test_a_switch_sends_its_target_role_and_the_spec_drain_timeout(
     kube, done = Kube(), []
     switches = executor(port, kube, done)
     try:
-        assert switches.start(Switch(instance=POD, **{"from": "decode"}, to="prefill"), pod=pod())
+        assert switches.start(
+            Switch(instance=POD, **{"from": "decode"}, to="prefill"),
+            pod=PodView.from_manifest(pod()),
+        )
         await next(iter(switches.active.values()))
     finally:
         await switches.agents.aclose()
@@ -144,7 +148,7 @@ async def test_a_resumed_switch_without_its_origin_still_flips_to_its_target(
     switches = executor(port, kube, done)
     intent = json.dumps({"to": "prefill", "from": "sideways", "phase": "switching"})
     try:
-        assert switches.resume(pod({SWITCH_ANNOTATION: intent}))
+        assert switches.resume(PodView.from_manifest(pod({SWITCH_ANNOTATION: intent})))
         await next(iter(switches.active.values()))
     finally:
         await switches.agents.aclose()

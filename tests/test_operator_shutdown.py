@@ -14,6 +14,7 @@ from conftest import cluster_runtime, make_spec
 from prorsa.core.decision import Switch
 from prorsa.operator_process import run_kopf
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
+from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import RoleResult
 
 POD = {"metadata": {"name": "c-engine-1"}, "status": {"podIP": "127.0.0.9"}}
@@ -62,10 +63,12 @@ async def test_closing_stops_the_loop_and_its_switches_before_the_client_closes(
 
     async def tick_once() -> None:
         # The tick's decision: one switch now, one more after shutdown has begun.
-        executor.start(switch, pod={**POD, "metadata": {"name": "c-engine-0"}})
+        executor.start(
+            switch, pod=PodView.from_manifest({**POD, "metadata": {"name": "c-engine-0"}})
+        )
         in_tick.set()
         await finish_tick.wait()
-        executor.start(late, pod=POD)
+        executor.start(late, pod=PodView.from_manifest(POD))
 
     runtime.tick_once = tick_once  # type: ignore[method-assign]
     runtime.start()

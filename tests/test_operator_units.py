@@ -168,6 +168,15 @@ def test_switch_intent_round_trip() -> None:
     assert parse_intent('["to", "decode"]') is None
 
 
+def test_an_intent_phase_that_is_no_phase_is_dropped() -> None:
+    # The phase is typed (draining | switching): another value is not carried as a string.
+    assert parse_intent('{"to": "decode", "phase": "switching"}') == {
+        "to": "decode",
+        "phase": "switching",
+    }
+    assert parse_intent('{"to": "decode", "phase": "flipping"}') == {"to": "decode"}
+
+
 @pytest.mark.parametrize(
     ("args", "ranks"),
     [

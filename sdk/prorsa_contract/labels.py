@@ -72,15 +72,25 @@ def agent_tls_secret_name(cluster: str) -> str:
     return f"{cluster}-agent-tls"
 
 
+IntentPhase = Literal["draining", "switching"]
+"""The ``phase`` of a ``prorsa.io/switch`` intent: the pod is leaving the router
+(``draining``), or its agent has been asked to flip (``switching``)."""
+INTENT_PHASES: tuple[IntentPhase, ...] = ("draining", "switching")
+
 SwitchIntent = TypedDict(
     "SwitchIntent",
-    {"to": Role, "from": NotRequired[Role], "phase": NotRequired[str], "started": NotRequired[str]},
+    {
+        "to": Role,
+        "from": NotRequired[Role],
+        "phase": NotRequired[IntentPhase],
+        "started": NotRequired[str],
+    },
 )
 """The ``prorsa.io/switch`` annotation, parsed: the switch's target role, the role it left
 (absent on an intent written before it was recorded), its phase and its start time."""
 
 
-def switch_intent(*, to: Role, phase: str, started: str, origin: Role) -> str:
+def switch_intent(*, to: Role, phase: IntentPhase, started: str, origin: Role) -> str:
     """The ``prorsa.io/switch`` annotation value (JSON), read back after a restart."""
     return json.dumps({"to": to, "from": origin, "phase": phase, "started": started})
 
@@ -88,8 +98,9 @@ def switch_intent(*, to: Role, phase: str, started: str, origin: Role) -> str:
 def parse_intent(value: str | None) -> SwitchIntent | None:
     """The intent an annotation holds; None when it names no target role.
 
-    A ``from`` that is not a role is dropped (the switch is still finished: its target is
-    known), and so are keys this version does not know.
+    A ``from`` that is not a role, or a ``phase`` that is not an intent phase, is dropped
+    (the switch is still finished: its target is known), and so are keys this version does
+    not know.
     """
     if not value:
         return None
@@ -106,8 +117,9 @@ def parse_intent(value: str | None) -> SwitchIntent | None:
     origin = as_role(data.get("from"))
     if origin is not None:
         intent["from"] = origin
-    if "phase" in data:
-        intent["phase"] = str(data["phase"])
+    phase = next((p for p in INTENT_PHASES if p == data.get("phase")), None)
+    if phase is not None:
+        intent["phase"] = phase
     if "started" in data:
         intent["started"] = str(data["started"])
     return intent

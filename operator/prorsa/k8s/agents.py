@@ -57,15 +57,28 @@ def agent_address(pod: dict[str, Any], *, port: int, ca: str | None) -> AgentAdd
     if not ip:
         return None
     meta = pod["metadata"]
-    host = f"[{ip}]" if ":" in ip else ip
-    if not serves_tls(pod):
-        return AgentAddress(meta["name"], f"http://{host}:{port}")
-    name = agent_server_name(
+    return address_of(
         pod=meta["name"],
+        ip=ip,
         cluster=(meta.get("labels") or {}).get(CLUSTER_LABEL, ""),
         namespace=meta.get("namespace") or "default",
+        tls=serves_tls(pod),
+        port=port,
+        ca=ca,
     )
-    return AgentAddress(meta["name"], f"https://{host}:{port}", server_name=name, ca=ca or "")
+
+
+def address_of(
+    *, pod: str, ip: str | None, cluster: str, namespace: str, tls: bool, port: int, ca: str | None
+) -> AgentAddress | None:
+    """:func:`agent_address` from the pod's fields (a typed pod view holds them)."""
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    if not tls:
+        return AgentAddress(pod, f"http://{host}:{port}")
+    name = agent_server_name(pod=pod, cluster=cluster, namespace=namespace)
+    return AgentAddress(pod, f"https://{host}:{port}", server_name=name, ca=ca or "")
 
 
 @dataclass(frozen=True, slots=True)

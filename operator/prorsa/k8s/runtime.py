@@ -36,6 +36,7 @@ from prorsa.k8s.availability import Availability, DegradedReporter, assess
 from prorsa.k8s.kube import Kube
 from prorsa.operator_metrics import OperatorMetrics
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
+from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.labels import (
     AGENT_PORT,
@@ -179,7 +180,7 @@ class ClusterRuntime:
         )
         await self._restore_learned()
         for pod in await self.kube.list_pods(ns, self.selector):
-            if self.executor.resume(pod):
+            if self.executor.resume(PodView.from_manifest(pod)):
                 pod_name = pod["metadata"]["name"]
                 log.info("%s/%s: resuming the switch of %s", ns, name, pod_name)
                 annotations = pod["metadata"].get("annotations") or {}
@@ -348,7 +349,7 @@ class ClusterRuntime:
         self, switches: Iterable[Switch], pods: list[dict[str, Any]]
     ) -> list[Switch]:
         """Hand ``switches`` to the executor; returns those it started."""
-        by_name = {p["metadata"]["name"]: p for p in pods}
+        by_name = {p["metadata"]["name"]: PodView.from_manifest(p) for p in pods}
         started: list[Switch] = []
         for switch in switches:
             pod = by_name.get(switch.instance)

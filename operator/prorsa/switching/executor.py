@@ -11,6 +11,10 @@ loses its intent, and the runtime's label reconcile labels it once the agent ans
 The intent annotation makes every step resumable: an operator that restarts mid-switch
 finds it on the pod and finishes the switch (the agent's role call is idempotent) or rolls
 it back, so no pod is left ``draining``.
+
+Which step follows which is decided by :func:`prorsa.switching.steps.next_step`, with no
+I/O; this module performs each step's calls on the pod (read once as a
+:class:`~prorsa.switching.pod_view.PodView`), its router and its agent.
 """
 
 from __future__ import annotations
@@ -25,19 +29,31 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
-from prorsa.k8s import groups, lws
-from prorsa.k8s.agents import AgentClient, RouterClient, agent_address
+from prorsa.k8s import groups
+from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient
 from prorsa.k8s.kube import Kube
-from prorsa_contract.agent_api import Role, RoleRequest, RoleResult
+from prorsa.switching.pod_view import PodView
+from prorsa.switching.steps import (
+    AgentFound,
+    Done,
+    Ended,
+    Flipped,
+    Observation,
+    RoleRead,
+    RouterSettled,
+    Step,
+    SwitchResult,
+    SwitchState,
+    next_step,
+    start,
+)
+from prorsa_contract.agent_api import Role, RoleRequest
 from prorsa_contract.labels import (
     CLUSTER_LABEL,
     DRAINING,
-    GROUP_LABEL,
-    NODE_RANK_LABEL,
     ROLE_LABEL,
     SWITCH_ANNOTATION,
     RoleLabel,
-    parse_intent,
     switch_intent,
 )
 
@@ -55,7 +71,7 @@ class SwitchOutcome:
     to: Role
     started: str
     seconds: float
-    result: str  # "succeeded" | "restored" | "replaced" | "lost"
+    result: SwitchResult
     message: str = ""
     aborted_requests: int = 0
     # Where the seconds went (prorsa_switch_part_duration_seconds): from the ``draining``
@@ -74,6 +90,20 @@ class SwitchOutcome:
             "seconds": round(self.seconds, 3),
             "result": self.result,
         }
+
+
+@dataclass(kw_only=True)
+class _Run:
+    """What one switch's steps learn as they go (the I/O side; :class:`SwitchState` holds
+    the decisions)."""
+
+    pod: PodView
+    started: str
+    t0: float
+    address: AgentAddress | None = None
+    """The agent the flip was sent to (FIND_AGENT)."""
+    router_seconds: float | None = None
+    engine_seconds: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -106,27 +136,25 @@ class SwitchExecutor:
     def busy(self) -> set[str]:
         return set(self.active)
 
-    def start(self, switch: Switch, *, pod: dict[str, Any]) -> bool:
+    def start(self, switch: Switch, *, pod: PodView) -> bool:
         """Begin a switch unless that pod is already switching or the executor is closed."""
-        name = pod["metadata"]["name"]
-        if name in self.active or self.closed:
+        if pod.name in self.active or self.closed:
             return False
         task = asyncio.create_task(self._run(pod, switch.from_, switch.to, resume=False))
-        self._track(name, task)
+        self._track(pod.name, task)
         return True
 
-    def resume(self, pod: dict[str, Any]) -> bool:
+    def resume(self, pod: PodView) -> bool:
         """Finish a switch whose intent a previous operator process left on the pod."""
-        name = pod["metadata"]["name"]
-        intent = parse_intent((pod["metadata"].get("annotations") or {}).get(SWITCH_ANNOTATION))
-        if intent is None or name in self.active or self.closed:
+        intent = pod.intent
+        if intent is None or pod.name in self.active or self.closed:
             return False
         to = intent["to"]
         origin: Role = intent.get("from") or ("decode" if to == "prefill" else "prefill")
         task = asyncio.create_task(
             self._run(pod, origin, to, resume=True, started=intent.get("started"))
         )
-        self._track(name, task)
+        self._track(pod.name, task)
         return True
 
     def _track(self, name: str, task: asyncio.Task[SwitchOutcome]) -> None:
@@ -156,125 +184,100 @@ class SwitchExecutor:
 
     async def _run(
         self,
-        pod: dict[str, Any],
+        pod: PodView,
         origin: Role,
         to: Role,
         *,
         resume: bool,
         started: str | None = None,
     ) -> SwitchOutcome:
-        name = pod["metadata"]["name"]
-        started = started or utcnow()
-        t0 = time.monotonic()
-        ns = self.namespace
-        s = self.settings
-
-        marks: dict[str, float] = {}
-
-        def outcome(result: str, message: str, res: RoleResult | None = None) -> SwitchOutcome:
-            return SwitchOutcome(
-                pod=name,
-                origin=origin,
-                to=to,
-                started=started,
-                seconds=time.monotonic() - t0,
-                result=result,
-                message=message,
-                aborted_requests=res.aborted_requests if res else 0,
-                router_seconds=marks.get("router"),
-                engine_seconds=marks.get("engine"),
-            )
-
-        # Step 2: intent first, so a crash from here on is recoverable; then leave the router.
-        intent = switch_intent(to=to, phase="draining", started=started, origin=origin)
-        await self.kube.patch_pod(
-            ns,
-            name,
-            {
-                "metadata": {
-                    "labels": {ROLE_LABEL: DRAINING},
-                    "annotations": {SWITCH_ANNOTATION: intent},
-                }
-            },
+        """Perform each step's calls and ask :func:`next_step` for the next, until it ends."""
+        run = _Run(pod=pod, started=started or utcnow(), t0=time.monotonic())
+        state: SwitchState | Ended = start(origin=origin, to=to, resume=resume)
+        while isinstance(state, SwitchState):
+            state = next_step(state, await self._perform(state, run))
+        done = SwitchOutcome(
+            pod=pod.name,
+            origin=origin,
+            to=to,
+            started=run.started,
+            seconds=time.monotonic() - run.t0,
+            result=state.result,
+            message=state.message,
+            aborted_requests=state.aborted_requests,
+            router_seconds=run.router_seconds,
+            engine_seconds=run.engine_seconds,
         )
-        # A multi-node group drains as one (its workers are no router workers, but every pod
-        # of an instance shows the instance's role).
-        grouped = GROUP_LABEL in (pod["metadata"].get("labels") or {})
-        if grouped:
-            await groups.label_workers(self.kube, ns, name, DRAINING)
-        ip = (pod.get("status") or {}).get("podIP")
-        waits = self.router is not None and bool(s.router_url)
-        dropped = not (waits and ip) or await self._wait_router_drop(pod, ip)
-        marks["router"] = time.monotonic() - t0
-        if not dropped:
-            # A flip now could leave the router sending the old role's requests to the new
-            # role (decode requests answered with a prefill engine's single token). Undo
-            # step 2 instead; the Controller asks again. A resumed switch may have flipped
-            # already: its label follows what the agent reports.
-            message = (
-                f"router did not confirm it dropped {ip} within "
-                f"{s.router_settle_timeout:.0f}s; not switched"
-            )
-            role: RoleLabel = origin
-            if resume:
-                address = agent_address(pod, port=s.agent_port, ca=self.ca())
-                state = await self.agents.state(address) if address else None
-                role = state.role if state is not None else DRAINING
-            await self._relabel(name, role, grouped=grouped)
-            done = outcome("restored" if role != DRAINING else "lost", message)
-            self.history.append(done)
-            await self.on_done(done)
-            return done
-
-        # Steps 3–4: the agent drains, aborts what is left, flips and verifies.
-        address = agent_address(pod, port=s.agent_port, ca=self.ca())
-        if address is None:
-            fresh = await self.kube.get_pod(ns, name)
-            address = agent_address(fresh, port=s.agent_port, ca=self.ca()) if fresh else None
-        if address is None:
-            result = RoleResult(ok=False, safe_to_restore=True, message="pod has no IP")
-        else:
-            phase = switch_intent(to=to, phase="switching", started=started, origin=origin)
-            await self.kube.patch_pod(
-                ns, name, {"metadata": {"annotations": {SWITCH_ANNOTATION: phase}}}
-            )
-            request = RoleRequest(role=to, drain_timeout_seconds=s.drain_timeout)
-            called = time.monotonic()
-            result = await self.agents.set_role(address, request=request, token=self.token())
-            marks["engine"] = time.monotonic() - called
-
-        # Steps 5–6.
-        if result.ok:
-            await self._relabel(name, to, grouped=grouped)
-            done = outcome("succeeded", result.message or f"{origin} -> {to}", result)
-        elif result.safe_to_restore:
-            # Label the role the engine is actually in: a switch can fail after the flip
-            # (verification) or be refused once it already happened. An agent that does not
-            # answer leaves the role unknown; a guess would route requests to the wrong
-            # side, so the pod stays out of the router until the reconcile sees its role.
-            state = await self.agents.state(address) if address else None
-            if state is not None:
-                await self._relabel(name, state.role, grouped=grouped)
-                done = outcome("restored", result.message, result)
-            elif address is None:
-                # Never reached: unchanged.
-                await self._relabel(name, result.old_role or origin, grouped=grouped)
-                done = outcome("restored", result.message, result)
-            else:
-                await self._relabel(name, DRAINING, grouped=grouped)
-                done = outcome("lost", f"engine role unknown: {result.message}", result)
-        else:
-            # A multi-node group is replaced whole: its other ranks cannot join a new rank 0.
-            # A LeaderWorkerSet's controller recreates the group once its leader goes (the
-            # workers are the leader's dependents); deleting them too would restart the
-            # group it recreates.
-            await self.kube.delete_pod(ns, name)
-            if grouped and not lws.owned(pod):
-                await groups.delete_workers(self.kube, ns, name)
-            done = outcome("replaced", result.message or "engine unhealthy after a failed switch")
         self.history.append(done)
         await self.on_done(done)
         return done
+
+    async def _perform(self, state: SwitchState, run: _Run) -> Observation:
+        """The calls of ``state.step``, and what they saw."""
+        pod, ns, s = run.pod, self.namespace, self.settings
+        match state.step:
+            case Step.LEAVE_ROUTER:
+                # Intent first, so a crash from here on is recoverable; then leave the router.
+                intent = switch_intent(
+                    to=state.to, phase="draining", started=run.started, origin=state.origin
+                )
+                labels = {ROLE_LABEL: DRAINING}
+                await self.kube.patch_pod(
+                    ns,
+                    pod.name,
+                    {"metadata": {"labels": labels, "annotations": {SWITCH_ANNOTATION: intent}}},
+                )
+                # A multi-node group drains as one (its workers are no router workers, but
+                # every pod of an instance shows the instance's role).
+                if pod.grouped:
+                    await groups.label_workers(self.kube, ns, pod.name, DRAINING)
+                return Done()
+            case Step.AWAIT_ROUTER:
+                waits = self.router is not None and bool(s.router_url)
+                dropped = not (waits and pod.ip) or await self._wait_router_drop(pod)
+                run.router_seconds = time.monotonic() - run.t0
+                return RouterSettled(dropped=dropped, ip=pod.ip, timeout=s.router_settle_timeout)
+            case Step.FIND_AGENT:
+                run.address = pod.agent_address(port=s.agent_port, ca=self.ca())
+                if run.address is None:
+                    fresh = await self.kube.get_pod(ns, pod.name)
+                    if fresh is not None:
+                        view = PodView.from_manifest(fresh)
+                        run.address = view.agent_address(port=s.agent_port, ca=self.ca())
+                return AgentFound(found=run.address is not None)
+            case Step.FLIP:
+                assert run.address is not None  # FIND_AGENT found it
+                phase = switch_intent(
+                    to=state.to, phase="switching", started=run.started, origin=state.origin
+                )
+                await self.kube.patch_pod(
+                    ns, pod.name, {"metadata": {"annotations": {SWITCH_ANNOTATION: phase}}}
+                )
+                request = RoleRequest(role=state.to, drain_timeout_seconds=s.drain_timeout)
+                called = time.monotonic()
+                result = await self.agents.set_role(
+                    run.address, request=request, token=self.token()
+                )
+                run.engine_seconds = time.monotonic() - called
+                return Flipped(result=result)
+            case Step.READ_ROLE:
+                # After a refused flip, the agent it was sent to; on a resumed switch the
+                # router kept, the pod's.
+                address = run.address or pod.agent_address(port=s.agent_port, ca=self.ca())
+                engine = await self.agents.state(address) if address else None
+                return RoleRead(role=engine.role if engine is not None else None)
+            case Step.RELABEL:
+                assert state.label is not None  # next_step names the label with the step
+                await self._relabel(pod.name, state.label, grouped=pod.grouped)
+                return Done()
+            case Step.REPLACE:
+                # A LeaderWorkerSet's controller recreates the group once its leader goes
+                # (the workers are the leader's dependents); deleting them too would restart
+                # the group it recreates.
+                await self.kube.delete_pod(ns, pod.name)
+                if pod.grouped and not pod.lws_owned:
+                    await groups.delete_workers(self.kube, ns, pod.name)
+                return Done()
 
     async def _relabel(self, name: str, role: RoleLabel, *, grouped: bool) -> None:
         # Workers first: the leader's label and intent go last, so a crash in between
@@ -287,7 +290,7 @@ class SwitchExecutor:
             {"metadata": {"labels": {ROLE_LABEL: role}, "annotations": {SWITCH_ANNOTATION: None}}},
         )
 
-    async def _wait_router_drop(self, pod: dict[str, Any], ip: str) -> bool:
+    async def _wait_router_drop(self, pod: PodView) -> bool:
         """Whether the router has settled without the pod (False: not within the timeout).
 
         Its absence from ``GET /workers`` counts only while the router lists every other
@@ -298,7 +301,8 @@ class SwitchExecutor:
         smg's ``/readiness`` cannot tell: in PD mode it answers 503 while either role has
         no worker, which is the case whenever the last worker of a role is switched.
         """
-        assert self.router is not None and self.settings.router_url
+        assert self.router is not None and self.settings.router_url and pod.ip
+        ip = pod.ip
         deadline = time.monotonic() + self.settings.router_settle_timeout
         settled = 0
         answered = False
@@ -331,29 +335,12 @@ class SwitchExecutor:
         )
         return False
 
-    async def _routable_ips(self, pod: dict[str, Any]) -> set[str]:
+    async def _routable_ips(self, pod: PodView) -> set[str]:
         """The addresses the router's selectors match now, the switching pod's excluded:
         its cluster's pods labelled prefill or decode, Running and Ready, leaders only
         (objects.router_args)."""
-        labels = pod["metadata"].get("labels") or {}
-        cluster = labels.get(CLUSTER_LABEL)
-        if cluster is None:
+        if pod.cluster is None:
             return set()
-        ips = set()
-        for other in await self.kube.list_pods(self.namespace, f"{CLUSTER_LABEL}={cluster}"):
-            meta = other["metadata"]
-            if meta["name"] == pod["metadata"]["name"] or meta.get("deletionTimestamp"):
-                continue
-            other_labels = meta.get("labels") or {}
-            if other_labels.get(ROLE_LABEL) not in ("prefill", "decode"):
-                continue
-            if other_labels.get(NODE_RANK_LABEL, "0") != "0":
-                continue
-            status = other.get("status") or {}
-            ready = any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or []
-            )
-            if status.get("phase") == "Running" and ready and status.get("podIP"):
-                ips.add(status["podIP"])
-        return ips
+        listed = await self.kube.list_pods(self.namespace, f"{CLUSTER_LABEL}={pod.cluster}")
+        others = (PodView.from_manifest(other) for other in listed)
+        return {o.ip for o in others if o.name != pod.name and o.routable() and o.ip}
