@@ -27,8 +27,8 @@ from prorsa.switching.steps import (
     Step,
     SwitchResult,
     SwitchState,
+    begin,
     next_step,
-    start,
 )
 from prorsa_contract.agent_api import RoleResult
 from prorsa_contract.labels import RoleLabel
@@ -66,7 +66,7 @@ def moved(state: SwitchState | Ended) -> SwitchState:
 
 
 def test_a_switch_starts_by_leaving_the_router() -> None:
-    first = start(origin="decode", to="prefill", resume=True)
+    first = begin(origin="decode", to="prefill", resume=True)
     assert first == at(Step.LEAVE_ROUTER, resume=True)
 
 
@@ -193,7 +193,7 @@ OBSERVATIONS: list[Observation] = [
 def test_every_path_ends_within_six_steps_and_every_step_and_result_is_reached() -> None:
     steps: set[Step] = set()
     results: set[str] = set()
-    frontier = [start(origin="decode", to="prefill", resume=r) for r in (False, True)]
+    frontier = [begin(origin="decode", to="prefill", resume=r) for r in (False, True)]
     for _ in range(6):
         following: list[SwitchState] = []
         for state, seen in itertools.product(frontier, OBSERVATIONS):

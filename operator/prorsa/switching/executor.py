@@ -44,8 +44,8 @@ from prorsa.switching.steps import (
     Step,
     SwitchResult,
     SwitchState,
+    begin,
     next_step,
-    start,
 )
 from prorsa_contract.agent_api import Role, RoleRequest
 from prorsa_contract.labels import (
@@ -193,7 +193,7 @@ class SwitchExecutor:
     ) -> SwitchOutcome:
         """Perform each step's calls and ask :func:`next_step` for the next, until it ends."""
         run = _Run(pod=pod, started=started or utcnow(), t0=time.monotonic())
-        state: SwitchState | Ended = start(origin=origin, to=to, resume=resume)
+        state: SwitchState | Ended = begin(origin=origin, to=to, resume=resume)
         while isinstance(state, SwitchState):
             state = next_step(state, await self._perform(state, run))
         done = SwitchOutcome(

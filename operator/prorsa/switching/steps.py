@@ -66,7 +66,7 @@ class SwitchState:
     aborted_requests: int = 0
 
 
-def start(*, origin: Role, to: Role, resume: bool) -> SwitchState:
+def begin(*, origin: Role, to: Role, resume: bool) -> SwitchState:
     """A switch's first step; a resumed one starts over (every step is idempotent)."""
     return SwitchState(step=Step.LEAVE_ROUTER, origin=origin, to=to, resume=resume)
 
