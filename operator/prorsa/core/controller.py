@@ -104,7 +104,7 @@ class Controller:
         self.prefill_speed = PrefillSpeedMeter(
             profiled=profiled, hit_window=HIT_WINDOW_HORIZONS * self.horizon
         )
-        # θ_P in use, read at step 2 of each tick.
+        # θ_P and the prefix-cache hit ratio as step 2 of the latest tick read them.
         self._prefill = PrefillReading(
             theta=profiled, miss_ratio=None, calibration=None, recomputed=0.0
         )
@@ -329,11 +329,11 @@ class Controller:
         """Step 2: score the forecast windows closed by ``now`` (the WAPE and the forecast's
         bias factor), add the prefills the table timed to θ_P's busy intervals, and count
         the prefills since the last tick toward the prefix-cache hit ratio."""
-        self.forecaster.accuracy.close_until(now)
-        intervals, self.forecaster.intervals = self.forecaster.intervals, []
+        forecaster = self.forecaster
+        forecaster.accuracy.close_until(now)
+        intervals, forecaster.intervals = forecaster.intervals, []
         for tokens, seconds in intervals:
             self.prefill_speed.events.add_interval(tokens=tokens, seconds=seconds)
-        forecaster = self.forecaster
         self._prefill = self.prefill_speed.fold(
             now, prefilled=forecaster.prefilled_tokens, expected=forecaster.prefilled_computed
         )
