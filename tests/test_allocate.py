@@ -117,22 +117,22 @@ def test_prefill_speed_busy_intervals() -> None:
 
 
 def test_demand_smoother_averages_with_exponential_weights() -> None:
-    s = DemandSmoother(seconds=10.0)
-    assert s.update(0.0, 4.0, 2.0) == (4.0, 2.0)  # the first tick is its own average
+    s, first = DemandSmoother(seconds=10.0).fold(0.0, 4.0, 2.0)
+    assert first == (4.0, 2.0)  # the first tick is its own average
     # 10 s later the first tick weighs e^-1 = 0.3679 against 1 for the new one:
     # a = (0.3679·4 + 0) / (0.3679 + 1) = 1.0758, b = half of that.
-    a, b = s.update(10.0, 0.0, 0.0)
+    s, (a, b) = s.fold(10.0, 0.0, 0.0)
     assert a == pytest.approx(1.0758, abs=1e-4) and b == pytest.approx(0.5379, abs=1e-4)
     # A demand held long enough becomes the average.
     for t in range(20, 400, 10):
-        a, b = s.update(float(t), 3.0, 1.0)
+        s, (a, b) = s.fold(float(t), 3.0, 1.0)
     assert a == pytest.approx(3.0, abs=1e-6) and b == pytest.approx(1.0, abs=1e-6)
 
 
 def test_demand_smoother_off_passes_each_tick_through() -> None:
     s = DemandSmoother(seconds=0.0)
-    assert s.update(0.0, 4.0, 2.0) == (4.0, 2.0)
-    assert s.update(10.0, 0.5, 7.0) == (0.5, 7.0)
+    assert s.fold(0.0, 4.0, 2.0)[1] == (4.0, 2.0)
+    assert s.fold(10.0, 0.5, 7.0)[1] == (0.5, 7.0)
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="smoothing seconds"):
             DemandSmoother(seconds=bad)

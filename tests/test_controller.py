@@ -22,7 +22,7 @@ from prorsa.core.forecast.view import DecodeBacklog
 from prorsa.core.measure import decode_backlog
 from prorsa.core.switch_cost import Persistence, Regret
 from prorsa.core.switch_plan import lost_tokens, plan_switches
-from prorsa.core.types import Demand, DemandInputs, PlanInputs, Sizing
+from prorsa.core.types import Demand, DemandInputs, PlanInputs, Sizing, TickInput
 from prorsa_contract.agent_api import EngineState
 
 
@@ -84,7 +84,7 @@ def test_decision_has_exactly_the_contract_keys(log) -> None:
     c = Controller(spec8())
     queue(log, 3, 1000, 1.0)
     c.observe(log.take())
-    wire = c.tick(2.0).wire()
+    wire = c.tick(TickInput(now=2.0)).wire()
     assert set(wire) == DECISION_KEYS
     assert set(wire["forecast"]) == FORECAST_KEYS
     assert set(wire["forecast"]["components"]) == COMPONENT_KEYS
@@ -101,7 +101,7 @@ def test_prefill_heavy_demand_flips_the_least_loaded_decode_instance(log) -> Non
     busy = {f"c-engine-{i}": {"runningRequests": 50} for i in range(2, 8)}
     busy["c-engine-6"] = {"runningRequests": 1}
     c.observe_engines(engines(2, 6, **busy))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.mode == "predictive"
     assert d.target.prefill > 2
     assert [(s.instance, s.from_, s.to) for s in d.switches] == [
@@ -122,7 +122,7 @@ def test_prompts_waiting_for_decode_room_ask_for_decode_not_prefill(log) -> None
     # Each decode engine full, with 10 of the prompts (200k tokens) waiting for KV room.
     full = {"kvUsedTokens": 1_000_000, "waitingRequests": 10, "waitingTokens": 200_000}
     c.observe_engines(engines(4, 4, **{f"c-engine-{i}": full for i in range(4, 8)}))
-    d = c.tick(20.0)
+    d = c.tick(TickInput(now=20.0))
     # All 40 wait at decode: no prefill demand left, and K_D counts their 800k tokens.
     assert d.forecast.components.inflight == 0
     assert d.forecast.decode_kv_tokens == 4 * 1_000_000 + 40 * 20_000
@@ -140,7 +140,7 @@ def test_prompts_waiting_for_their_prefill_stay_prefill_demand(log) -> None:
     c.observe(log.take())
     room = {"waitingRequests": 10, "waitingTokens": 0}  # no prompt waits for KV room
     c.observe_engines(engines(4, 4, **{f"c-engine-{i}": room for i in range(4, 8)}))
-    d = c.tick(20.0)
+    d = c.tick(TickInput(now=20.0))
     assert d.forecast.components.inflight == 40 * 20_000
     assert d.target.prefill >= 4
 
@@ -170,15 +170,15 @@ def test_switch_in_progress_is_not_planned_twice_and_limits_concurrency(log) -> 
     queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    first = c.tick(2.0).switches[0].instance
+    first = c.tick(TickInput(now=2.0)).switches[0].instance
     # The executor reports the switch as started (intent written).
     states = engines(2, 6, **{first: {"switching": True}})
     c.observe_engines(states)
-    d = c.tick(3.0)
+    d = c.tick(TickInput(now=3.0))
     assert d.switches == ()  # maxConcurrent = 1 is taken by the running switch
     c.observe_engines(engines(2, 6, **{first: {"role": "prefill"}}))
     c.record_switch(first, at=8.0)
-    nxt = c.tick(9.0).switches
+    nxt = c.tick(TickInput(now=9.0)).switches
     assert nxt and nxt[0].instance != first  # cooldown keeps the fresh one out
 
 
@@ -190,12 +190,12 @@ def test_a_switch_resumed_after_an_operator_restart_counts_as_its_destination(lo
     states = engines(0, 4, **{"c-engine-0": {"switching": True}})
     fresh = Controller(spec)
     fresh.observe_engines(states)
-    assert [s.to for s in fresh.tick(2.0).switches] == ["prefill"]  # what went wrong
+    assert [s.to for s in fresh.tick(TickInput(now=2.0)).switches] == ["prefill"]  # what went wrong
 
     c = Controller(spec)
     c.resume_switch("c-engine-0", to="prefill")
     c.observe_engines(states)
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.switches == () and d.target.prefill == 1, d.reason
 
 
@@ -209,16 +209,16 @@ def test_a_missed_state_read_does_not_end_a_resumed_switch(log) -> None:
     c = Controller(spec)
     c.resume_switch("c-engine-0", to="prefill")
     c.observe_engines(states[1:])  # c-engine-0's agent did not answer this tick
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.switches == () and d.target.prefill == 1, d.reason
     c.observe_engines(states)  # it answers again, still switching
-    d = c.tick(3.0)
+    d = c.tick(TickInput(now=3.0))
     assert d.switches == () and d.target.prefill == 1, d.reason
     # Once the switch has ended, a missed read is an unavailable instance again.
     c.observe_engines(engines(1, 3))
     c.record_switch("c-engine-0", at=4.0)
     c.observe_engines(engines(1, 3)[1:])
-    d = c.tick(5.0)
+    d = c.tick(TickInput(now=5.0))
     assert d.target.prefill + d.target.decode == 3, d.reason
 
 
@@ -227,12 +227,12 @@ def test_a_missed_state_read_does_not_end_a_switch_this_controller_started(log) 
     queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    first = c.tick(2.0).switches[0].instance
+    first = c.tick(TickInput(now=2.0)).switches[0].instance
     # The switching instance's agent misses a read: maxConcurrent = 1 is still taken.
     c.observe_engines([s for s in engines(2, 6) if s.instance != first])
-    assert c.tick(3.0).switches == ()
+    assert c.tick(TickInput(now=3.0)).switches == ()
     c.observe_engines(engines(2, 6, **{first: {"switching": True}}))
-    assert c.tick(4.0).switches == ()
+    assert c.tick(TickInput(now=4.0)).switches == ()
 
 
 def test_cooldown_excludes_recently_switched_instances(log) -> None:
@@ -245,7 +245,7 @@ def test_cooldown_excludes_recently_switched_instances(log) -> None:
         c.record_switch(f"c-engine-{i}", at=1.0)
     c2_states = engines(1, 7, **{f"c-engine-{i}": {"kvUsedTokens": 990_000} for i in range(1, 8)})
     c.observe_engines(c2_states)
-    assert all(s.instance != "c-engine-0" for s in c.tick(50.0).switches)
+    assert all(s.instance != "c-engine-0" for s in c.tick(TickInput(now=50.0)).switches)
 
 
 def test_role_minimums_are_never_violated(log) -> None:
@@ -259,7 +259,7 @@ def test_role_minimums_are_never_violated(log) -> None:
     queue(log, 100, 100_000, 1.0)  # enormous prefill demand
     c.observe(log.take())
     c.observe_engines(engines(4, 4))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert (d.target.prefill, d.target.decode) == (5, 3)
     assert len(d.switches) == 1 and d.safety_margin < 0
     assert "over budget" in d.reason
@@ -274,7 +274,7 @@ def test_hysteresis_holds_the_split_under_small_changes(log, hysteresis, expecte
     c.observe(log.take())
     full = {f"c-engine-{i}": {"kvUsedTokens": 1_000_000} for i in range(3, 8)}
     c.observe_engines(engines(3, 5, **full))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.forecast.decode_kv_tokens == 5_200_000
     assert (d.target.prefill, d.target.decode) == expected
     assert len(d.switches) == 3 - expected[0]
@@ -288,7 +288,7 @@ def test_reactive_mode_without_trainer_events() -> None:
         2, 6, **{"c-engine-0": {"waitingTokens": 500_000}, "c-engine-1": {"waitingTokens": 500_000}}
     )
     c.observe_engines(states)
-    d = c.tick(100.0)
+    d = c.tick(TickInput(now=100.0))
     assert d.mode == "reactive" and "no trainer events" in d.reason
     assert d.forecast.components.ready == 1_000_000
     assert d.target.prefill > 2 and d.switches
@@ -299,14 +299,14 @@ def test_stale_trainer_falls_back_to_reactive(log) -> None:
     queue(log, 5, 1000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    assert c.tick(25.0).mode == "predictive"  # 24 s < 3 horizons
-    d = c.tick(40.0)
+    assert c.tick(TickInput(now=25.0)).mode == "predictive"  # 24 s < 3 horizons
+    d = c.tick(TickInput(now=40.0))
     assert d.mode == "reactive" and "silent for 39s" in d.reason
 
 
 def test_no_inputs_at_all_holds_the_initial_split() -> None:
     c = Controller(spec8())
-    d = c.tick(0.0)
+    d = c.tick(TickInput(now=0.0))
     assert d.mode == "reactive" and d.switches == ()
     assert (d.target.prefill, d.target.decode) == (2, 6)  # a quarter of 8 instances
 
@@ -317,7 +317,7 @@ def test_unhealthy_and_missing_engines_are_unavailable(log) -> None:
     c.observe(log.take())
     states = engines(2, 6, **{"c-engine-5": {"healthy": False}})[:-1]  # engine-7 missing
     c.observe_engines(states)
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.target.prefill + d.target.decode == 6
     assert all(s.instance not in ("c-engine-5", "c-engine-7") for s in d.switches)
 
@@ -330,7 +330,7 @@ def test_prefill_speed_learned_from_engine_counters(log) -> None:
     c.observe_engines(
         engines(2, 6, **{"c-engine-0": {"prefillBusySeconds": 14.0, "prefillTokens": 200_000}})
     )
-    assert c.tick(1.0).capacity.prefill_tokens_per_second == pytest.approx(25_000)
+    assert c.tick(TickInput(now=1.0)).capacity.prefill_tokens_per_second == pytest.approx(25_000)
 
 
 def test_prefill_speed_learned_from_events_when_engines_say_nothing(log) -> None:
@@ -341,7 +341,7 @@ def test_prefill_speed_learned_from_events_when_engines_say_nothing(log) -> None
     log("prefill_finished", "a0", 2.0)
     log("prefill_finished", "a1", 3.0)  # one busy interval: 60k tokens over 2 s
     c.observe(log.take())
-    assert c.tick(4.0).capacity.prefill_tokens_per_second == pytest.approx(30_000)
+    assert c.tick(TickInput(now=4.0)).capacity.prefill_tokens_per_second == pytest.approx(30_000)
 
 
 def script(seed: int) -> list[dict]:
@@ -379,7 +379,7 @@ def test_replaying_the_same_events_gives_the_same_decision(seed: int, at: float)
         c = Controller(spec8())
         c.observe(parse_events(raw))
         c.observe_engines(engines(2, 6))
-        wires.append(json.dumps(c.tick(at).wire(), sort_keys=True))
+        wires.append(json.dumps(c.tick(TickInput(now=at)).wire(), sort_keys=True))
     assert wires[0] == wires[1]
 
 
@@ -393,7 +393,7 @@ def test_any_engine_mix_keeps_budget_and_minimums(prefill, tokens, kv) -> None:
         **{f"c-engine-{i}": {"waitingTokens": tokens, "kvUsedTokens": kv} for i in range(8)},
     )
     c.observe_engines(states)
-    d = c.tick(1.0)
+    d = c.tick(TickInput(now=1.0))
     assert d.target.prefill + d.target.decode == 8
     assert d.target.prefill >= 1 and d.target.decode >= 1
     moved = sum(1 if s.to == "prefill" else -1 for s in d.switches)
@@ -442,7 +442,7 @@ def test_no_instance_available_is_reported_not_a_crash(log) -> None:
     queue(log, 5, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(1, 1, **{f"c-engine-{i}": {"healthy": False} for i in range(2)}))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert (d.target.prefill, d.target.decode) == (0, 0)
     assert "no instance is available" in d.reason and d.switches == ()
 
@@ -455,7 +455,7 @@ def test_hold_margin_keeps_a_split_that_covers_demand(log) -> None:
     queue(log, 5, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert (d.target.prefill, d.target.decode) == (2, 6) and d.switches == ()
     assert "holdMargin" in d.reason
 
@@ -476,7 +476,7 @@ def test_decode_concurrency_sizes_decode_by_request_count(log) -> None:
     # 300 requests decoding on 6 decode engines: KV says 0.03 instances, concurrency 6.
     busy = {f"c-engine-{i}": {"runningRequests": 50, "kvUsedTokens": 50_000} for i in range(2, 8)}
     c.observe_engines(engines(2, 6, **busy))
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     assert d.target.decode >= 6
     kv_only = Controller(
         make_spec(
@@ -489,7 +489,7 @@ def test_decode_concurrency_sizes_decode_by_request_count(log) -> None:
     kv_only.observe(log.take())
     kv_only.observe_engines(engines(2, 6, **busy))
     # Eq. 1 on KV alone would hand decode to prefill (its best margin has fewer decode).
-    why = kv_only.tick(2.0).reason
+    why = kv_only.tick(TickInput(now=2.0)).reason
     best_decode = int(re.search(r"best margin at \d+P:(\d+)D", why).group(1))
     assert best_decode < 6, why
 
@@ -506,13 +506,13 @@ def prefill_round(log: EventLog, n: int, tokens: int, ts: float, instance: str) 
 def test_theta_p_carries_the_measured_prefix_cache_hit_ratio(log) -> None:
     c = Controller(spec8())  # profiled: 10k computed tokens per instance-second
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 5_000}}))
-    c.tick(1.0)
+    c.tick(TickInput(now=1.0))
     # 10 prompts of 10k tokens prefilled; the engine computed only 10k of those 100k: the
     # rest came from its prefix cache (h = 90%), so a full-prompt token costs a tenth.
     prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 15_000}}))
-    d = c.tick(11.0)
+    d = c.tick(TickInput(now=11.0))
     assert d.capacity.prefill_tokens_per_second == pytest.approx(100_000)
     assert "hit ratio 90%" in d.reason
 
@@ -523,7 +523,7 @@ def test_theta_p_falls_back_to_busy_intervals_without_engine_counters(log) -> No
     prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    d = c.tick(11.0)
+    d = c.tick(TickInput(now=11.0))
     # The events make ten busy intervals on c-engine-0, each one 10k-token prompt from 2.2 s
     # to 2.8 s (each request drains the instance before the next one starts).
     assert d.capacity.prefill_tokens_per_second == pytest.approx(10_000 / 0.6, rel=1e-6)
@@ -562,7 +562,7 @@ def test_a_one_horizon_spike_is_ridden_out_but_a_sustained_shift_is_followed(log
                 queue(log, 200, 10_000, now - 5, prefix=f"shift{k}-")
             c.observe(log.take())
             c.observe_engines(engines(2, 6, **decode))
-            d = c.tick(now)
+            d = c.tick(TickInput(now=now))
             if any(s.to == "prefill" for s in d.switches):
                 (spike if k < 90 else shift).append(int(now))
         return spike, shift
@@ -631,7 +631,7 @@ def test_switch_durations_and_aborts_are_measured(log) -> None:
     queue(log, 60, 10_000, 1.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    (sw,) = c.tick(2.0).switches
+    (sw,) = c.tick(TickInput(now=2.0)).switches
     assert c.switch_costs.in_progress
     c.record_switch(sw.instance, at=2.0 + 12.0)
     assert not c.switch_costs.in_progress
@@ -642,21 +642,21 @@ def test_switch_durations_and_aborts_are_measured(log) -> None:
 def test_eq13_cost_is_calibrated_against_what_the_engines_computed(log) -> None:
     c = Controller(spec8())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
-    c.tick(1.0)
+    c.tick(TickInput(now=1.0))
     assert seen(c).calibration is None  # nothing prefilled yet: g is the paper's x / θ_P
     # Ten new trajectories: the table expects every prompt token computed (100k), and the
     # engines computed 100k: calibration 1.
     prefill_round(log, 10, 10_000, 2.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
-    c.tick(11.0)
+    c.tick(TickInput(now=11.0))
     assert seen(c).calibration == pytest.approx(1.0)
     # Next horizon the engines computed 300k for another 100k expected: over the window,
     # 400k computed against 200k expected (a cache the table did not know was flushed).
     prefill_round(log, 10, 10_000, 12.0, "c-engine-0")
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 400_000}}))
-    c.tick(21.0)
+    c.tick(TickInput(now=21.0))
     assert seen(c).calibration == pytest.approx(2.0)
 
 
@@ -671,12 +671,12 @@ def test_long_contexts_cost_more_prefill_with_a_profiled_doubling(log) -> None:
         )
         c = Controller(spec)
         c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
-        c.tick(1.0)
+        c.tick(TickInput(now=1.0))
         prefill_round(log, 10, 10_000, 2.0, "c-engine-0")  # calibrates g: computed/expected
         queue(log, 10, 60_000, 5.0, prefix="long")
         c.observe(log.take())
         c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 100_000}}))
-        c.tick(11.0)
+        c.tick(TickInput(now=11.0))
         return seen(c).demand[0]
 
     flat = demand({})
@@ -712,7 +712,7 @@ def test_prefill_is_never_sized_below_what_the_live_contexts_need_cached(log) ->
         c.observe(log.take())
         busy = {f"c-engine-{i}": {"kvUsedTokens": 900_000} for i in range(2, 8)}
         c.observe_engines(engines(2, 6, **busy))
-        d = c.tick(20.0)
+        d = c.tick(TickInput(now=20.0))
         return d.target.prefill, d.reason
 
     floor, why = target({})
@@ -732,12 +732,12 @@ def test_a_weight_update_lifts_the_prefix_cache_floor_while_it_runs(log) -> None
     decoding_long_contexts(log)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    c.tick(10.0)
+    c.tick(TickInput(now=10.0))
     # 2.4M tokens in 0.8 x 2M: the host tier (twice the GPU pool) holds the GPU's copy too.
     assert seen(c).cache_floor == pytest.approx(1.5)
     log.cluster("weight_update_started", 15.0, version=1, expected_seconds=30.0)
     c.observe(log.take())
-    c.tick(20.0)
+    c.tick(TickInput(now=20.0))
     assert seen(c).cache_floor == 0.0, "the new weights flush every cache anyway"
 
 
@@ -746,8 +746,8 @@ def test_each_decision_carries_what_its_tick_saw_and_the_wire_form_does_not(log)
     c.observe_engines(engines(2, 6))
     queue(log, 40, 10_000, 1.0)
     c.observe(log.take())
-    first = c.tick(2.0)
-    c.tick(12.0)  # a later tick does not rewrite what the first one explained
+    first = c.tick(TickInput(now=2.0))
+    c.tick(TickInput(now=12.0))  # a later tick does not rewrite what the first one explained
     diag = first.diagnostics
     assert diag is not None and c.last_decision is not first
     assert diag.demand[0] > 0 and diag.trajectories["ready"] == 40
@@ -784,7 +784,7 @@ def test_diagnostics_account_for_the_rollouts_outcome(log) -> None:
     log("prefill_finished", "done", 8.0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 0}}))
-    c.tick(8.5)
+    c.tick(TickInput(now=8.5))
     c.observe_engines(engines(2, 6, **{"c-engine-0": {"prefillTokens": 5_000}}))
     diag = seen_after(c, 9.0)
     # Expected: 2,000 for the first prefill (nothing cached) + 1,000 for the second
@@ -795,7 +795,7 @@ def test_diagnostics_account_for_the_rollouts_outcome(log) -> None:
 
 
 def seen_after(c: Controller, now: float) -> Diagnostics:
-    c.tick(now)
+    c.tick(TickInput(now=now))
     return seen(c)
 
 
@@ -804,7 +804,7 @@ def test_the_moves_made_carry_their_priced_gain_and_cost(log) -> None:
     c.observe_engines(engines(2, 6))
     queue(log, 200, 10_000, 1.0)
     c.observe(log.take())
-    d = c.tick(2.0)
+    d = c.tick(TickInput(now=2.0))
     diag = d.diagnostics
     assert diag is not None and d.switches
     assert [m.instance for m in diag.made] == [s.instance for s in d.switches]
@@ -826,7 +826,7 @@ def test_a_demand_source_gets_what_the_tick_measured_and_its_demand_sizes_the_sp
     c = Controller(spec8(), demand_source=source)
     states = engines(2, 6, **{"c-engine-5": {"runningRequests": 0}})
     c.observe_engines(states)
-    d = c.tick(5.0)
+    d = c.tick(TickInput(now=5.0))
     (inputs,) = seen
     assert (inputs.now, inputs.horizon) == (5.0, 10.0)
     assert inputs.engines == tuple(states)
@@ -887,7 +887,7 @@ def plan_inputs(current: tuple[int, int] = (2, 6), **override) -> PlanInputs:
         "engines": tuple(engines(prefill, decode, **{"c-engine-5": {"runningRequests": 0}})),
         "in_progress": 0,
         "cooldown_until": {},
-        "contexts": dict,
+        "contexts": {},
         "switch_seconds": 13.0,
         "abort_share": 0.1,
         "calibration": None,
@@ -902,7 +902,7 @@ def test_the_switch_plan_needs_only_its_inputs() -> None:
     """The plan stage prices moves from PlanInputs: no Controller, no trajectory table."""
 
     def plan(inputs: PlanInputs):
-        return plan_switches(inputs, persistence=Persistence(prior=300.0), regret=Regret())
+        return plan_switches(inputs, persistence=Persistence(seconds=300.0), regret=Regret())
 
     made = plan(plan_inputs())
     assert made.target == Target(prefill=6, decode=2) and made.held == ""

@@ -10,6 +10,7 @@ from conftest import EventLog, make_spec
 
 from prorsa.core.controller import Controller
 from prorsa.core.diagnostics import Diagnostics
+from prorsa.core.types import TickInput
 from prorsa_contract.agent_api import EngineState
 
 
@@ -48,8 +49,8 @@ def derived(c: Controller) -> dict[str, Any]:
         "horizon": c.horizon,
         "forecast config": f.config,
         "tool EMA alpha": (f.tool.alpha, f.growth.alpha, f.template.alpha),
-        "profiled theta": (c.theta_events.profiled, c.theta_engines.profiled),
-        "hit-ratio window": c.cache_hits.window,
+        "profiled theta": (c.prefill_speed.events.profiled, c.prefill_speed.engines.profiled),
+        "hit-ratio window": c.prefill_speed.cache_hits.window,
         "smoothing": c.smoother.seconds,
         "ttl": c.ttl,
         "payoff prior": c.persistence.seconds,
@@ -129,7 +130,7 @@ def test_a_spec_edit_keeps_what_was_learned(log: EventLog) -> None:
         log("request_queued", f"live{i}", 80.0, prompt_tokens=4000, turn=0)
     c.observe(log.take())
     c.observe_engines(engines(2, 6))
-    c.tick(90.0)
+    c.tick(TickInput(now=90.0))
     c.record_switch("c-engine-3", at=90.0)
     live, learned = c.live_trajectories(), c.learned_state()
     cooldowns, assumed = dict(c._cooldown_until), c._assumed_prefill
@@ -140,7 +141,7 @@ def test_a_spec_edit_keeps_what_was_learned(log: EventLog) -> None:
     assert c.learned_state() == learned  # the statistics a restart would persist
     assert c._cooldown_until == cooldowns  # the switch's cooldown still runs
     assert c._assumed_prefill == assumed and c.last_decision is decisions
-    later = c.tick(100.0)
+    later = c.tick(TickInput(now=100.0))
     assert later.forecast.components  # the forecast now covers 30 s
     assert c.forecaster.config.horizon == 30.0
 
@@ -151,12 +152,12 @@ def test_smoothing_switched_off_plans_on_each_horizon(log: EventLog) -> None:
     c = Controller(make_spec(**BASE))
     c.observe_engines(engines(2, 6))
     for i in range(6):
-        c.tick(10.0 * i)
+        c.tick(TickInput(now=10.0 * i))
     for i in range(400):
         log("request_queued", f"q{i}", 60.0, prompt_tokens=10_000, turn=0)
     c.observe(log.take())
-    c.tick(61.0)
+    c.tick(TickInput(now=61.0))
     assert seen(c).planned[0] < seen(c).demand[0]  # smoothed: the old calm weighs in
     c.apply_spec(make_spec(**edited("switching.smoothingSeconds", 0)))
-    c.tick(62.0)
+    c.tick(TickInput(now=62.0))
     assert seen(c).planned[0] == pytest.approx(seen(c).demand[0])

@@ -16,6 +16,7 @@ from prorsa.core.forecast.config import ForecastConfig
 from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.slots import READY
 from prorsa.core.forecast.table import TrajectoryTable
+from prorsa.core.types import TickInput
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.sim.policies import baseline
 from prorsa_lab.sim.simulator import Scenario, simulate
@@ -116,7 +117,7 @@ def test_blind_trainer_demand_is_what_the_engines_still_prefill(log) -> None:
     log("request_queued", "new", 49.0, prompt_tokens=10_000, turn=0)
     c.observe(log.take())
     c.observe_engines(states(prefill_held=1))
-    d = c.tick(50.0)
+    d = c.tick(TickInput(now=50.0))
     assert c.table.state_counts()["decode"] == 80
     assert d.forecast.components.ready == 10_000  # the one prompt still in prefill
     assert d.forecast.prefill_tokens < 80 * 10_000 / 4

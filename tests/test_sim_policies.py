@@ -9,6 +9,7 @@ import typing
 import pytest
 
 from prorsa.core.controller import Controller
+from prorsa.core.types import TickInput
 from prorsa_contract import events as ev
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, SimRequest
@@ -68,9 +69,9 @@ def test_prorsa_runs_the_real_controller_on_contract_bodies_only(
         seen["states"] += 1
         real_engines(self, states)
 
-    def tick(self: Controller, now: float) -> typing.Any:
+    def tick(self: Controller, tick: TickInput) -> typing.Any:
         seen["ticks"] += 1
-        return real_tick(self, now)
+        return real_tick(self, tick)
 
     def record_switch(self: Controller, instance: str, **kw: typing.Any) -> None:
         assert instance.startswith("sim-engine-") and set(kw) == {"at"}
@@ -98,15 +99,16 @@ def test_prorsa_runs_the_real_controller_on_contract_bodies_only(
 
 def test_oracle_is_the_controller_fed_the_true_demand(monkeypatch: pytest.MonkeyPatch) -> None:
     import prorsa.core.controller as controller
+    import prorsa.core.sizing as sizing
 
     calls: list[tuple[float, float, dict[str, typing.Any]]] = []
-    real = controller.solve
+    real = sizing.solve
 
     def solve(a: float, b: float, **kw: typing.Any) -> typing.Any:
         calls.append((a, b, kw))
         return real(a, b, **kw)
 
-    monkeypatch.setattr(controller, "solve", solve)
+    monkeypatch.setattr(sizing, "solve", solve)  # Eq. 1, in the sizing stage
     oracle = Oracle()
     result = simulate(scenario(task="coding", smoothing=0.0, hysteresis=0.1), oracle)
     # The shipped Controller plans it; only the demand source is the simulator's truth.

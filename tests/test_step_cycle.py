@@ -53,7 +53,9 @@ def best_split(cycle: CycleProfile, now: float) -> int:
 
 
 def plan(inputs: PlanInputs, cycle: CycleProfile | None):
-    return plan_switches(inputs, persistence=Persistence(prior=300.0), regret=Regret(), cycle=cycle)
+    return plan_switches(
+        inputs, persistence=Persistence(seconds=300.0), regret=Regret(), cycle=cycle
+    )
 
 
 def test_the_larger_the_re_prefill_burst_the_more_prefill_the_step_favours() -> None:

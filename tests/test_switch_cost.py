@@ -131,21 +131,21 @@ def test_regret_builds_up_under_a_sustained_lean_and_not_under_noise() -> None:
     steady, noisy = Regret(), Regret()
     for k in range(30):
         now = 10.0 * k
-        steady.update(now, toward="prefill", rate=0.1)
-        noisy.update(now, toward="prefill" if k % 2 else "decode", rate=0.1)
+        steady = steady.after(now, toward="prefill", rate=0.1)
+        noisy = noisy.after(now, toward="prefill" if k % 2 else "decode", rate=0.1)
     assert math.isclose(steady.seconds, 29 * 10.0 * 0.1)
     assert noisy.seconds <= 1.0
-    steady.update(300.0, toward=None, rate=0.0)
+    steady = steady.after(300.0, toward=None, rate=0.0)
     assert steady.seconds == 0.0
 
 
 def test_persistence_measures_how_long_demand_leans_one_way() -> None:
-    p = Persistence(prior=300.0)
+    p = Persistence(seconds=300.0)
     assert p.seconds == 300.0
     t = 0.0
     for k in range(40):  # the lean turns every 60 s
         for _ in range(6):
-            p.update(t, toward="prefill" if k % 2 else "decode")
+            p = p.after(t, toward="prefill" if k % 2 else "decode")
             t += 10.0
     assert math.isclose(p.seconds, 60.0, rel_tol=0.05)
 

@@ -25,8 +25,8 @@ def learned_controller() -> Controller:
         name = f"c-engine-{i}"
         c.switch_costs.started(name, at=100.0 * i, src="decode", kv_tokens=1000.0)
         c.switch_costs.finished(name, at=100.0 * i + seconds)
-    c.persistence.update(0.0, toward="prefill")
-    c.persistence.update(90.0, toward="decode")
+    c.persistence = c.persistence.after(0.0, toward="prefill")
+    c.persistence = c.persistence.after(90.0, toward="decode")
     return c
 
 
@@ -43,15 +43,15 @@ def test_a_restarted_controller_keeps_switch_durations_and_the_step_cycle() -> N
     # where an operator that forgot would hold it "learning the step's cycle".
     burst = plan_inputs(current=(3, 5), now=655.0)
     again = plan_switches(
-        burst, persistence=Persistence(prior=300), regret=Regret(), cycle=second.cycle
+        burst, persistence=Persistence(seconds=300), regret=Regret(), cycle=second.cycle
     )
     before = plan_switches(
-        burst, persistence=Persistence(prior=300), regret=Regret(), cycle=first.cycle
+        burst, persistence=Persistence(seconds=300), regret=Regret(), cycle=first.cycle
     )
     assert again.target == before.target and again.held == before.held
     assert "favours" in again.held
     forgot = plan_switches(
-        burst, persistence=Persistence(prior=300), regret=Regret(), cycle=CycleProfile()
+        burst, persistence=Persistence(seconds=300), regret=Regret(), cycle=CycleProfile()
     )
     assert "learning" in forgot.held
 

@@ -27,6 +27,7 @@ from prorsa.core.controller import Controller
 from prorsa.core.decision import Decision
 from prorsa.core.dedupe import DedupeWindow
 from prorsa.core.forecast.table import ApplyResult
+from prorsa.core.types import TickInput
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import Event, Snapshot
 
@@ -277,9 +278,9 @@ class WebhookCluster:
             if now is None and not self.clock.trusted:
                 # The present is the server's guess until the trainer's clock is known: a
                 # trainer whose clock is behind would see its trajectories evicted.
-                return self.controller.tick(self.trainer_now(), evict_now=-math.inf)
+                return self.controller.tick(TickInput(now=self.trainer_now(), evict_now=-math.inf))
             at = self.trainer_now() if now is None else now
-            return self.controller.tick(at, evict_now=self._eviction_now(at))
+            return self.controller.tick(TickInput(now=at, evict_now=self._eviction_now(at)))
 
         return await self._queue.call(
             run, offload=self.limits.offload_ticks, pending=0, control=True

@@ -100,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
     if not events and args.at is None:
         return _fail("no events and no --at: nothing to tick at")
     at = args.at if args.at is not None else max(e.ts for e in events)
+    from prorsa.core.types import TickInput
+
     controller = _replay(cluster, events, at=at, replay_ticks=not args.no_replay_ticks)
-    controller.observe_engines(states)
-    decision = controller.tick(at)
+    decision = controller.tick(TickInput(now=at, engines=tuple(states)))
     print(json.dumps(decision.wire(), indent=2))
     for note in advice:
         print(f"prorsa plan: advice: {note}", file=sys.stderr)
@@ -140,6 +141,7 @@ def _replay(
     """A Controller fed ``events`` up to ``at``, ticking every horizon on the way (as the
     operator would) unless ``replay_ticks`` is off."""
     from prorsa.core.controller import Controller
+    from prorsa.core.types import TickInput
 
     controller = Controller(cluster.spec)
     horizon = controller.horizon
@@ -155,7 +157,7 @@ def _replay(
         while event.ts >= next_tick and next_tick < at:
             controller.observe(events[start:i])
             start = i
-            controller.tick(next_tick)
+            controller.tick(TickInput(now=next_tick))
             next_tick += horizon
     else:
         i = len(events)

@@ -5,13 +5,15 @@ time, the simulator and ``prorsa plan`` in virtual time, so every figure they pr
 measures the code that ships. All times are in the trainer's clock (the webhook corrects
 the trainer's offset before calling in).
 
-The Controller holds what a tick learns from (the trajectory table, the forecaster, θ_P,
-smoothed demand, switch costs, cooldowns) and runs the ten steps of a tick
-(docs/architecture.md, "What a tick does"); the stages are modules of their own, each
-with a typed input: :mod:`prorsa.core.measure` (what the engines and the table say),
-:mod:`prorsa.core.demand` (the demand of the next horizon) and :mod:`prorsa.core.switch_plan`
-(hold rules and the priced switch plan), with the values that cross between them in
-:mod:`prorsa.core.types`.
+The Controller is a state machine: it holds what a tick learns from (the trajectory table,
+the forecaster, θ_P, smoothed demand, switch costs, cooldowns) and runs the ten steps of a
+tick (docs/architecture.md, "What a tick does") on one frozen :class:`TickInput` that its
+caller builds. The stages are modules of their own, each with a frozen input:
+:mod:`prorsa.core.measure` (what the engines and the table say), :mod:`prorsa.core.demand`
+(the demand of the next horizon), :mod:`prorsa.core.sizing` (Eq. 1) and
+:mod:`prorsa.core.switch_plan` (hold rules and the priced switch plan), with the values that
+cross between them in :mod:`prorsa.core.types`. A stage that learns returns what it learned
+(the smoothers, the plan's memory) and the Controller keeps it: reading never changes state.
 
 Executor contract: feed engine states with ``switching=True`` for every instance whose
 switch has started (intent written), even before its agent says so, and call
@@ -27,15 +29,16 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from prorsa.core import measure
-from prorsa.core.allocate import Allocation, margin_of, solve
-from prorsa.core.decision import Capacity, Decision, Switch
+from prorsa.core.decision import Decision, Switch
 from prorsa.core.demand import ForecastDemand
-from prorsa.core.diagnostics import Diagnostics
-from prorsa.core.estimators import DemandSmoother, PrefillSpeed, PrefixCacheHits
+from prorsa.core.estimators import DemandSmoother
+from prorsa.core.explain import explain
 from prorsa.core.forecast.config import ForecastConfig
 from prorsa.core.forecast.model import Forecaster
 from prorsa.core.forecast.persist import export_state, restore_state
 from prorsa.core.forecast.table import ApplyResult, TrajectoryTable
+from prorsa.core.prefill_speed import PrefillReading, PrefillSpeedMeter
+from prorsa.core.sizing import size
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.core.switch_cost import (
     CycleProfile,
@@ -48,6 +51,7 @@ from prorsa.core.switch_cost import (
 )
 from prorsa.core.switch_plan import plan_switches
 from prorsa.core.types import (
+    DecisionInputs,
     Demand,
     DemandInputs,
     DemandSource,
@@ -55,12 +59,13 @@ from prorsa.core.types import (
     PlanInputs,
     RoleCounts,
     Sizing,
+    SizingInputs,
+    TickInput,
 )
 from prorsa_contract.agent_api import EngineState, Role
 from prorsa_contract.events import DecodeFinished, Event, Snapshot
 
 HIT_WINDOW_HORIZONS = 6  # the prefix-cache hit ratio is measured over this many horizons
-MIN_MISS_RATIO = 0.02  # θ_P is never read as more than 50× the uncached speed
 
 
 def _forecast_config(spec: RolloutClusterSpec, base: ForecastConfig) -> ForecastConfig:
@@ -96,32 +101,23 @@ class Controller:
             table=self.table, forecaster=self.forecaster
         )
         profiled = spec.capacity.prefill_tokens_per_second
-        # θ_P from trainer events counts full prompts, as §4.2 asks; the agents' counters
-        # count only tokens not served from the prefix cache, so they are the fallback.
-        self.theta_events = PrefillSpeed(profiled=profiled)
-        self.theta_engines = PrefillSpeed(profiled=profiled)
-        # θ_P = θ_uncached / (1 − h): the profiled speed of computed tokens over the measured
-        # miss ratio, whenever both the trainer and the agents report prefills.
-        self.cache_hits = PrefixCacheHits(window=HIT_WINDOW_HORIZONS * self.horizon)
-        self._computed: dict[str, int] = {}  # instance -> agent's uncached-token counter
-        self._computed_new = 0
-        self._computed_total = 0.0  # every uncached token the agents counted
-        self._recomputed = 0.0  # see Diagnostics.recomputed_tokens
-        self._prefilled_seen = 0.0
-        self._miss_ratio: float | None = None
+        self.prefill_speed = PrefillSpeedMeter(
+            profiled=profiled, hit_window=HIT_WINDOW_HORIZONS * self.horizon
+        )
+        # θ_P and the prefix-cache hit ratio as step 2 of the latest tick read them.
+        self._prefill = PrefillReading(
+            theta=profiled, miss_ratio=None, calibration=None, recomputed=0.0
+        )
         self.smoother = DemandSmoother(seconds=spec.switching.smoothing_seconds)
         self.share_smoother = DemandSmoother(seconds=spec.switching.payoff_seconds)
-        self._expected_seen = 0.0
-        self._calibration: float | None = None
         self.ttl = ttl_seconds if ttl_seconds is not None else max(3600.0, 100 * self.horizon)
         self._engines: dict[str, EngineState] = {}
-        self._counters: dict[str, tuple[float, int]] = {}  # instance -> (busy s, tokens)
         self._issued: dict[str, Role] = {}
         self._cooldown_until: dict[str, float] = {}
         self._assumed_prefill = spec.initial_prefill()
         self.switch_costs = SwitchCosts()
         self.regret = Regret()
-        self.persistence = Persistence(prior=spec.switching.payoff_seconds)
+        self.persistence = Persistence(seconds=spec.switching.payoff_seconds)
         self.cycle = CycleProfile()
         self._payoff_prior = spec.switching.payoff_seconds
         # The latest Decision: one reference to a frozen object, safe to read from any task.
@@ -148,15 +144,14 @@ class Controller:
         for ema in (forecaster.tool, forecaster.growth, forecaster.template):
             ema.alpha = spec.forecast.tool_ema_alpha
         profiled = spec.capacity.prefill_tokens_per_second
-        self.theta_events.profiled = self.theta_engines.profiled = profiled
-        self.cache_hits.window = HIT_WINDOW_HORIZONS * self.horizon
-        self.smoother.seconds = spec.switching.smoothing_seconds
+        self.prefill_speed.follow(profiled=profiled, hit_window=HIT_WINDOW_HORIZONS * self.horizon)
+        self.smoother = replace(self.smoother, seconds=spec.switching.smoothing_seconds)
         ttl = self._ttl_override
         self.ttl = ttl if ttl is not None else max(3600.0, 100 * self.horizon)
         payoff = spec.switching.payoff_seconds
-        self.share_smoother.seconds = payoff
+        self.share_smoother = replace(self.share_smoother, seconds=payoff)
         if self.persistence.seconds == self._payoff_prior:  # no run of demand measured yet
-            self.persistence.seconds = payoff
+            self.persistence = replace(self.persistence, seconds=payoff)
         self._payoff_prior = payoff
         if self.last_decision is None and not self._engines:
             self._assumed_prefill = spec.initial_prefill()
@@ -193,8 +188,7 @@ class Controller:
                 self._cooldown_until[name] = max(
                     self._cooldown_until.get(name, -math.inf), self._now_hint()
                 )
-            self._engine_interval(s)
-            self._count_computed(s)
+            self.prefill_speed.observe_engine(s)
         self._engines = fresh
         # A switch ends when its instance's state says it is not switching, or at
         # record_switch; a state that is missing (a read the agent missed) ends nothing.
@@ -207,24 +201,6 @@ class Controller:
         """Best guess of the present for cooldowns noticed between ticks."""
         last = self.last_decision.at if self.last_decision else -math.inf
         return max(last, self.table.last_event_ts or -math.inf)
-
-    def _engine_interval(self, s: EngineState) -> None:
-        """θ_P from the agent's cumulative busy-time counters (two readings, §4.2)."""
-        prev = self._counters.get(s.instance)
-        cur = (s.prefill_busy_seconds, s.prefill_tokens)
-        if prev is None or cur[0] < prev[0] or cur[1] < prev[1]:
-            self._counters[s.instance] = cur  # first reading, or the engine restarted
-            return
-        busy, tokens = cur[0] - prev[0], cur[1] - prev[1]
-        if busy >= 1.0 and s.waiting_requests == 0:
-            self.theta_engines.add_interval(tokens=tokens, seconds=busy)
-            self._counters[s.instance] = cur
-
-    def _count_computed(self, s: EngineState) -> None:
-        prev = self._computed.get(s.instance)
-        self._computed[s.instance] = s.prefill_tokens
-        if prev is not None and s.prefill_tokens >= prev:  # a smaller one: agent restarted
-            self._computed_new += s.prefill_tokens - prev
 
     def resume_switch(self, instance: str, *, to: Role) -> None:
         """A switch a previous operator process started (its intent is on the pod) goes on.
@@ -244,42 +220,13 @@ class Controller:
 
     # -- outputs -----------------------------------------------------------------------------
 
-    @property
-    def theta(self) -> PrefillSpeed:
-        """θ_P from completed busy intervals: from events when any was measured, else engines."""
-        return self.theta_events if self.theta_events.measured else self.theta_engines
-
-    def _theta_now(self, now: float) -> float:
-        """The θ_P in use, full-prompt tokens per instance-second (§4.2).
-
-        First choice: the profiled speed of computed tokens over the measured miss ratio
-        (see :class:`PrefixCacheHits`). Without agents that count computed tokens, the busy
-        intervals of §4.2; before any, the profiled speed. The same window gives the
-        calibration of Eq. 13's per-request g (``last_calibration``).
-        """
-        full = self.forecaster.prefilled_tokens
-        self.cache_hits.add_full(now, full - self._prefilled_seen)
-        self._prefilled_seen = full
-        self.cache_hits.add_computed(now, self._computed_new)
-        self._computed_total += self._computed_new
-        self._computed_new = 0
-        expected = self.forecaster.prefilled_computed
-        # Never less than before: agents and trainer events report the same prefill at
-        # slightly different times, and a counter must not go back.
-        self._recomputed = max(self._recomputed, self._computed_total - expected)
-        self.cache_hits.add_expected(now, expected - self._expected_seen)
-        self._expected_seen = expected
-        self._calibration = self.cache_hits.calibration(now)
-        miss = self._miss_ratio = self.cache_hits.miss_ratio(now)
-        if miss is not None:
-            return self.spec.capacity.prefill_tokens_per_second / max(miss, MIN_MISS_RATIO)
-        return self.theta.value
-
     def learned_state(self) -> dict[str, object]:
         """Learned statistics as JSON-able data (persisted by the operator, e.g. ConfigMap):
         the forecaster's, θ_P's busy intervals, and what switching measured (durations,
         aborts, how long demand leans one way, the step-cycle profile)."""
-        data = export_state(table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        data = export_state(
+            table=self.table, forecaster=self.forecaster, theta=self.prefill_speed.events
+        )
         data["switching"] = export_switching(
             costs=self.switch_costs, persistence=self.persistence, cycle=self.cycle
         )
@@ -288,11 +235,13 @@ class Controller:
     def restore_learned(self, data: dict[str, object]) -> None:
         """Load :meth:`learned_state` output; raises ValueError on an unknown format or a
         malformed field (named in the message)."""
-        restore_state(data, table=self.table, forecaster=self.forecaster, theta=self.theta_events)
+        restore_state(
+            data, table=self.table, forecaster=self.forecaster, theta=self.prefill_speed.events
+        )
         switching = data.get("switching")
         if switching is not None and not isinstance(switching, dict):
             raise ValueError("learned state: switching must be an object")
-        restore_switching(
+        self.persistence = restore_switching(
             switching or {},
             costs=self.switch_costs,
             persistence=self.persistence,
@@ -306,18 +255,21 @@ class Controller:
     def live_trajectories(self) -> dict[str, int]:
         return self.table.state_counts()
 
-    def tick(self, now: float, *, evict_now: float | None = None) -> Decision:
+    def tick(self, tick: TickInput) -> Decision:
         """Decide the prefill:decode split for [now, now + S) and the switches toward it.
 
-        Trajectories silent for longer than the TTL at ``evict_now`` (default ``now``) are
-        evicted. The webhook passes a present that runs no faster than real time, so that
-        an estimate of the trainer's clock that jumps ahead evicts nothing by itself.
+        The Decision's switches are the tick's effects: the caller carries them out and
+        reports each end (:meth:`record_switch`). Trajectories silent for longer than the
+        TTL at ``tick.evict_now`` (default ``tick.now``) are evicted.
         """
+        now = tick.now
         if not math.isfinite(now):
             raise ValueError(f"tick time must be finite, got {now}")
+        if tick.engines is not None:
+            self.observe_engines(tick.engines)
         self.ticks += 1
         # 1. Trajectory table: evict the silent; what prefill engines let go decodes.
-        self._update_table(now, evict_now)
+        self._update_table(now, tick.evict_now)
         # 2. Duration statistics and accuracy: score the windows closed; time prefills.
         self._learn(now)
         # 3. Capacity: the instances usable by role, θ_P, C_KV and K_D.
@@ -327,7 +279,13 @@ class Controller:
         # (Eq. 13-14) forecast, or engine queues while the trainer is silent.
         demand = self.demand_source(inputs)
         # 7. Eq. 1: the best split for the demand expected to persist.
-        sizing = self._size(now, demand, roles)
+        sized = size(
+            self._sizing_inputs(now, roles, demand),
+            smoother=self.smoother,
+            share_smoother=self.share_smoother,
+        )
+        self.smoother, self.share_smoother = sized.smoother, sized.share_smoother
+        sizing = sized.sizing
         # The step-scale target (switching.stepCycle) learns from the trainer's events.
         step_cycle = self.spec.switching.step_cycle and demand.mode == "predictive"
         if step_cycle:
@@ -340,12 +298,15 @@ class Controller:
             regret=self.regret,
             cycle=self.cycle if step_cycle else None,
         )
+        self.persistence, self.regret = plan.persistence, plan.regret
         self._start(plan.switches, at=now)
         if not self._engines:  # no engine has answered: the split assumed next tick
             self._assumed_prefill = plan.target.prefill
         # 10. The Decision: where the split goes, why, and what this tick saw.
-        waited = self._decision_wait(now, sizing, roles, plan)
-        decision = self._decision(now, inputs, sizing, plan, waited)
+        self._lean, waited = decision_wait(
+            self._lean, now, best=sizing.best.prefill, current=roles.prefill, plan=plan
+        )
+        decision = explain(self._decision_inputs(now, inputs, sizing, plan, waited))
         self.last_decision = decision
         return decision
 
@@ -361,16 +322,21 @@ class Controller:
         self.table.infer_admitted(
             now,
             in_prefill=measure.in_prefill(self.engines()),
-            seconds_per_token=1.0 / max(self.theta.value, 1e-9),
+            seconds_per_token=1.0 / max(self.prefill_speed.busy.value, 1e-9),
         )
 
     def _learn(self, now: float) -> None:
         """Step 2: score the forecast windows closed by ``now`` (the WAPE and the forecast's
-        bias factor), and add the prefills the table timed to θ_P's busy intervals."""
-        self.forecaster.accuracy.close_until(now)
-        intervals, self.forecaster.intervals = self.forecaster.intervals, []
+        bias factor), add the prefills the table timed to θ_P's busy intervals, and count
+        the prefills since the last tick toward the prefix-cache hit ratio."""
+        forecaster = self.forecaster
+        forecaster.accuracy.close_until(now)
+        intervals, forecaster.intervals = forecaster.intervals, []
         for tokens, seconds in intervals:
-            self.theta_events.add_interval(tokens=tokens, seconds=seconds)
+            self.prefill_speed.events.add_interval(tokens=tokens, seconds=seconds)
+        self._prefill = self.prefill_speed.fold(
+            now, prefilled=forecaster.prefilled_tokens, expected=forecaster.prefilled_computed
+        )
 
     def _roles(self) -> RoleCounts:
         """Step 3: usable instances by role; a switching one counts as its destination."""
@@ -388,88 +354,37 @@ class Controller:
         return DemandInputs(
             now=now,
             horizon=self.horizon,
-            theta=self._theta_now(now),
+            theta=self._prefill.theta,
             kv_capacity=measure.kv_capacity(engines, configured=capacity.decode_kv_tokens),
             kv_now=measure.decode_kv(engines, self.table),
             prefill_names=roles.names,
             engines=engines,
-            calibration=self._calibration,
+            calibration=self._prefill.calibration,
             capacity=capacity,
             ranks=self.spec.engine.attention_dp_size,
         )
 
-    def _size(self, now: float, demand: Demand, roles: RoleCounts) -> Sizing:
-        """Step 7: Eq. 1 on the demand expected to persist, with its floors, in budget.
-
-        The split is sized for the demand smoothed over ``switching.smoothingSeconds``;
-        switches are priced on this tick's demand for the coming horizon and the smoothed
-        one beyond. The prefix-cache floor is averaged the same way: a burst of new
-        trajectories that is gone a minute later does not flip roles either.
-        """
-        spec, S = self.spec, self.horizon
-        conc = spec.capacity.decode_concurrency
-        throughput = measure.decode_throughput_demand(
-            demand.decoding, roles.decode, concurrency=conc
-        )
-        demand = replace(demand, b=max(demand.b, throughput))
-        cache_now = demand.cache
-        if cache_now is None:
-            cache_now = measure.cache_floor(
+    def _sizing_inputs(self, now: float, roles: RoleCounts, demand: Demand) -> SizingInputs:
+        """Step 7: what Eq. 1 sizes from (:mod:`prorsa.core.sizing`)."""
+        spec = self.spec
+        weight_update = self.table.weight_update.in_progress(now)
+        cache = demand.cache
+        if cache is None and not weight_update:  # (a weight update floors it at 0)
+            cache = measure.cache_floor(
                 self.engines(),
                 self.table,
                 cache_tokens=spec.capacity.prefill_cache_tokens,
                 cache_scale=spec.engine.prefix_cache_scale,
             )
-        if self.table.weight_update.in_progress(now):
-            # New weights flush every prefix cache: nothing cached is worth protecting.
-            cache_now = 0.0
-        work = demand.a * S
-        queued = min(max(demand.queued, 0.0), work)
-        backlog = min(max(demand.burst, 0.0), work - queued)
-        rate_now = (work - queued - backlog) / S
-        knees_now = demand.decoding / conc if conc else 0.0
-        a, b, cache, rate, knees = self.smoother.update(
-            now, demand.a, demand.b, cache_now, rate_now, knees_now
-        )
-        # The share of a turn spent decoding describes the workload, not this minute: it
-        # is averaged over the payoff horizon, so a burst of queued prompts does not turn
-        # long reasoning decodes into prefill-bound turns just when a move is priced.
-        (share,) = self.share_smoother.update(now, measure.decode_share(self.table))
-        a = max(a, cache)
-
-        m_p, m_d = spec.engine.m_prefill, spec.engine.m_decode
-        budget = spec.gpu_budget - m_d * roles.unavailable
-        min_p = min(spec.roles.prefill.min, max(budget, 0) // m_p)
-        min_d = min(spec.roles.decode.min, max(budget - m_p * min_p, 0) // m_d)
-        if budget <= 0:
-            best = Allocation(0, 0, margin_of(0, 0, a, b))
-        else:
-            best = solve(
-                a,
-                b,
-                budget=budget,
-                m_prefill=m_p,
-                m_decode=m_d,
-                min_prefill=min_p,
-                min_decode=min_d,
-                current_prefill=roles.prefill,
-            )
-        return Sizing(
+        return SizingInputs(
+            now=now,
+            horizon=self.horizon,
             demand=demand,
-            a=a,
-            b=b,
-            cache=cache,
-            decode_share=share,
-            # Switches are priced on arrivals (rates) plus the backlog drained once.
-            now_demand=(max(rate_now, cache), demand.b),
-            ahead=(max(rate, cache), b),
-            backlog=backlog,
-            queued=queued,
-            knees=knees,
-            budget=budget,
-            min_prefill=min_p,
-            min_decode=min_d,
-            best=best,
+            counts=roles,
+            cache_floor=cache or 0.0,
+            weight_update=weight_update,
+            decode_share=measure.decode_share(self.table),
+            spec=spec,
         )
 
     def _record_cycle(self, now: float, sizing: Sizing, roles: RoleCounts) -> None:
@@ -501,8 +416,8 @@ class Controller:
             sizing=sizing,
             engines=self.engines(),
             in_progress=roles.switching,
-            cooldown_until=MappingProxyType(self._cooldown_until),
-            contexts=self.table.live_contexts_by_instance,
+            cooldown_until=MappingProxyType(dict(self._cooldown_until)),
+            contexts=MappingProxyType(self.table.live_contexts_by_instance()),
             switch_seconds=self.switch_costs.seconds,
             abort_share=self.switch_costs.abort_share,
             calibration=calibration,
@@ -519,105 +434,55 @@ class Controller:
             kv = self._engines[sw.instance].kv_used_tokens
             self.switch_costs.started(sw.instance, at=at, src=sw.from_, kv_tokens=kv)
 
-    def _decision_wait(
-        self, now: float, sizing: Sizing, roles: RoleCounts, plan: Plan
-    ) -> float | None:
-        """Seconds from Eq. 1's best split leaning away from the split in use to the first
-        switch made toward it (None: no such switch at this tick).
-
-        Part of how late the split follows a change of demand: what the hold rules, the
-        pricing and cooldowns add once the forecast has crossed (``Diagnostics.decision_seconds``,
-        ``prorsa_switch_decision_seconds``); the switch's own drain, router and flip follow
-        (``prorsa_switch_duration_seconds``).
-        """
-        best, cur = sizing.best.prefill, roles.prefill
-        lean: Role | None = "prefill" if best > cur else "decode" if best < cur else None
-        if lean is None:
-            self._lean = None
-        elif self._lean is None or self._lean[0] != lean:
-            self._lean = (lean, now, False)
-        toward = [sw for sw in plan.switches if self._lean and sw.to == self._lean[0]]
-        if not toward or self._lean is None or self._lean[2]:
-            return None
-        way, since, _ = self._lean
-        self._lean = (way, since, True)
-        return now - since
-
-    def _decision(
-        self,
-        now: float,
-        inputs: DemandInputs,
-        sizing: Sizing,
-        plan: Plan,
-        waited: float | None = None,
-    ) -> Decision:
-        """Step 10: the Decision, its reason, and the Diagnostics of what this tick saw."""
-        demand, best, target = sizing.demand, sizing.best, plan.target
-        a, b, cache = sizing.a, sizing.b, sizing.cache
-        notes = [demand.note] if demand.note else []
-        if sizing.budget <= 0:
-            notes.append("no instance is available")
-        if plan.held:
-            notes.append(plan.held)
-        if best.margin < 0:
-            ratio = 1.0 + best.margin  # capacity over demand on the tighter side
-            notes.append(
-                f"over budget: the tighter side needs {1 / ratio:.2f}x the capacity"
-                if ratio > 0
-                else "over budget: a role with demand has no instance"
-            )
-        notes += plan.notes
-        reason = f"prefill demand {demand.a:.2f} inst, decode KV {demand.b:.2f} inst"
-        if self.smoother.seconds:
-            reason += f" (planned on {a:.2f}/{b:.2f} over {self.smoother.seconds:.0f}s)"
-        reason += f"; best margin at {best.prefill}P:{best.decode}D"
-        if cache > 0 and cache >= a:
-            notes.append(f"live contexts fill the prefix caches of {cache:.2f} prefill instances")
-        if self._miss_ratio is not None:
-            hit = 1.0 - self._miss_ratio
-            notes.append(f"θ_P {inputs.theta:.0f} tok/s at prefix-cache hit ratio {hit:.0%}")
-        if notes:
-            reason += "; " + "; ".join(notes)
-        acc = self.forecaster.accuracy
-        waiting, oldest = self.table.prefill_waiting(now)
-        diagnostics = Diagnostics(
-            demand=(demand.a, demand.b),
-            planned=(a, b),
-            cache_floor=cache,
-            decode_share=sizing.decode_share,
-            kv_now=inputs.kv_now,
-            miss_ratio=self._miss_ratio,
-            calibration=self._calibration,
-            moves=plan.moves,
-            made=plan.moves[: len(plan.switches)],
-            best=(best.prefill, best.decode),
-            forecast=demand.forecast_result,
-            prefill_wape=acc.prefill_wape,
-            decode_wape=acc.decode_wape,
-            trajectories=MappingProxyType(self.table.state_counts()),
-            anomalies=MappingProxyType(dict(self.table.anomalies)),
-            last_event_ts=self.table.last_event_ts,
-            generated_tokens=self.table.generated_tokens,
-            prefill_waiting=waiting,
-            prefill_oldest_wait=oldest,
-            decode_waiting=measure.decode_waiting(inputs.engines),
-            recomputed_tokens=self._recomputed,
-            decision_seconds=waited,
+    def _decision_inputs(
+        self, now: float, measured: DemandInputs, sizing: Sizing, plan: Plan, waited: float | None
+    ) -> DecisionInputs:
+        """Step 10: what the Decision is explained from."""
+        acc, table = self.forecaster.accuracy, self.table
+        return DecisionInputs(
+            now=now,
+            measured=measured,
+            sizing=sizing,
+            plan=plan,
+            waited=waited,
+            smoothing_seconds=self.smoother.seconds,
+            miss_ratio=self._prefill.miss_ratio,
+            calibration=self._prefill.calibration,
+            recomputed_tokens=self._prefill.recomputed,
+            wape=(acc.prefill_wape, acc.decode_wape),
+            trajectories=MappingProxyType(table.state_counts()),
+            anomalies=MappingProxyType(dict(table.anomalies)),
+            last_event_ts=table.last_event_ts,
+            generated_tokens=table.generated_tokens,
+            prefill_waiting=table.prefill_waiting(now),
         )
-        return Decision(
-            at=now,
-            mode=demand.mode,
-            target=target,
-            safety_margin=round(margin_of(target.prefill, target.decode, a, b), 4),
-            forecast=demand.forecast,
-            capacity=Capacity(
-                prefill_tokens_per_second=round(inputs.theta, 3),
-                decode_kv_tokens=inputs.kv_capacity,
-            ),
-            switches=plan.switches,
-            reason=reason,
-        ).explained(diagnostics)
 
     def engines(self) -> tuple[EngineState, ...]:
         """The latest state of every engine that answered, in the order given."""
         return tuple(self._engines.values())
+
+
+Lean = tuple[Role, float, bool]
+
+
+def decision_wait(
+    lean: Lean | None, now: float, *, best: int, current: int, plan: Plan
+) -> tuple[Lean | None, float | None]:
+    """Seconds from Eq. 1's best split leaning away from the split in use to the first
+    switch made toward it (None: no such switch at this tick), and the lean to keep.
+
+    ``lean`` is since when the best split (``best`` prefill instances) has leaned away from
+    the one in use (``current``), which way ("prefill": more prefill instances), and whether
+    a switch that way was made since. The wait is part of how late the split follows a
+    change of demand: what the hold rules, the pricing and cooldowns add once the forecast
+    has crossed (``Diagnostics.decision_seconds``, ``prorsa_switch_decision_seconds``); the
+    switch's own drain, router and flip follow (``prorsa_switch_duration_seconds``).
+    """
+    way: Role | None = "prefill" if best > current else "decode" if best < current else None
+    if way is None:
+        return None, None
+    if lean is None or lean[0] != way:
+        lean = (way, now, False)
+    if lean[2] or not any(sw.to == way for sw in plan.switches):
+        return lean, None
+    return (way, lean[1], True), now - lean[1]

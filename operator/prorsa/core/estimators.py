@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, replace
 
 
 class PrefillSpeed:
@@ -66,6 +67,7 @@ class PrefillSpeed:
             self.add_interval(tokens=float(tokens), seconds=float(seconds))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DemandSmoother:
     """Exponentially weighted means of the demands (a, b, ...): what the split is sized for.
 
@@ -78,34 +80,41 @@ class DemandSmoother:
     normalised, so the first ticks average what has been seen instead of being pulled
     toward zero. ``seconds`` = 0 passes each tick's demand through unchanged. Every tick
     passes the same number of values, each smoothed on its own with the same weights.
+
+    A value, like the stages' inputs: :meth:`fold` returns the smoother with a tick folded
+    in, and the sizing stage hands it back to the Controller to keep.
     """
 
-    __slots__ = ("_at", "_sums", "_weight", "seconds")
+    seconds: float
+    at: float | None = None
+    sums: tuple[float, ...] = ()
+    weight: float = 0.0
 
-    def __init__(self, *, seconds: float) -> None:
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            raise ValueError(f"smoothing seconds must be finite and >= 0, got {seconds}")
-        self.seconds = seconds
-        self._at: float | None = None
-        self._sums: list[float] = []
-        self._weight = 0.0
+    def __post_init__(self) -> None:
+        if not (self.seconds >= 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"smoothing seconds must be finite and >= 0, got {self.seconds}")
 
-    def update(self, now: float, *values: float) -> tuple[float, ...]:
-        """Fold in this tick's demands; returns them smoothed, in the same order."""
+    def fold(self, now: float, *values: float) -> tuple[DemandSmoother, tuple[float, ...]]:
+        """Fold in this tick's demands: the next smoother, and the demands smoothed (in the
+        same order). With ``seconds`` = 0 both pass through: nothing is kept."""
         if self.seconds == 0:
-            return values
-        decay = 1.0 if self._at is None else math.exp(-max(now - self._at, 0.0) / self.seconds)
-        sums = self._sums or [0.0] * len(values)
-        self._sums = [decay * s + v for s, v in zip(sums, values, strict=True)]
-        self._weight = decay * self._weight + 1.0
-        self._at = now
-        return self.value
+            return self, values
+        decay = 1.0 if self.at is None else math.exp(-max(now - self.at, 0.0) / self.seconds)
+        sums = self.sums or (0.0,) * len(values)
+        nxt = replace(
+            self,
+            at=now,
+            sums=tuple(decay * s + v for s, v in zip(sums, values, strict=True)),
+            weight=decay * self.weight + 1.0,
+        )
+        return nxt, nxt.value
 
     @property
     def value(self) -> tuple[float, ...]:
-        if self._weight == 0:
-            return tuple(0.0 for _ in self._sums)
-        return tuple(s / self._weight for s in self._sums)
+        """The smoothed demands of the ticks folded in so far."""
+        if self.weight == 0:
+            return tuple(0.0 for _ in self.sums)
+        return tuple(s / self.weight for s in self.sums)
 
 
 class PrefixCacheHits:

@@ -121,6 +121,7 @@ class SwitchCosts:
             self.abort_share += EMA_WEIGHT * (share - self.abort_share)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Persistence:
     """How long a shift of demand lasts: the payoff horizon a move can count on.
 
@@ -128,25 +129,26 @@ class Persistence:
     the instances chasing it have switched, every switch is lost twice over. The target
     split of Eq. 1 says which way demand leans; this measures how long it keeps leaning
     one way (an exponential mean of the runs of the same direction), and a move counts
-    its gain over that long at most. Before any run has ended it says ``prior``.
+    its gain over that long at most. Before any run has ended it says ``seconds`` (the
+    prior). A value: :meth:`after` returns the next one, which the switch plan hands back.
     """
 
-    __slots__ = ("_since", "_toward", "seconds")
+    seconds: float
+    toward: str | None = None
+    since: float | None = None
 
-    def __init__(self, *, prior: float) -> None:
-        self.seconds = prior
-        self._toward: str | None = None
-        self._since: float | None = None
-
-    def update(self, now: float, *, toward: str | None) -> float:
-        if toward != self._toward:
-            if self._toward is not None and self._since is not None:
-                run = max(now - self._since, 0.0)
-                self.seconds += EMA_WEIGHT * (run - self.seconds)
-            self._toward, self._since = toward, now
-        return self.seconds
+    def after(self, now: float, *, toward: str | None) -> Persistence:
+        """The measure once demand leans ``toward`` at ``now`` (None: it does not lean)."""
+        if toward == self.toward:
+            return self
+        seconds = self.seconds
+        if self.toward is not None and self.since is not None:
+            run = max(now - self.since, 0.0)
+            seconds += EMA_WEIGHT * (run - seconds)
+        return Persistence(seconds=seconds, toward=toward, since=now)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Regret:
     """Wall seconds the current split has lost so far against one move toward the target.
 
@@ -155,28 +157,27 @@ class Regret:
     what the move would have saved since the last one (at the smoothed demand); the sum
     counts toward the move's gain, and starts over when the target's direction changes,
     when a move is made, or when the current split is the target. Noise that favours
-    each direction in turn therefore never builds up, while a real shift does.
+    each direction in turn therefore never builds up, while a real shift does. A value:
+    :meth:`after` returns the next one, which the switch plan hands back.
     """
 
-    __slots__ = ("_at", "seconds", "toward")
+    toward: str | None = None
+    seconds: float = 0.0
+    at: float | None = None
 
-    def __init__(self) -> None:
-        self.toward: str | None = None
-        self.seconds = 0.0
-        self._at: float | None = None
-
-    def update(self, now: float, *, toward: str | None, rate: float) -> float:
+    def after(self, now: float, *, toward: str | None, rate: float) -> Regret:
         """Add ``rate`` (seconds saved per second) since the last tick, toward ``toward``."""
-        dt = 0.0 if self._at is None else max(now - self._at, 0.0)
-        self._at = now
+        dt = 0.0 if self.at is None else max(now - self.at, 0.0)
+        seconds = self.seconds
         if toward != self.toward:
-            self.toward, self.seconds = toward, 0.0
+            seconds = 0.0
         if toward is not None and math.isfinite(rate):
-            self.seconds = max(0.0, self.seconds + rate * dt)
-        return self.seconds
+            seconds = max(0.0, seconds + rate * dt)
+        return Regret(toward=toward, seconds=seconds, at=now)
 
-    def reset(self) -> None:
-        self.seconds = 0.0
+    def reset(self) -> Regret:
+        """Start over (a move was made): nothing lost yet toward the same target."""
+        return replace(self, seconds=0.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -559,13 +560,14 @@ def export_switching(
 
 def restore_switching(
     data: dict[str, Any], *, costs: SwitchCosts, persistence: Persistence, cycle: CycleProfile
-) -> None:
+) -> Persistence:
     """Load :func:`export_switching` output; a state saved before it existed loads nothing.
 
     Everything is checked before anything is changed, so a bad section leaves the priors.
+    Returns the persistence measure to go on from (``persistence`` when none was saved).
     """
     if not data:
-        return
+        return persistence
     where = "switching"
     seconds = _number(data, "switchSeconds", where)
     abort = _number(data, "abortShare", where)
@@ -580,9 +582,9 @@ def restore_switching(
     saved = _section(data, "cycle")
     profile = _cycle(saved) if saved is not None else None
     costs.seconds, costs.abort_share, costs.measured = seconds, abort, int(measured)
-    persistence.seconds = lasting
     if profile is not None:
         cycle.load(**profile)
+    return replace(persistence, seconds=lasting)
 
 
 def _cycle(data: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ making now. The hold rules keep the current split while it is good enough; each 
 toward the target is then one instance, priced in seconds of wall time against what it
 saves over the payoff horizon (:mod:`prorsa.core.switch_cost`), and made while it pays.
 The plan's memory, how long demand keeps leaning one way (:class:`Persistence`) and what
-holding has cost so far (:class:`Regret`), is passed in and updated.
+holding has cost so far (:class:`Regret`), is passed in as values, and the plan returns
+the memory after this tick for the Controller to keep.
 
 With ``switching.stepCycle`` (the default) and the trainer's events flowing, the target
 is the step's instead (:class:`CycleProfile`): the split that would have served the last
@@ -57,13 +58,14 @@ def plan_switches(
     Once a weight update has closed a training step, the target is the split that would
     have served the last step's cycle best (:class:`CycleProfile`), not Eq. 1 on the next
     minutes: the re-prefill burst after each update and the calm once caches refill are
-    two phases of one cycle, and chasing each pays a switch both ways every step.
+    two phases of one cycle, and chasing each pays a switch both ways every step. The
+    step-scale plan leaves ``persistence`` and ``regret`` as they were.
     """
     sized = inputs.sizing
     cur_p, cur_d = inputs.current
     forced = cur_p < sized.min_prefill or cur_d < sized.min_decode
     if cycle is not None and not forced:
-        plan = _cycle_plan(inputs, cycle)
+        plan = _cycle_plan(inputs, cycle, persistence=persistence, regret=regret)
         if plan is not None:
             return plan
         if HOLD_WHILE_LEARNING:
@@ -74,6 +76,8 @@ def plan_switches(
                 moves=(),
                 held=why,
                 notes=(),
+                persistence=persistence,
+                regret=regret,
             )
     target, held = hold(
         sized.best,
@@ -87,19 +91,20 @@ def plan_switches(
     # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
     best = sized.best
     lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
-    payoff = min(persistence.update(inputs.now, toward=lean), inputs.switching.payoff_seconds)
+    persistence = persistence.after(inputs.now, toward=lean)
+    payoff = min(persistence.seconds, inputs.switching.payoff_seconds)
     load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff)
     step = (target.prefill > cur_p) - (target.prefill < cur_p)
     toward = {1: "prefill", -1: "decode"}.get(step)
     rate = 1.0 - slowdown(cur_p + step, cur_d - step, load) / slowdown(cur_p, cur_d, load)
-    lost = regret.update(inputs.now, toward=toward, rate=rate if toward else 0.0)
+    regret = regret.after(inputs.now, toward=toward, rate=rate if toward else 0.0)
     switches, moves = _priced_moves(
-        inputs, target, demand=load, forced=forced, regret=lost, payoff=payoff
+        inputs, target, demand=load, forced=forced, regret=regret.seconds, payoff=payoff
     )
     made = [m for m in moves if m.worth_it or forced]
     notes = []
     if made:
-        regret.reset()
+        regret = regret.reset()
         notes.append("switching: " + "; ".join(m.describe() for m in made))
     if len(made) < len(moves):
         # The next move does not pay for itself: aim where the made ones lead.
@@ -112,10 +117,14 @@ def plan_switches(
         moves=tuple(moves),
         held=held,
         notes=tuple(notes),
+        persistence=persistence,
+        regret=regret,
     )
 
 
-def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
+def _cycle_plan(
+    inputs: PlanInputs, cycle: CycleProfile, *, persistence: Persistence, regret: Regret
+) -> Plan | None:
     """The plan toward the split the last step's cycle favours (None: no cycle closed yet).
 
     Each move toward it is credited with the share of a cycle it saves (one split nearer
@@ -152,7 +161,15 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
     target = Target(prefill=best[0], decode=best[1])
     if best == (cur_p, cur_d):
         why = f"holding {cur_p}P:{cur_d}D: the split the last step's cycle ({length:.0f}s) favours"
-        return Plan(target=target, switches=(), moves=(), held=why, notes=())
+        return Plan(
+            target=target,
+            switches=(),
+            moves=(),
+            held=why,
+            notes=(),
+            persistence=persistence,
+            regret=regret,
+        )
     payoff = inputs.switching.payoff_seconds
 
     def gain_of(before: tuple[int, int], after: tuple[int, int]) -> float:
@@ -181,7 +198,13 @@ def _cycle_plan(inputs: PlanInputs, cycle: CycleProfile) -> Plan | None:
         reached = cur_p + step * len(made)
         target = Target(prefill=reached, decode=total - reached)
     return Plan(
-        target=target, switches=tuple(switches), moves=tuple(moves), held="", notes=tuple(notes)
+        target=target,
+        switches=tuple(switches),
+        moves=tuple(moves),
+        held="",
+        notes=tuple(notes),
+        persistence=persistence,
+        regret=regret,
     )
 
 
@@ -269,7 +292,7 @@ def _priced_moves(
         and not s.switching
         and inputs.cooldown_until.get(s.instance, -math.inf) <= inputs.now
     ]
-    contexts = inputs.contexts()
+    contexts = inputs.contexts
 
     def lost_by(s: EngineState) -> float:
         return lost_tokens(

@@ -1,25 +1,47 @@
 """What crosses between the Controller and the stages of its tick.
 
-A tick measures the engines (:mod:`prorsa.core.measure`), asks a demand source for the
-next horizon's demand (:mod:`prorsa.core.demand`), sizes the split with Eq. 1 and plans the
-switches toward it (:mod:`prorsa.core.switch_plan`). Each stage takes one of these frozen values
-and returns another, never the Controller itself: a stage can be read and tested alone,
-and replaced, as the simulator's oracle replaces the demand source with the true demand.
+A tick takes one :class:`TickInput` from its caller, measures the engines
+(:mod:`prorsa.core.measure`), asks a demand source for the next horizon's demand
+(:mod:`prorsa.core.demand`), sizes the split with Eq. 1 (:mod:`prorsa.core.sizing`) and plans
+the switches toward it (:mod:`prorsa.core.switch_plan`). Each stage takes one of these frozen
+values and returns another, never the Controller itself: a stage can be read and tested
+alone, and replaced, as the simulator's oracle replaces the demand source with the true
+demand. They hold values only, no callable and no view of the Controller's tables, so what
+a stage saw is what it was given. What a stage learns (smoothed demand, how long demand
+leans one way, what holding has cost) comes back in its result, for the Controller to keep.
 The Decision that a tick returns is the wire contract of :mod:`prorsa.core.decision`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from prorsa.core.allocate import Allocation
 from prorsa.core.decision import Forecast, Switch, Target
 from prorsa.core.forecast.model import ForecastResult
-from prorsa.core.spec import CapacitySpec, SwitchingSpec
-from prorsa.core.switch_cost import Move
+from prorsa.core.spec import CapacitySpec, RolloutClusterSpec, SwitchingSpec
+from prorsa.core.switch_cost import Move, Persistence, Regret
 from prorsa_contract.agent_api import EngineState
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TickInput:
+    """One tick's input from its caller: when, and what the engines said.
+
+    The operator, ``prorsa plan`` and the simulator build it. The trainer's lifecycle
+    events are not part of it: they arrive between ticks (``Controller.observe``), and the
+    trajectory table they feed is state the Controller holds and learns from.
+    """
+
+    now: float  # the trainer's clock: the tick decides for [now, now + S)
+    # The present for evicting silent trajectories (None: ``now``; the earlier of the two
+    # counts). The webhook passes one that runs no faster than real time.
+    evict_now: float | None = None
+    # The engines' /v1/state read for this tick, observed before it runs (an absent
+    # instance is unavailable); None: the states ``Controller.observe_engines`` gave last.
+    engines: tuple[EngineState, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +113,22 @@ class DemandSource(Protocol):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SizingInputs:
+    """What Eq. 1 sizes the split from at one tick (:func:`prorsa.core.sizing.size`)."""
+
+    now: float
+    horizon: float
+    demand: Demand  # this horizon's, from the demand source
+    counts: RoleCounts  # usable instances by role now
+    # Prefill instances whose caches hold every live context now: the demand source's
+    # figure, else the Controller's (measure.cache_floor).
+    cache_floor: float
+    weight_update: bool  # a weight update is under way: new weights flush every cache
+    decode_share: float  # this tick's share of a turn spent decoding (measure.decode_share)
+    spec: RolloutClusterSpec  # budget, instance sizes, role minimums, decode concurrency
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Sizing:
     """Eq. 1 at one tick: the demand the split is sized for, and the best split."""
 
@@ -122,10 +160,10 @@ class PlanInputs:
     sizing: Sizing
     engines: tuple[EngineState, ...]
     in_progress: int  # switches under way (RoleCounts.switching), answered this tick or not
-    cooldown_until: Mapping[str, float]  # instance -> end of its cooldown
+    cooldown_until: Mapping[str, float]  # instance -> end of its cooldown (a copy)
     # Live context tokens by the instance their last prefill ran on: what each prefix cache
-    # is worth. A pass over the trajectory table, read only when a move is priced.
-    contexts: Callable[[], Mapping[str, float]]
+    # is worth (a copy, taken from the trajectory table this tick).
+    contexts: Mapping[str, float]
     switch_seconds: float  # measured duration of one switch
     abort_share: float  # measured share of a decode instance's KV aborted by a switch
     calibration: float | None  # as in DemandInputs
@@ -143,3 +181,30 @@ class Plan:
     moves: tuple[Move, ...]  # every move priced, made or not
     held: str  # why the hold rules keep the current split ("": they do not)
     notes: tuple[str, ...]  # the moves made and the first one that did not pay
+    # The plan's memory after this tick, for the Controller to keep for the next one.
+    persistence: Persistence
+    regret: Regret
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecisionInputs:
+    """What step 10 explains the Decision from (:func:`prorsa.core.explain.explain`): the
+    stages' results and what the Controller's own state says at this tick."""
+
+    now: float
+    measured: DemandInputs
+    sizing: Sizing
+    plan: Plan
+    # Seconds from Eq. 1's best split leaning away to the first switch toward it (None:
+    # no such switch at this tick).
+    waited: float | None
+    smoothing_seconds: float  # switching.smoothingSeconds (0: demand not smoothed)
+    miss_ratio: float | None  # the prefix-cache miss ratio behind θ_P, when measured
+    calibration: float | None  # as in DemandInputs
+    recomputed_tokens: float  # see Diagnostics.recomputed_tokens
+    wape: tuple[float | None, float | None]  # the forecast's (prefill, decode) WAPE
+    trajectories: Mapping[str, int]  # live trajectories per lifecycle state (a copy)
+    anomalies: Mapping[str, int]  # trainer-event anomalies per kind (a copy)
+    last_event_ts: float | None
+    generated_tokens: int
+    prefill_waiting: tuple[int, float]  # prompts whose prefill has not ended, oldest wait

@@ -19,6 +19,7 @@ from typing import Any
 
 from prorsa.core.controller import Controller
 from prorsa.core.spec import parse_cluster
+from prorsa.core.types import TickInput
 from prorsa.process import tune_gc
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import parse_batch, parse_events
@@ -224,7 +225,7 @@ def bench_ticks(sizes: list[int], quick: bool) -> list[dict[str, float]]:
         times = []
         for k in range(reps):
             start = time.perf_counter()
-            controller.tick(now + 0.01 * k)
+            controller.tick(TickInput(now=now + 0.01 * k))
             times.append((time.perf_counter() - start) * 1e3)
         times.sort()
         p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
 from prorsa.core.measure import CACHE_FILL
-from prorsa.core.types import Demand, DemandInputs
+from prorsa.core.types import Demand, DemandInputs, TickInput
 from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
@@ -240,8 +240,7 @@ class Prorsa(_Planned):
         t0 = time.perf_counter()
         result = c.observe(sim.trainer.drain_outbox())
         self.anomalies += result.anomalies
-        c.observe_engines(sim.cluster.engine_states())
-        decision = c.tick(now)
+        decision = c.tick(TickInput(now=now, engines=tuple(sim.cluster.engine_states())))
         self.tick_seconds += time.perf_counter() - t0
         self.decisions += 1
         if scheduled:  # one prediction per horizon window, as the WAPE is scored
