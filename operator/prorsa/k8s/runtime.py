@@ -26,6 +26,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from prorsa.clusters import WebhookCluster
+from prorsa.core.actions import ActionState, decide_actions
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.k8s import groups, lws
@@ -85,14 +86,12 @@ class ClusterRuntime:
     agent_ca: str | None = None
     generation: int = 0
     executor: SwitchExecutor | None = None
-    bootstrapped: bool = False
-    _bootstrap_started: bool = False  # this process began bringing engines to initial
+    actions: ActionState = field(default_factory=ActionState)  # the bootstrap and the gate's
     ticks: int = 0
     last_status: dict[str, Any] = field(default_factory=dict)
     _conditions: dict[str, dict[str, str]] = field(default_factory=dict)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _last_advice: tuple[tuple[str, str, str], ...] = ()
     _last_failure: str | None = None  # the failed tick last reported as an Event
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _last_refusal: str | None = None  # the pod refusal last reported as an Event
@@ -310,34 +309,31 @@ class ClusterRuntime:
             time.perf_counter() - start
         )
         mode = self.spec.switching.mode
-        # Bringing fresh engines to roles.prefill.initial is deploying the cluster, not a
-        # decision: it runs in every mode, so a Recommend or Off cluster serves too (all
-        # engines start as decode, and PD without a prefill engine serves nothing).
-        bootstrap = [] if self.bootstrapped else self._bootstrap(states)
-        # What the Controller expected each of its switches to save and cost (a bootstrap
-        # switch is not priced).
-        diag = decision.diagnostics
-        priced = {m.instance: m for m in diag.made} if diag is not None else {}
-        if bootstrap:
-            await self._start_switches(bootstrap, pods)
-        elif mode == "Auto":
-            started = await self._start_switches(decision.switches, pods)
-            moves = [priced[s.instance] for s in started if s.instance in priced]
+        actions = decide_actions(
+            decision=decision,
+            mode=mode,
+            spec=self.spec,
+            states=states.values(),
+            state=self.actions,
+        )
+        self.actions = actions.state
+        started = await self._start_switches([o.switch for o in actions.execute], pods)
+        if actions.decided:
+            names = {s.instance for s in started}
+            moves = [
+                o.move for o in actions.execute if o.switch.instance in names and o.move is not None
+            ]
             if moves:
                 self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
-            if started and diag is not None:
-                self.metrics.record_decision_wait(self.namespace, self.name, diag)
-        if mode == "Recommend" and (self.bootstrapped or not self._bootstrap_started):
-            # A dry run: say what Auto would do, once per change of recommendation, and
-            # count what the Controller expected of those switches, as Auto counts the
-            # ones it makes.
-            advice = tuple((s.instance, s.from_, s.to) for s in decision.switches)
-            if advice and advice != self._last_advice:
-                text = ", ".join(f"{i}: {a} -> {b}" for i, a, b in advice)
-                await self.post_event("Normal", "SwitchRecommended", text)
-                moves = [priced[s.instance] for s in decision.switches if s.instance in priced]
-                self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
-            self._last_advice = advice
+            if started and decision.diagnostics is not None:
+                self.metrics.record_decision_wait(self.namespace, self.name, decision.diagnostics)
+        if actions.announce:
+            text = ", ".join(
+                f"{o.switch.instance}: {o.switch.from_} -> {o.switch.to}" for o in actions.announce
+            )
+            await self.post_event("Normal", "SwitchRecommended", text)
+            moves = [o.move for o in actions.announce if o.move is not None]
+            self.metrics.record_priced(self.namespace, self.name, moves, switching_mode=mode)
         await self._trajectory_limit()
         await self._write_status(decision, pods, states)
         if self.options.persist and self.ticks % PERSIST_EVERY_TICKS == 0:
@@ -358,33 +354,6 @@ class ClusterRuntime:
                     "Normal", "SwitchStarted", f"{switch.instance}: {switch.from_} -> {switch.to}"
                 )
         return started
-
-    def _bootstrap(self, states: dict[str, EngineState]) -> list[Switch]:
-        """Bring fresh engines (which all start as decode) to roles.prefill.initial once.
-
-        A cluster that already has a prefill engine when this operator first sees it is
-        running (an operator restart): its split is the Controller's (or the user's, in
-        Recommend and Off), not one to reset to ``initial``.
-        """
-        expected = self.spec.instances
-        healthy = [s for s in states.values() if s.healthy]
-        if len(healthy) < expected:
-            return []  # wait until every engine is up
-        want = self.spec.initial_prefill()
-        have = sum(1 for s in healthy if s.role == "prefill")
-        switching = sum(1 for s in states.values() if s.switching)
-        if have >= want or (have and not self._bootstrap_started):
-            self.bootstrapped = True
-            return []
-        self._bootstrap_started = True
-        slots = self.spec.switching.max_concurrent - switching
-        if slots <= 0:
-            return []
-        todo = sorted(
-            (s for s in healthy if s.role == "decode" and not s.switching),
-            key=lambda s: s.instance,
-        )[: min(want - have, slots)]
-        return [Switch(instance=s.instance, from_="decode", to="prefill") for s in todo]
 
     async def _reconcile_pods(self) -> list[dict[str, Any]]:
         """One engine pod (or group) per index 0..n-1; failed ones are replaced, extra ones
