@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from prorsa.core.decision import Switch
-from prorsa.k8s.agents import AgentClient, agent_address
+from prorsa.engines.agents import AgentClient, agent_address
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
-from prorsa.kopf_handlers import parse_spec
+from prorsa.shell.handlers import parse_spec
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult
 from prorsa_contract.labels import ROLE_LABEL, SWITCH_ANNOTATION
 from prorsa_lab.doubles.stack import cluster_manifest

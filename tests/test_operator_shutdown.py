@@ -13,7 +13,7 @@ from conftest import cluster_runtime, make_spec
 
 from prorsa.core.decision import Switch
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
-from prorsa.operator_process import run_kopf
+from prorsa.shell.process import run_kopf
 from prorsa_contract.agent_api import RoleResult
 
 POD = {"metadata": {"name": "c-engine-1"}, "status": {"podIP": "127.0.0.9"}}

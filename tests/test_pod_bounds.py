@@ -27,7 +27,7 @@ from prorsa.cli import main
 from prorsa.core.spec import GROUP, PLURAL, VERSION, SpecError, parse_cluster
 from prorsa.k8s import crd_manifest, groups, lws
 from prorsa.k8s import objects as obj
-from prorsa.kopf_handlers import OperatorSettings, build_registry
+from prorsa.shell.handlers import OperatorSettings, build_registry
 from prorsa_contract.labels import (
     BOOTSTRAP_ANNOTATION,
     CLUSTER_LABEL,

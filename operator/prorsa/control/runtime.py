@@ -26,17 +26,17 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from prorsa.clusters import WebhookCluster
+from prorsa.control.availability import Availability, DegradedReporter, assess
+from prorsa.control.metrics import OperatorMetrics
 from prorsa.core.actions import ActionState, decide_actions
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.engines.agent_tls import issue_agent_cert
+from prorsa.engines.agents import AgentClient, RouterClient, Unanswered, agent_address
 from prorsa.k8s import groups, lws
 from prorsa.k8s import objects as obj
-from prorsa.k8s.agent_tls import issue_agent_cert
-from prorsa.k8s.agents import AgentClient, RouterClient, Unanswered, agent_address
-from prorsa.k8s.availability import Availability, DegradedReporter, assess
 from prorsa.k8s.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome, utcnow
 from prorsa.k8s.kube import Kube
-from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.labels import (
     AGENT_PORT,
@@ -614,7 +614,7 @@ class ClusterRuntime:
         self, pods: list[dict[str, Any]], states: dict[str, EngineState]
     ) -> Availability:
         """This tick's unavailable engines: logged and posted as Events once per change
-        (:mod:`prorsa.k8s.availability`)."""
+        (:mod:`prorsa.control.availability`)."""
         found = assess(
             pods,
             states,
