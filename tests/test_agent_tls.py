@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prorsa.control.runtime import ClusterRuntime
+from prorsa.control.credentials import AgentCredentials
 from prorsa.engines.agent_tls import IssuedCert, agent_server_name, issue_agent_cert
 from prorsa.engines.agents import AgentClient, agent_address
 from prorsa.k8s import objects
@@ -248,12 +248,14 @@ async def test_the_runtime_issues_the_secret_once_and_trusts_its_ca():
             return True
 
     async def start() -> str | None:
-        runtime = ClusterRuntime.__new__(ClusterRuntime)
-        runtime.namespace, runtime.name, runtime.uid = NAMESPACE, CLUSTER, "u1"
-        runtime.kube = FakeKube()  # type: ignore[assignment]
-        runtime.agent_ca = None
-        await runtime._ensure_agent_tls()
-        return runtime.agent_ca
+        credentials = AgentCredentials(
+            namespace=NAMESPACE,
+            name=CLUSTER,
+            uid="u1",
+            kube=FakeKube(),  # type: ignore[arg-type]
+        )
+        await credentials.ensure_tls()
+        return credentials.ca
 
     first = await start()
     secret = created[f"{CLUSTER}-agent-tls"]

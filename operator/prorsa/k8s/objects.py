@@ -61,6 +61,21 @@ def router_name(cluster: str) -> str:
     return f"{cluster}-router"
 
 
+def owned(manifest: dict[str, Any], *, cluster: str, uid: str) -> dict[str, Any]:
+    """``manifest`` owned by its RolloutCluster: garbage-collected with it."""
+    manifest["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "prorsa.io/v1alpha1",
+            "kind": "RolloutCluster",
+            "name": cluster,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    return manifest
+
+
 def labels(cluster: str, component: str) -> dict[str, str]:
     return {
         MANAGED_BY: "prorsa",
