@@ -478,7 +478,7 @@ CLUSTERS = (("rl", "qwen"), ("rl", "llama"))
 
 
 def fill(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
-    """Series shaped as the running operator writes them (control/status.py StatusWriter.write and friends)."""
+    """Series shaped as the running operator writes them (StatusWriter.write and friends)."""
     for ns, name in CLUSTERS:
         decision = Decision(
             at=1000.0,
