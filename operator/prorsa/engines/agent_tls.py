@@ -23,9 +23,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-AGENT_TLS_CERT_ENV = "PRORSA_AGENT_TLS_CERT_FILE"
-"""Set on engine pods whose agent serves HTTPS: the operator then verifies it."""
-
 VALIDITY = dt.timedelta(days=3650)
 """Ten years: nothing rotates these automatically, and an expired certificate stops every
 switch; delete the Secret to rotate (docs/operations.md)."""

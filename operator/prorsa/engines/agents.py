@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from prorsa.engines.agent_tls import AGENT_TLS_CERT_ENV, agent_server_name
+from prorsa.engines.agent_env import AGENT_TLS_CERT_ENV
+from prorsa.engines.agent_tls import agent_server_name
 from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
 from prorsa_contract.labels import CLUSTER_LABEL
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from prorsa.core import pod_bounds
 from prorsa.core.spec import RolloutClusterSpec
-from prorsa.engines.agent_tls import AGENT_TLS_CERT_ENV
+from prorsa.engines.agent_env import AGENT_TLS_CERT_ENV
 from prorsa_contract.labels import (
     AGENT_COMMAND,
     AGENT_PORT,

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from functools import partial
 from typing import TYPE_CHECKING
 
-from prorsa.core.actions import ActionState, decide_actions
+from prorsa.core.actions import Actions, ActionState, decide_actions
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
 from prorsa.core.measure import CACHE_FILL
@@ -228,6 +228,7 @@ class Prorsa(_Planned):
         self.sim = sim
         self.controller = Controller(sim.spec)
         self.actions = ActionState()
+        self.last_actions: Actions | None = None  # what the last tick carried out
         self.decisions = 0
         self.anomalies = 0
         self.tick_seconds = 0.0
@@ -264,7 +265,7 @@ class Prorsa(_Planned):
             states=states,
             state=self.actions,
         )
-        self.actions = actions.state
+        self.actions, self.last_actions = actions.state, actions
         for order in actions.execute:
             self._execute(sim, order.switch.instance, order.switch.to)
 
