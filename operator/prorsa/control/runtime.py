@@ -136,10 +136,6 @@ class ClusterRuntime:
     def _owned(self, manifest: dict[str, Any]) -> dict[str, Any]:
         return obj.owned(manifest, cluster=self.name, uid=self.uid)
 
-    @property
-    def agent_ca(self) -> str | None:
-        return self.credentials.ca
-
     def router_url(self) -> str | None:
         if not self.spec.router.enabled:
             return None
