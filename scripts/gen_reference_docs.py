@@ -195,8 +195,8 @@ def _metrics(obj: Any) -> list[tuple[str, str, str, str]]:
 
 
 def metrics_blocks() -> dict[str, str]:
+    from prorsa.control.metrics import OperatorMetrics
     from prorsa.ingest.webhook_metrics import WebhookMetrics
-    from prorsa.operator_metrics import OperatorMetrics
     from prorsa_agent.agent_metrics import AgentMetrics
 
     out = {}

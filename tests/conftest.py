@@ -106,7 +106,7 @@ def _guarded_run(run: Callable[..., Any]) -> Callable[..., Any]:
 # Installed once for the session: every child process the tests start passes through it.
 subprocess.Popen.__init__ = _guarded_popen(subprocess.Popen.__init__)  # type: ignore[method-assign]
 try:
-    from prorsa.operator_process import OperatorProcess
+    from prorsa.shell.process import OperatorProcess
 except ModuleNotFoundError:  # no operator extra (`make test-trainers`): no operator to start
     pass
 else:
@@ -176,9 +176,9 @@ def cluster_runtime(
     from prometheus_client import CollectorRegistry
 
     from prorsa.clusters import ClusterRegistry
+    from prorsa.control.metrics import OperatorMetrics
+    from prorsa.control.runtime import ClusterLoopSettings, ClusterRuntime
     from prorsa.core.controller import Controller
-    from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime
-    from prorsa.operator_metrics import OperatorMetrics
 
     handle = ClusterRegistry().add(namespace="rl", name="c", token="t", controller=Controller(spec))
     return ClusterRuntime(

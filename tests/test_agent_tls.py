@@ -1,6 +1,6 @@
 """The agent over HTTPS on loopback, and the operator's client verifying it.
 
-The certificates are the ones the operator issues for a cluster (prorsa.k8s.agent_tls):
+The certificates are the ones the operator issues for a cluster (prorsa.engines.agent_tls):
 a per-cluster CA and a wildcard certificate for ``*.<cluster>-engines.<namespace>.svc``.
 The operator connects to the pod IP and checks the pod's DNS name; a certificate of
 another cluster, an untrusted CA or plain HTTP must each fail before a token is sent.
@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prorsa.control.credentials import AgentCredentials
+from prorsa.engines.agent_tls import IssuedCert, agent_server_name, issue_agent_cert
+from prorsa.engines.agents import AgentClient, agent_address
 from prorsa.k8s import objects
-from prorsa.k8s.agent_tls import IssuedCert, agent_server_name, issue_agent_cert
-from prorsa.k8s.agents import AgentClient, agent_address
-from prorsa.k8s.runtime import ClusterRuntime
 from prorsa_agent.agent_cli import build_config, configure
 from prorsa_agent.config import ConfigError
 from prorsa_contract.agent_api import RoleRequest
@@ -248,12 +248,14 @@ async def test_the_runtime_issues_the_secret_once_and_trusts_its_ca():
             return True
 
     async def start() -> str | None:
-        runtime = ClusterRuntime.__new__(ClusterRuntime)
-        runtime.namespace, runtime.name, runtime.uid = NAMESPACE, CLUSTER, "u1"
-        runtime.kube = FakeKube()  # type: ignore[assignment]
-        runtime.agent_ca = None
-        await runtime._ensure_agent_tls()
-        return runtime.agent_ca
+        credentials = AgentCredentials(
+            namespace=NAMESPACE,
+            name=CLUSTER,
+            uid="u1",
+            kube=FakeKube(),  # type: ignore[arg-type]
+        )
+        await credentials.ensure_tls()
+        return credentials.ca
 
     first = await start()
     secret = created[f"{CLUSTER}-agent-tls"]

@@ -484,9 +484,9 @@ async def operator_https(helm, tmp_path) -> AsyncIterator[Served]:
     with a throwaway certificate for the names the chart's Certificate asks for."""
     from prometheus_client import CollectorRegistry
 
+    from prorsa.engines.agent_tls import issue_serving_cert
     from prorsa.ingest.webhook_metrics import WebhookMetrics
-    from prorsa.k8s.agent_tls import issue_serving_cert
-    from prorsa.operator_process import serve_metrics
+    from prorsa.shell.process import serve_metrics
     from prorsa_contract.serving_tls import ServingCert
 
     certificate = one(render(helm, *EVERYTHING), "Certificate")

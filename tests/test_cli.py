@@ -110,6 +110,28 @@ def test_plan_prints_the_decision(tmp_path: Path, cluster: Path) -> None:
     assert decision["switches"][0]["from"] == "decode"
     # Pure tensor-parallel attention (no --enable-dp-attention): colocation may win.
     assert "prorsa plan: advice: attention is not data-parallel" in out.stderr
+    # A running cluster (it has prefill engines): the operator, in Auto, makes the switches.
+    first = decision["switches"][0]
+    made = f"{first['instance']}: {first['from']} -> {first['to']}"
+    assert f"prorsa plan: switching Auto: the operator would start {made}" in out.stderr
+    # Fresh engines, all decode: the operator's bootstrap runs first, as it would live.
+    for engine in engines:
+        engine["role"] = "decode"
+    (tmp_path / "engines.json").write_text(json.dumps(engines))
+    out = prorsa(
+        "plan",
+        "--cluster",
+        str(cluster),
+        "--events",
+        str(tmp_path / "ev.ndjson"),
+        "--engines",
+        str(tmp_path / "engines.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert (
+        "prorsa plan: bootstrap: the operator would first start qwen3-coder-engine-0: "
+        "decode -> prefill" in out.stderr
+    )
 
 
 def test_plan_at_a_chosen_time_and_from_stdin(cluster: Path) -> None:

@@ -2,7 +2,7 @@
 
 Every PromQL expression in ``charts/prorsa/dashboards/prorsa.json`` (panels, annotations,
 template variables) and in the alert rules is parsed (PyPI ``promql-parser``); each metric it
-selects must be a sample name of ``prorsa.operator_metrics.OperatorMetrics`` or
+selects must be a sample name of ``prorsa.control.metrics.OperatorMetrics`` or
 ``prorsa.ingest.webhook_metrics.WebhookMetrics`` (collected from their registries, not listed here),
 and each label it matches on must be one that metric carries. Then a real Prometheus (Debian's
 binary via ``scripts/ci_tools.py``) scrapes a registry filled through the operator's own
@@ -31,11 +31,11 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
+from prorsa.control.metrics import OperatorMetrics
 from prorsa.core.decision import Capacity, Components, Decision, Forecast, Target
 from prorsa.core.diagnostics import Diagnostics
 from prorsa.core.switch_cost import Move
 from prorsa.ingest.webhook_metrics import WebhookMetrics
-from prorsa.operator_metrics import OperatorMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "charts" / "prorsa" / "dashboards" / "prorsa.json"
@@ -478,7 +478,7 @@ CLUSTERS = (("rl", "qwen"), ("rl", "llama"))
 
 
 def fill(operator: OperatorMetrics, webhook: WebhookMetrics) -> None:
-    """Series shaped as the running operator writes them (runtime._write_status and friends)."""
+    """Series shaped as the running operator writes them (StatusWriter.write and friends)."""
     for ns, name in CLUSTERS:
         decision = Decision(
             at=1000.0,

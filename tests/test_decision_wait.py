@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from test_controller import engines, queue, spec8
 
+from prorsa.control.metrics import OperatorMetrics
 from prorsa.core.controller import Controller
 from prorsa.core.types import TickInput
-from prorsa.operator_metrics import OperatorMetrics
 
 
 def test_a_switch_says_how_long_it_waited_after_the_forecast_crossed(log) -> None:

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from prorsa.core.decision import Switch
-from prorsa.k8s.agents import AgentClient, RouterClient
+from prorsa.engines.agents import AgentClient, RouterClient
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
 from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult

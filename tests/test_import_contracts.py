@@ -155,8 +155,8 @@ def test_a_violation_breaks_its_contract(tree: Path, violation: Violations, cont
 # network, files, clocks, logs, and loading modules by name.
 CORE_NEVER = [
     "aiohttp", "kopf", "kubernetes", "httpx", "prometheus_client",
-    "prorsa.k8s", "prorsa.ingest", "prorsa.clusters", "prorsa.operator_metrics",
-    "prorsa.kopf_handlers", "prorsa.commands", "prorsa.cli", "prorsa.process",
+    "prorsa.k8s", "prorsa.ingest", "prorsa.clusters", "prorsa.engines", "prorsa.control",
+    "prorsa.shell", "prorsa.commands", "prorsa.cli",
     "prorsa_sdk", "prorsa_agent", "prorsa_lab",
     "prorsa_contract.aio", "prorsa_contract.serving_tls",
     "asyncio", "threading", "_thread", "concurrent", "multiprocessing", "subprocess", "signal",

@@ -82,20 +82,20 @@ async def test_refusals_at_the_limit_set_the_condition_and_post_one_warning() ->
               "ts": now, "prompt_tokens": 10, "turn": 0}]
         )  # fmt: skip
 
-    await runtime._trajectory_limit()
-    assert runtime._conditions["TrajectoryLimit"]["status"] == "False"
+    await runtime.status.trajectory_limit(runtime.spec)
+    assert runtime.status.conditions["TrajectoryLimit"]["status"] == "False"
     for name in ("a", "b"):
         await handle.apply(queued(name), received=handle.clock.monotonic())
     for _ in range(2):
         with pytest.raises(TrajectoryLimit):
             await handle.apply(queued("c"), received=handle.clock.monotonic())
-        await runtime._trajectory_limit()
-        condition = runtime._conditions["TrajectoryLimit"]
+        await runtime.status.trajectory_limit(runtime.spec)
+        condition = runtime.status.conditions["TrajectoryLimit"]
         assert (condition["status"], condition["reason"]) == ("True", "MaxLiveTrajectories")
         assert "maxLiveTrajectories (2)" in condition["message"]
     assert [(k, r) for k, r, _ in events] == [("Warning", "TrajectoryLimit")]  # once
-    await runtime._trajectory_limit()  # a tick with no refusal
-    assert runtime._conditions["TrajectoryLimit"]["status"] == "False"
+    await runtime.status.trajectory_limit(runtime.spec)  # a tick with no refusal
+    assert runtime.status.conditions["TrajectoryLimit"]["status"] == "False"
 
 
 def test_the_default_limit_is_what_the_rss_test_fills() -> None:

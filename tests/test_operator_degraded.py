@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from prorsa.control.availability import STARTUP_GRACE_SECONDS, DegradedReporter, assess
 from prorsa.core.spec import GROUP, PLURAL, VERSION
-from prorsa.k8s.agents import Unanswered
-from prorsa.k8s.availability import STARTUP_GRACE_SECONDS, DegradedReporter, assess
+from prorsa.engines.agents import Unanswered
 from prorsa.k8s.crd_manifest import PRINTER_COLUMNS
 from prorsa_contract.agent_api import EngineState
 from prorsa_lab.doubles.sglang_double import FAST_TIMEOUTS

@@ -213,7 +213,7 @@ async def test_a_standby_is_live_and_ready_and_says_it_stands_by() -> None:
     import httpx
 
     from prorsa.k8s.leader import micro_time
-    from prorsa.operator_process import OperatorProcess
+    from prorsa.shell.process import OperatorProcess
 
     async with stack(
         operator_namespace=OPERATOR_NS, leader_election=ELECTION, start_operator=False

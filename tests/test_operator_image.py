@@ -241,8 +241,8 @@ class NotInstalled(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NotInstalled())
-import prorsa.cli, prorsa.commands.operator, prorsa.kopf_handlers, prorsa.k8s.runtime
-import prorsa.ingest, prorsa.operator_metrics
+import prorsa.cli, prorsa.commands.operator, prorsa.shell.handlers, prorsa.control.runtime
+import prorsa.ingest, prorsa.control.metrics
 prorsa.cli.build_parser().parse_args(["operator", "-A"])
 print("ok")
 """

@@ -10,8 +10,8 @@ from typing import Any
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prorsa.control.metrics import OperatorMetrics
 from prorsa.core.switch_cost import Move
-from prorsa.operator_metrics import OperatorMetrics
 
 
 def _diag(*, generated: int, recomputed: float, stale: int, waiting: int = 2) -> Any:

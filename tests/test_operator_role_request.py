@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from prorsa.core.decision import Switch
-from prorsa.k8s.agents import AgentClient, agent_address
-from prorsa.kopf_handlers import parse_spec
+from prorsa.engines.agents import AgentClient, agent_address
+from prorsa.shell.handlers import parse_spec
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
 from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import EngineState, Role, RoleRequest, RoleResult

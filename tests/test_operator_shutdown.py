@@ -12,7 +12,7 @@ import kopf
 from conftest import cluster_runtime, make_spec
 
 from prorsa.core.decision import Switch
-from prorsa.operator_process import run_kopf
+from prorsa.shell.process import run_kopf
 from prorsa.switching.executor import ExecutorSettings, SwitchExecutor, SwitchOutcome
 from prorsa.switching.pod_view import PodView
 from prorsa_contract.agent_api import RoleResult

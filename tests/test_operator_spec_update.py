@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from conftest import cluster_runtime, make_spec
 
-from prorsa.k8s.runtime import ClusterLoopSettings
+from prorsa.control.runtime import ClusterLoopSettings
 from prorsa_lab.doubles.stack import PATIENCE, cluster_manifest, stack
 
 

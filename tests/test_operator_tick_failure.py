@@ -15,7 +15,8 @@ from typing import Any
 from conftest import cluster_runtime, make_spec
 from kubernetes.client.exceptions import ApiException
 
-from prorsa.k8s.runtime import ClusterLoopSettings, tick_failure
+from prorsa.control.runtime import ClusterLoopSettings
+from prorsa.control.status import tick_failure
 
 REFUSAL = (
     'leaderworkersets.leaderworkerset.x-k8s.io is forbidden: User "system:serviceaccount:'

@@ -12,7 +12,7 @@ from conftest import make_spec
 
 from prorsa.core.spec import parse_cluster
 from prorsa.k8s import objects as obj
-from prorsa.kopf_handlers import OperatorSettings, build_registry, parse_spec
+from prorsa.shell.handlers import OperatorSettings, build_registry, parse_spec
 from prorsa_contract.labels import parse_intent, switch_intent
 from prorsa_lab.doubles.stack import cluster_manifest
 
@@ -204,9 +204,9 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
 ) -> None:
     """With --namespace the chart binds Roles only: kopf must not list namespaces or
     watch CRDs then (OperatorSettings.namespaced turns its scanning off)."""
-    from prorsa import operator_process
     from prorsa.cli import build_parser
     from prorsa.commands import operator as command
+    from prorsa.shell import process as operator_process
 
     seen: dict[str, object] = {}
 
@@ -215,7 +215,7 @@ def test_operator_watching_named_namespaces_asks_nothing_cluster_wide(
         return 0
 
     monkeypatch.setattr(operator_process, "run_operator", run_operator)
-    monkeypatch.setattr("prorsa.process.tune_gc", lambda: None)  # leave this process's gc be
+    monkeypatch.setattr("prorsa.shell.gc_tuning.tune_gc", lambda: None)  # this process keeps its gc
     assert command.run(build_parser().parse_args(["operator", *argv])) == 0
     config = seen["config"]
     assert isinstance(config, OperatorSettings) and config.namespaced is namespaced

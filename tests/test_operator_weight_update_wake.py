@@ -13,7 +13,7 @@ from typing import Any
 
 from conftest import cluster_runtime, make_spec
 
-from prorsa.k8s.runtime import ClusterLoopSettings
+from prorsa.control.runtime import ClusterLoopSettings
 from prorsa_contract import events as ev
 
 

@@ -27,7 +27,7 @@ from prorsa.cli import main
 from prorsa.core.spec import GROUP, PLURAL, VERSION, SpecError, parse_cluster
 from prorsa.k8s import crd_manifest, groups, lws
 from prorsa.k8s import objects as obj
-from prorsa.kopf_handlers import OperatorSettings, build_registry
+from prorsa.shell.handlers import OperatorSettings, build_registry
 from prorsa_contract.labels import (
     BOOTSTRAP_ANNOTATION,
     CLUSTER_LABEL,
@@ -320,8 +320,8 @@ async def test_the_operator_creates_no_pod_out_of_bounds_whatever_the_spec_says(
 
     kube = Kube()
     runtime = cluster_runtime(bad, kube=kube, post_event=post_event)
-    await runtime._reconcile_pods()
-    await runtime._reconcile_pods()
+    await runtime.reconciler.pods(runtime.spec)
+    await runtime.reconciler.pods(runtime.spec)
     assert kube.created == []
     (event,) = events  # once per cause, not once per tick
     kind, reason, message = event
@@ -330,7 +330,7 @@ async def test_the_operator_creates_no_pod_out_of_bounds_whatever_the_spec_says(
     assert "securityContext.privileged" in message
     # A good spec creates its pods.
     runtime.spec = good
-    await runtime._reconcile_pods()
+    await runtime.reconciler.pods(runtime.spec)
     assert kube.created == [f"c-engine-{i}" for i in range(good.instances)]
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from prorsa.k8s.agents import agent_address
+from prorsa.engines.agents import agent_address
 from prorsa.k8s.lws import SET_NAME_LABEL
 from prorsa.k8s.objects import AGENT_TLS_CERT_ENV
 from prorsa.switching.pod_view import PodView

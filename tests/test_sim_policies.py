@@ -121,8 +121,11 @@ def test_oracle_is_the_controller_fed_the_true_demand(monkeypatch: pytest.Monkey
         "m_decode": 8,
         "min_prefill": 1,
         "min_decode": 1,
-        "current_prefill": 2,
+        # Every engine starts as decode, as the operator's do: the first tick sees none
+        # prefilling and bootstraps the cluster to roles.prefill.initial (2 here).
+        "current_prefill": 0,
     }
+    assert any(kw["current_prefill"] == 2 for _, _, kw in calls[1:])
     assert math.isfinite(result.makespan)
     assert result.wape_prefill is not None  # its "forecast" is the truth, up to routing
 

@@ -203,9 +203,12 @@ class _Logged(Prorsa):
 
     def tick(self, now: float, *, scheduled: bool = True) -> None:
         super().tick(now, scheduled=scheduled)
-        decision = self.controller.last_decision
-        assert decision is not None
-        self.log.extend((now, s.to) for s in decision.switches)
+        actions = self.last_actions
+        assert actions is not None
+        # The Controller's switches the operator makes (Auto), not the bootstrap's flips nor
+        # the Controller's advice at a tick the bootstrap supersedes.
+        if actions.decided:
+            self.log.extend((now, o.switch.to) for o in actions.execute)
 
 
 def reversals(log: list[tuple[float, str]]) -> list[float]:

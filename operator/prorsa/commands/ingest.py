@@ -114,7 +114,7 @@ def serve(
 
     from prorsa.core.spec import SpecError
     from prorsa.k8s.manifest_file import load_cluster
-    from prorsa.process import tune_gc
+    from prorsa.shell.gc_tuning import tune_gc
 
     tune_gc()
 

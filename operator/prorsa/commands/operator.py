@@ -82,11 +82,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from prorsa.control.runtime import ClusterLoopSettings
     from prorsa.k8s.leader import LeaderElection
-    from prorsa.k8s.runtime import ClusterLoopSettings
-    from prorsa.kopf_handlers import OperatorSettings
-    from prorsa.operator_process import run_operator
-    from prorsa.process import tune_gc
+    from prorsa.shell.gc_tuning import tune_gc
+    from prorsa.shell.handlers import OperatorSettings
+    from prorsa.shell.process import run_operator
 
     tune_gc()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prorsa.core.actions import Actions, Order
     from prorsa.core.controller import Controller
     from prorsa.core.spec import RolloutCluster
     from prorsa_contract.events import Event
@@ -56,6 +57,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from prorsa.core.actions import ActionState, decide_actions
     from prorsa.core.advice import deployment_advice
     from prorsa.core.spec import SpecError
     from prorsa.k8s.manifest_file import load_cluster
@@ -105,6 +107,16 @@ def run(args: argparse.Namespace) -> int:
     controller = _replay(cluster, events, at=at, replay_ticks=not args.no_replay_ticks)
     decision = controller.tick(TickInput(now=at, engines=tuple(states)))
     print(json.dumps(decision.wire(), indent=2))
+    # What the operator would carry out of it, by the same stage (bootstrap, mode gate),
+    # as a process that just started and sees these engines.
+    actions = decide_actions(
+        decision=decision,
+        mode=cluster.spec.switching.mode,
+        spec=cluster.spec,
+        states=states,
+        state=ActionState(),
+    )
+    print(f"prorsa plan: {carried_out(actions, mode=cluster.spec.switching.mode)}", file=sys.stderr)
     for note in advice:
         print(f"prorsa plan: advice: {note}", file=sys.stderr)
     anomalies = {k: v for k, v in controller.table.anomalies.items() if v}
@@ -163,6 +175,21 @@ def _replay(
         i = len(events)
     controller.observe(events[start:i])
     return controller
+
+
+def carried_out(actions: Actions, *, mode: str) -> str:
+    """One line: what the operator would do with the Decision (prorsa.core.actions)."""
+
+    def listed(orders: tuple[Order, ...]) -> str:
+        return ", ".join(f"{o.switch.instance}: {o.switch.from_} -> {o.switch.to}" for o in orders)
+
+    if actions.bootstrap:
+        return f"bootstrap: the operator would first start {listed(actions.execute)}"
+    if actions.execute:
+        return f"switching {mode}: the operator would start {listed(actions.execute)}"
+    if actions.announce:
+        return f"switching {mode}: the operator would recommend {listed(actions.announce)}"
+    return f"switching {mode}: the operator would start no switch"
 
 
 def describe(cluster: RolloutCluster) -> str:

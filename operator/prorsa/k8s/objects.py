@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from prorsa.core import pod_bounds
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.engines.agent_env import AGENT_TLS_CERT_ENV
 from prorsa_contract.labels import (
     AGENT_COMMAND,
     AGENT_PORT,
@@ -40,8 +41,6 @@ LEADER_LABEL = "prorsa.io/leader"
 TOKEN_PATH = "/var/run/prorsa/agent-token"
 ENGINE_KEY_PATH = "/var/run/prorsa/engine-admin-key"
 AGENT_TLS_PATH = "/var/run/prorsa/agent-tls"
-AGENT_TLS_CERT_ENV = "PRORSA_AGENT_TLS_CERT_FILE"
-"""Set on engine pods whose agent serves HTTPS: the operator then verifies it."""
 
 ENGINE_POD_SECURITY: dict[str, Any] = {
     "runAsNonRoot": True,
@@ -60,6 +59,21 @@ over it, allowPrivilegeEscalation stays false."""
 
 def router_name(cluster: str) -> str:
     return f"{cluster}-router"
+
+
+def owned(manifest: dict[str, Any], *, cluster: str, uid: str) -> dict[str, Any]:
+    """``manifest`` owned by its RolloutCluster: garbage-collected with it."""
+    manifest["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "prorsa.io/v1alpha1",
+            "kind": "RolloutCluster",
+            "name": cluster,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    return manifest
 
 
 def labels(cluster: str, component: str) -> dict[str, str]:
@@ -274,7 +288,7 @@ def agent_tls_secret(
     *, cluster: str, namespace: str, ca: str, cert: str, key: str
 ) -> dict[str, Any]:
     """The agents' serving certificate and its CA; engine pods mount it, the operator
-    reads ``ca.crt`` back to verify them (:mod:`prorsa.k8s.agent_tls`)."""
+    reads ``ca.crt`` back to verify them (:mod:`prorsa.engines.agent_tls`)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",

@@ -29,8 +29,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prorsa.core.decision import Switch
+from prorsa.engines.agents import AgentAddress, AgentClient, RouterClient
 from prorsa.k8s import groups
-from prorsa.k8s.agents import AgentAddress, AgentClient, RouterClient
 from prorsa.k8s.kube import Kube
 from prorsa.switching.pod_view import PodView
 from prorsa.switching.steps import (

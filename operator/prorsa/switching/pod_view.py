@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prorsa.engines.agents import AgentAddress, address_of, serves_tls
 from prorsa.k8s import lws
-from prorsa.k8s.agents import AgentAddress, address_of, serves_tls
 from prorsa_contract.labels import (
     CLUSTER_LABEL,
     GROUP_LABEL,
@@ -94,7 +94,7 @@ class PodView:
         )
 
     def agent_address(self, *, port: int, ca: str | None) -> AgentAddress | None:
-        """How to reach its agent (:func:`prorsa.k8s.agents.agent_address`); None without IP."""
+        """How to reach its agent (:func:`prorsa.engines.agents.agent_address`); None without IP."""
         return address_of(
             pod=self.name,
             ip=self.ip,

@@ -20,7 +20,7 @@ from typing import Any
 from prorsa.core.controller import Controller
 from prorsa.core.spec import parse_cluster
 from prorsa.core.types import TickInput
-from prorsa.process import tune_gc
+from prorsa.shell.gc_tuning import tune_gc
 from prorsa_contract.agent_api import EngineState
 from prorsa_contract.events import parse_batch, parse_events
 

@@ -35,7 +35,7 @@ from prorsa.clusters import ClusterRegistry, IngestLimits
 from prorsa.core.controller import Controller
 from prorsa.core.spec import parse_cluster
 from prorsa.ingest import WebhookServer
-from prorsa.process import tune_gc
+from prorsa.shell.gc_tuning import tune_gc
 from prorsa_contract.events import parse_batch
 from prorsa_sdk import AsyncEventEmitter
 

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prorsa.process import tune_gc
+from prorsa.shell.gc_tuning import tune_gc
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import DRAINING, ROLE_LABEL, SWITCH_ANNOTATION, parse_intent
 from prorsa_lab.bench import replicas as rep

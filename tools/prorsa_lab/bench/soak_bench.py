@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prorsa.process import tune_gc
+from prorsa.shell.gc_tuning import tune_gc
 from prorsa_lab.bench import replicas as rep
 from prorsa_lab.bench.scale_bench import (
     Sizes,

@@ -23,7 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.core.spec import GROUP, PLURAL, VERSION
-from prorsa.k8s.agent_tls import agent_server_name
+from prorsa.engines.agent_tls import agent_server_name
 from prorsa_contract.aio import cancel_and_wait
 from prorsa_contract.labels import agent_tls_secret_name
 from prorsa_lab.demo.pod_directory import PodDirectory
@@ -143,7 +143,7 @@ class Monitor:
     _degraded_since: float | None = None
     errors: int = 0
     _http: httpx.AsyncClient | None = None
-    # The agents serve https with their cluster's CA (operator/prorsa/k8s/agent_tls.py):
+    # The agents serve https with their cluster's CA (operator/prorsa/engines/agent_tls.py):
     # a client trusting it alone, built once the Secret is readable.
     _agents_http: httpx.AsyncClient | None = None
     _task: asyncio.Task[None] | None = None

@@ -34,13 +34,13 @@ from typing import Any
 import httpx
 import kubernetes
 
+from prorsa.control.runtime import ClusterLoopSettings
 from prorsa.core.spec import GROUP, PLURAL, VERSION
 from prorsa.k8s import crd_manifest as crd
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeaderElection, LeadershipLost
-from prorsa.k8s.runtime import ClusterLoopSettings
-from prorsa.kopf_handlers import OperatorSettings
-from prorsa.operator_process import OperatorProcess
+from prorsa.shell.handlers import OperatorSettings
+from prorsa.shell.process import OperatorProcess
 from prorsa_agent.config import Timeouts
 from prorsa_contract.labels import CLUSTER_LABEL, COMPONENT_LABEL, ROLE_LABEL
 from prorsa_lab.doubles.kube.emulator import KubeEmulatorServer
@@ -431,7 +431,7 @@ class Stack:
 def write_webhook_cert(directory: str) -> None:
     """A throwaway CA and a certificate for 127.0.0.1 and localhost, as the webhook Secret
     mounted in the operator would hold them (tls.crt, tls.key, ca.crt)."""
-    from prorsa.k8s.agent_tls import issue_serving_cert
+    from prorsa.engines.agent_tls import issue_serving_cert
 
     issued = issue_serving_cert(
         common_name="prorsa-webhook",

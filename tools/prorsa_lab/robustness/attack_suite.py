@@ -126,7 +126,7 @@ def _quiet() -> None:
 
 
 def _webhook_process(conn: Any, config: dict[str, Any]) -> None:
-    from prorsa.process import tune_gc
+    from prorsa.shell.gc_tuning import tune_gc
 
     _quiet()
     tune_gc()  # as `prorsa operator` runs

@@ -70,6 +70,8 @@ class Loop:
         while heap and not self.stopped:
             when, _seq, fn, args = pop(heap)
             if when > until:
+                # Put it back: a caller that steps the clock (tests, forks) runs it later.
+                heapq.heappush(heap, (when, _seq, fn, args))
                 raise SimulationError(f"simulation did not finish within {until:.0f} s")
             self.now = when
             fn(*args)

@@ -7,8 +7,10 @@
 - :class:`Throughput`: Dynamo's throughput planner rules (``core/throughput_scaling.py``):
   predicted request rate x length over per-engine throughput, every 180 s.
 - :class:`Prorsa`: the project's :class:`prorsa.core.controller.Controller`, fed only webhook
-  CONTRACT events and ``/v1/state`` bodies; its Decision's switches are executed as the
-  operator's executor would (drain, switch time, relabel) and reported back.
+  CONTRACT events and ``/v1/state`` bodies; its engines start as decode, as the operator's
+  do, and the operator's own stage (:mod:`prorsa.core.actions`: the bootstrap to
+  ``roles.prefill.initial``, then the ``switching.mode`` gate) chooses which switches are
+  executed as the operator's executor would (drain, switch time, relabel) and reported back.
 - :class:`Oracle`: the same Controller with the true demand of the next horizon plugged in
   switch rules as the Controller, fed the true demand of the next horizon read from the
   simulator's ground truth: the limit any forecaster can reach under the same switch cost.
@@ -22,6 +24,7 @@ from abc import ABC, abstractmethod
 from functools import partial
 from typing import TYPE_CHECKING
 
+from prorsa.core.actions import Actions, ActionState, decide_actions
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
 from prorsa.core.measure import CACHE_FILL
@@ -217,11 +220,15 @@ class Prorsa(_Planned):
     needs_events = True
 
     def initial_roles(self, sim: Simulation) -> list[str]:
-        return _initial_split(sim)
+        # Every engine pod the operator creates starts as decode (its reconcile); the
+        # bootstrap stage flips them to roles.prefill.initial at the first tick.
+        return [DECODE] * sim.scenario.instances
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
         self.controller = Controller(sim.spec)
+        self.actions = ActionState()
+        self.last_actions: Actions | None = None  # what the last tick carried out
         self.decisions = 0
         self.anomalies = 0
         self.tick_seconds = 0.0
@@ -240,7 +247,8 @@ class Prorsa(_Planned):
         t0 = time.perf_counter()
         result = c.observe(sim.trainer.drain_outbox())
         self.anomalies += result.anomalies
-        decision = c.tick(TickInput(now=now, engines=tuple(sim.cluster.engine_states())))
+        states = sim.cluster.engine_states()
+        decision = c.tick(TickInput(now=now, engines=tuple(states)))
         self.tick_seconds += time.perf_counter() - t0
         self.decisions += 1
         if scheduled:  # one prediction per horizon window, as the WAPE is scored
@@ -249,8 +257,16 @@ class Prorsa(_Planned):
                 prefill=decision.forecast.prefill_tokens,
                 decode=decision.forecast.decode_admission_tokens,
             )
-        for sw in decision.switches:
-            self._execute(sim, sw.instance, sw.to)
+        actions = decide_actions(
+            decision=decision,
+            mode=sim.spec.switching.mode,
+            spec=sim.spec,
+            states=states,
+            state=self.actions,
+        )
+        self.actions, self.last_actions = actions.state, actions
+        for order in actions.execute:
+            self._execute(sim, order.switch.instance, order.switch.to)
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
         self.controller.record_switch(name, at=at)

@@ -3,7 +3,7 @@
 Every call has a short, explicit timeout; a pod that does not answer is reported as
 unavailable instead of holding up the tick for every other pod.
 
-Agents serve HTTPS with their cluster's certificate (:mod:`prorsa.k8s.agent_tls`): the
+Agents serve HTTPS with their cluster's certificate (:mod:`prorsa.engines.agent_tls`): the
 operator connects to the pod IP, trusts that cluster's CA only, and checks the pod's DNS
 name ``<pod>.<cluster>-engines.<namespace>.svc`` in the certificate (sent as SNI too). A
 pod whose spec mounts no agent certificate (made by an operator before TLS) is reached
@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from prorsa.k8s.agent_tls import agent_server_name
-from prorsa.k8s.objects import AGENT_TLS_CERT_ENV
+from prorsa.engines.agent_env import AGENT_TLS_CERT_ENV
+from prorsa.engines.agent_tls import agent_server_name
 from prorsa_contract.agent_api import EngineState, RoleRequest, RoleResult
 from prorsa_contract.labels import CLUSTER_LABEL
 

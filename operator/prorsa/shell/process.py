@@ -40,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from prorsa.k8s import objects as obj
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeaderElector, LeadershipLost
-from prorsa.kopf_handlers import OperatorSettings, OperatorState, build_registry, load_credentials
+from prorsa.shell.handlers import OperatorSettings, OperatorState, build_registry, load_credentials
 from prorsa_contract.serving_tls import ServingCert
 
 log = logging.getLogger("prorsa.operator")

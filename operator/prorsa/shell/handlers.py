@@ -19,17 +19,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from prorsa.clusters import ClusterRegistry
+from prorsa.control.metrics import OperatorMetrics
+from prorsa.control.runtime import ClusterLoopSettings, ClusterRuntime, EventPoster
 from prorsa.core.controller import Controller
 from prorsa.core.spec import GROUP, PLURAL, VERSION, RolloutClusterSpec, SpecError, validate_spec
+from prorsa.engines.agents import AgentClient
 from prorsa.ingest import WebhookServer
 from prorsa.ingest.webhook_metrics import WebhookMetrics
 from prorsa.k8s import groups, trainer_token
 from prorsa.k8s import objects as obj
-from prorsa.k8s.agents import AgentClient
 from prorsa.k8s.kube import Kube
 from prorsa.k8s.leader import LeaderElection
-from prorsa.k8s.runtime import ClusterLoopSettings, ClusterRuntime, EventPoster
-from prorsa.operator_metrics import OperatorMetrics
 from prorsa_contract.labels import CLUSTER_LABEL, MANAGED_BY
 from prorsa_contract.serving_tls import ServingCert
 
@@ -56,7 +56,7 @@ class OperatorSettings:
     # namespaces nor watches CRDs, so the operator needs no cluster-scoped permission.
     namespaced: bool = False
     namespaces: tuple[str, ...] = ()
-    # The liveness and readiness probes (prorsa.operator_process), e.g.
+    # The liveness and readiness probes (prorsa.shell.process), e.g.
     # http://0.0.0.0:8080/healthz (readiness at /readyz); None: not served.
     liveness: str | None = None
     # Two replicas, one leading (a Lease in operator_namespace); None: this one acts alone.
@@ -103,7 +103,7 @@ def build_registry(
     """The kopf handlers of ``prorsa operator``, registered on a registry of their own.
 
     ``prom`` is the process's metrics registry (its listener outlives kopf:
-    :mod:`prorsa.operator_process`); ``on_serving`` is awaited once the webhook serves.
+    :mod:`prorsa.shell.process`); ``on_serving`` is awaited once the webhook serves.
     """
     registry = kopf.OperatorRegistry()
     _register_lifecycle(registry, config, prom=prom, on_serving=on_serving)

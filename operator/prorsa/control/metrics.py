@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prorsa.core.decision import Decision
 from prorsa.core.diagnostics import Diagnostics
 from prorsa.core.switch_cost import Move
+from prorsa.switching.executor import SwitchOutcome
 
 _CLUSTER = ("namespace", "cluster")
 SWITCH_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -308,6 +309,18 @@ class OperatorMetrics:
         self._advance(self.recomputed.labels(*key), key, "recomputed", diag.recomputed_tokens)
         for kind, count in diag.anomalies.items():
             self._advance(self.anomalies.labels(*key, kind), key, f"anomaly:{kind}", count)
+
+    def record_switch(self, namespace: str, cluster: str, outcome: SwitchOutcome) -> None:
+        """A switch ended: its result, its duration and the duration of its parts."""
+        key = (namespace, cluster, outcome.origin, outcome.to)
+        self.switches.labels(*key, outcome.result).inc()
+        self.switch_seconds.labels(*key).observe(outcome.seconds)
+        for part, seconds in (
+            ("router", outcome.router_seconds),
+            ("engine", outcome.engine_seconds),
+        ):
+            if seconds is not None:
+                self.switch_parts.labels(namespace, cluster, part).observe(seconds)
 
     def record_decision_wait(self, namespace: str, cluster: str, diag: Diagnostics) -> None:
         """The decision part of how late the split followed demand, at a tick whose

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prorsa.k8s.agents import Unanswered
+from prorsa.engines.agents import Unanswered
 from prorsa_contract.agent_api import EngineState
 
 STARTUP_GRACE_SECONDS = 1800.0
