@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prorsa.operator_metrics import SWITCH_RESULTS as METRIC_RESULTS
+from prorsa.control.metrics import SWITCH_RESULTS as METRIC_RESULTS
 from prorsa.switching.steps import (
     SWITCH_RESULTS,
     AgentFound,
