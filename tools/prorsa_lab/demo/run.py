@@ -187,8 +187,9 @@ reasoning phase overfilled two decode engines, and the prompts waiting for their
 as prefill demand (Eq. 1 asked for 2P:1D in it)."""
 SGLANG_DURATION = 150.0
 """The real-engine demo's default rollout time: three 50 s phases (tools, reasoning,
-tools), so that the switching run, the static run and its repeat, each loading three
-engines (about a minute), fit in 15 minutes on two cores."""
+tools), so that the switching run, the static run and its repeat, each on three engines
+that take about two minutes to serve, take about 15 minutes on two cores (15:05 measured,
+docs/demo.md)."""
 SGLANG_SERVED_NAME = "tiny"
 # The agent's idle flip of the tiny model's engine on this CPU (loads check, flip, verify):
 # 1.1-2.9 s measured (docs/sglang-role-switch.md, "Times"); what the replay takes for it.
