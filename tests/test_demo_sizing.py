@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from prorsa.core.allocate import solve
 from prorsa_lab.demo.run import (
+    SGLANG_MODEL,
     SGLANG_OUTPUT_SCALE,
     SGLANG_TOKEN_SCALE,
+    SGLANG_TRAJECTORIES_PER_INSTANCE,
     TRAJECTORIES_PER_INSTANCE,
     DemoOptions,
     EngineModel,
@@ -23,6 +27,7 @@ from prorsa_lab.demo.run import (
 )
 from prorsa_lab.demo.workload import (
     CODING_DEMO,
+    DEMO_TASKS,
     DemoTask,
     PhaseName,
     PhaseSchedule,
@@ -41,7 +46,14 @@ class Ask:
     decode_kv: float  # instances
 
 
-def steady_state(task: DemoTask, phase: PhaseName, model: EngineModel, *, live: int) -> Ask:
+def steady_state(
+    task: DemoTask,
+    phase: PhaseName,
+    model: EngineModel,
+    *,
+    live: int,
+    decode_instances: int = DECODE_INSTANCES,
+) -> Ask:
     """What ``live`` trajectories ask for when every turn starts in ``phase``."""
     running = 5.0  # requests decoding per decode engine: iterated to a fixed point
     for _ in range(5):
@@ -67,12 +79,12 @@ def steady_state(task: DemoTask, phase: PhaseName, model: EngineModel, *, live: 
                 context += turn_draw.result_tokens[phase] + TEMPLATE_TOKENS
                 if context >= task.max_context:
                     break
-        running = live * decoding / wall / DECODE_INSTANCES
+        running = live * decoding / wall / decode_instances
     return Ask(prefill=live * prefill / wall, decode_kv=live * kv_seconds / wall / model.kv_tokens)
 
 
-def eq1(ask: Ask) -> tuple[int, int]:
-    split = solve(ask.prefill, ask.decode_kv, budget=INSTANCES, min_prefill=1, min_decode=1)
+def eq1(ask: Ask, *, budget: int = INSTANCES) -> tuple[int, int]:
+    split = solve(ask.prefill, ask.decode_kv, budget=budget, min_prefill=1, min_decode=1)
     return split.prefill, split.decode
 
 
@@ -122,10 +134,58 @@ def test_the_rollout_cluster_declares_what_the_doubles_serve() -> None:
 
 
 def test_real_engines_get_the_task_at_their_scale() -> None:
-    # Prompts and tool results a tenth, outputs a fifth of the doubles' (the doubles decode
-    # half the tokens a real engine would in the time): a reasoning answer of ~60 tokens.
+    # Prompts and tool results 0.45 of the doubles', outputs 2.5 times theirs: a reasoning
+    # answer of ~750 tokens, contexts up to 3,600 tokens.
     task = CODING_DEMO.scaled(SGLANG_TOKEN_SCALE, output=SGLANG_OUTPUT_SCALE)
     assert task.prompt.median == CODING_DEMO.prompt.median * SGLANG_TOKEN_SCALE
-    assert task.reasoning.output.median == CODING_DEMO.reasoning.output.median * 0.2
-    assert task.tools.result_tokens.median == CODING_DEMO.tools.result_tokens.median * 0.1
+    assert task.reasoning.output.median == CODING_DEMO.reasoning.output.median * 2.5
+    assert task.tools.result_tokens.median == CODING_DEMO.tools.result_tokens.median * 0.45
     assert task.max_context == int(CODING_DEMO.max_context * SGLANG_TOKEN_SCALE)
+
+
+# The tiny model the real-engine demo serves: its context (max_position_embeddings).
+TINY_MODEL_CONTEXT = 4096
+# The CPU engine's speeds, as pairs: on an idle core (`prorsa profile`: θ_P 14,050
+# tokens/s, a decode knee of 4 requests; docs/benchmarks.md), and as `make demo-sglang`
+# measured them with three engines on two cores at load 12 (docs/demo.md: about 2,000
+# prefill tokens/s and 150-250 decoded tokens/s per engine, whatever the batch).
+REAL_SPEEDS = {
+    "idle core": EngineModel(
+        prefill_tokens_per_second=14_050.0,
+        kv_tokens=16_384,
+        decode_step_seconds=0.005,
+        decode_step_seconds_per_request=0.00125,
+    ),
+    "shared cores": EngineModel(
+        prefill_tokens_per_second=2_000.0,
+        kv_tokens=16_384,
+        decode_step_seconds=0.01,
+        decode_step_seconds_per_request=0.004,
+    ),
+}
+
+
+@pytest.mark.parametrize("task", sorted(DEMO_TASKS))
+def test_a_real_engine_call_fits_the_tiny_models_context(task: str) -> None:
+    scaled = DEMO_TASKS[task].scaled(SGLANG_TOKEN_SCALE, output=SGLANG_OUTPUT_SCALE)
+    # The trainer caps an answer at max_context minus the prompt, so no call asks past it.
+    assert scaled.max_context <= TINY_MODEL_CONTEXT
+    assert scaled.max_context <= SGLANG_MODEL.kv_tokens
+
+
+@pytest.mark.parametrize("speeds", sorted(REAL_SPEEDS))
+def test_each_phase_leans_its_own_way_on_three_real_engines(speeds: str) -> None:
+    """With the real engines' sizing (3 instances, 3 live trajectories each), the tools
+    phase asks Eq. 1 for 2P:1D and the reasoning phase for 1P:2D, the one ask at least
+    twice the other, on an idle core as on two shared ones; the reasoning phase's KV fits
+    two decode engines and overfills one."""
+    task = CODING_DEMO.scaled(SGLANG_TOKEN_SCALE, output=SGLANG_OUTPUT_SCALE)
+    model = REAL_SPEEDS[speeds]
+    live = SGLANG_TRAJECTORIES_PER_INSTANCE * 3
+    tools = steady_state(task, "tools", model, live=live, decode_instances=1)
+    reasoning = steady_state(task, "reasoning", model, live=live, decode_instances=2)
+    assert tools.prefill > 2 * tools.decode_kv, tools
+    assert reasoning.decode_kv > 2 * reasoning.prefill, reasoning
+    assert 1.0 < reasoning.decode_kv < 1.6, reasoning
+    assert eq1(tools, budget=3) == (2, 1), tools
+    assert eq1(reasoning, budget=3) == (1, 2), reasoning

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 from prorsa.commands import lab
 
@@ -31,9 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=_positive,
-        default=240.0,
+        default=None,
         metavar="SECONDS",
-        help="seconds of rollout after the engines are up, in each run (default 240)",
+        help="seconds of rollout after the engines are up, in each run (default 240; "
+        "with --engine sglang 150)",
     )
     parser.add_argument(
         "--task",
@@ -83,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="live trajectories at once (default 6 per instance)",
+        help="live trajectories at once (default 6 per instance; with --engine sglang 3)",
     )
     parser.add_argument(
         "--baseline",
@@ -130,32 +132,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def options(args: argparse.Namespace) -> Any:
+    """The lab's ``DemoOptions`` for ``args``: the engine's own defaults where an option was
+    not given (raises ValueError naming a bad one)."""
     demo = lab.load(lab.LAB, "demo")
     real = args.engine == "sglang"
+    return demo.DemoOptions(
+        duration=args.duration or (demo.SGLANG_DURATION if real else 240.0),
+        task=args.task,
+        instances=args.instances or (3 if real else 4),
+        engine=args.engine,
+        model=demo.SGLANG_MODEL if real else demo.EngineModel(),
+        out=args.out,
+        live=args.live and sys.stdout.isatty(),
+        seed=args.seed,
+        phase_seconds=args.phase_seconds,
+        phase_pattern=args.phases,
+        concurrency=args.trajectories,
+        nodes_per_instance=args.nodes_per_instance,
+        baseline=args.baseline,
+        record=args.record,
+        noise=args.noise,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    demo = lab.load(lab.LAB, "demo")
     try:
-        options = demo.DemoOptions(
-            duration=args.duration,
-            task=args.task,
-            instances=args.instances or (3 if real else 4),
-            engine=args.engine,
-            model=demo.SGLANG_MODEL if real else demo.EngineModel(),
-            out=args.out,
-            live=args.live and sys.stdout.isatty(),
-            seed=args.seed,
-            phase_seconds=args.phase_seconds,
-            phase_pattern=args.phases,
-            concurrency=args.trajectories,
-            nodes_per_instance=args.nodes_per_instance,
-            baseline=args.baseline,
-            record=args.record,
-            noise=args.noise,
-        )
+        chosen = options(args)
     except ValueError as exc:
         print(f"prorsa demo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = asyncio.run(demo.run_demo(options))
+        summary = asyncio.run(demo.run_demo(chosen))
     except demo.DemoInterrupted as exc:
         print(f"prorsa demo: {exc}", file=sys.stderr)
         return 130

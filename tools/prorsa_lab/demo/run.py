@@ -169,12 +169,27 @@ TRAJECTORIES_PER_INSTANCE = 6
 ENGINES = ("double", "sglang")
 MAX_REAL_ENGINES = 3
 SGLANG_TRAJECTORIES_PER_INSTANCE = 3
-SGLANG_TOKEN_SCALE = 0.1
-SGLANG_OUTPUT_SCALE = 0.2
-"""Real engines on a CPU: about 16k KV tokens each and tens of tokens a second, so the
-task's prompts and tool results are a tenth of the doubles', its outputs a fifth (the
-doubles decode in coarse 40 ms steps, so their outputs are half as long as the tokens a
-real engine would decode in the time; times unchanged)."""
+SGLANG_TOKEN_SCALE = 0.45
+SGLANG_OUTPUT_SCALE = 2.5
+"""Real engines on a CPU (the tiny model: 16,384 KV tokens each, a 4,096-token context;
+on two cores shared with the rest of the demo and other work, about 2,000 prefill tokens/s
+and 150-250 decoded tokens/s per engine, whatever the batch): the task's prompts and tool
+results at 0.45 of the doubles' (first prompts ~900 tokens, contexts up to 3,600), its
+outputs 2.5 times theirs (reasoning answers ~750 tokens, 300-1,500; tool commands ~25),
+3 live trajectories per instance. Each reasoning turn then decodes for tens of seconds
+while it holds its context's KV, and each tools turn re-prefills its context for a short
+answer, so the two phases lean opposite ways on three engines by a wide margin
+(docs/demo.md, "With the real SGLang"): Eq. 1 asks for 2P:1D in a tools phase and 1P:2D
+in a reasoning phase, whose KV fits two decode engines but not one. With a tenth of the
+tokens the decode engines held about 1,000 of their 16,384 tokens and Eq. 1 asked for
+1P:2D in every phase; with 5 trajectories per instance and answers of ~600 tokens the
+reasoning phase overfilled two decode engines, and the prompts waiting for their KV read
+as prefill demand (Eq. 1 asked for 2P:1D in it)."""
+SGLANG_DURATION = 150.0
+"""The real-engine demo's default rollout time: three 50 s phases (tools, reasoning,
+tools), so that the switching run, the static run and its repeat, each on three engines
+that take about two minutes to serve, take about 15 minutes on two cores (15:05 measured,
+docs/demo.md)."""
 SGLANG_SERVED_NAME = "tiny"
 # The agent's idle flip of the tiny model's engine on this CPU (loads check, flip, verify):
 # 1.1-2.9 s measured (docs/sglang-role-switch.md, "Times"); what the replay takes for it.
@@ -1174,6 +1189,7 @@ def _summarise(
 
 
 __all__ = [
+    "SGLANG_DURATION",
     "SGLANG_MODEL",
     "DemoInterrupted",
     "DemoOptions",

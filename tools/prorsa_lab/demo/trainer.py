@@ -22,6 +22,7 @@ its ``output_ids``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import time
@@ -40,6 +41,27 @@ log = logging.getLogger("prorsa_lab.demo.trainer")
 
 PROMPT_IDS = tuple(range(20, 250, 7))
 """Token ids a ``token_ids`` prompt repeats (inside any vocabulary of 256 or more)."""
+HEAD_IDS = tuple(range(20, 250))
+HEAD_TOKENS = 3
+
+
+def prompt_ids(rid: str, context: int) -> list[int]:
+    """A ``token_ids`` prompt of ``context`` tokens that no other model call shares.
+
+    The doubles keep no prefix cache and the demo's RolloutCluster says so
+    (``prefillCacheTokens: 0``); a real engine's radix cache would otherwise serve every
+    prompt of the repeated pattern from the longest one it holds, and the prefill side
+    would have next to nothing to compute (θ_P read 100,000 tokens/s in such a run). The
+    first ``HEAD_TOKENS`` ids, drawn from the call's id, branch the radix tree at once:
+    each call is prefilled whole, as a turn whose context no prefill engine still holds
+    is (agentic contexts of tens of thousands of tokens outgrow an engine's cache).
+    """
+    code = int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "big")
+    head = []
+    for _ in range(min(HEAD_TOKENS, context)):
+        code, pick = divmod(code, len(HEAD_IDS))
+        head.append(HEAD_IDS[pick])
+    return head + [PROMPT_IDS[i % len(PROMPT_IDS)] for i in range(len(head), context)]
 
 
 @dataclass(slots=True)
@@ -306,7 +328,7 @@ class DemoTrainer:
         payload: dict[str, Any] = {"rid": rid}
         if self.token_ids:
             # A real tokenizer: ids in, ids out; no early end of sequence.
-            payload["input_ids"] = [PROMPT_IDS[i % len(PROMPT_IDS)] for i in range(context)]
+            payload["input_ids"] = prompt_ids(rid, context)
             payload["sampling_params"] = {
                 "max_new_tokens": want,
                 "temperature": 0.0,
