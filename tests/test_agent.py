@@ -283,6 +283,19 @@ async def test_not_idle_at_the_flip_is_drained_and_retried(client):
         assert status["switching"] is False and status["last"]["ok"] is True
 
 
+async def test_not_idle_with_nothing_in_the_loads_is_waited_out(client):
+    """SGLang's idle check waits for work no load field shows (its last batch, deferred KV
+    releases): the agent waits before asking again (2 polls, then 4: its third call comes
+    0.6 s after the first) rather than spending its three attempts in milliseconds. The
+    double refuses for 0.5 s after the first call."""
+    faults = Faults(busy_seconds_on_switch=0.5)
+    timeouts = replace(FAST_TIMEOUTS, poll=0.1, retry_drain=1.0)
+    async with EnginePod(instance="e-1", token=TOKEN, faults=faults, timeouts=timeouts) as pod:
+        result = RoleResult.model_validate((await _role(client, pod, "prefill")).json())
+        assert result.ok, result.message
+        assert pod.double.counters().switch_calls >= 2  # refused at least once
+
+
 async def test_an_engine_that_never_gets_idle_fails_safely(client):
     faults = Faults(busy_on_switch=10)
     async with EnginePod(instance="e-1", token=TOKEN, faults=faults) as pod:

@@ -10,8 +10,9 @@ them, so a resumed generation must equal an uninterrupted one token for token.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,8 @@ class Engine:
     # The next requests answered as an SGLang PD prefill engine answers: one token,
     # ``{"type": "length", "length": 0}`` (a router that sent decode traffic to it).
     as_prefill: int = 0
+    # Called with each request before it is answered (a test's view of the clock).
+    before: Callable[[web.Request], Awaitable[None]] | None = None
 
     def _fault(self, request: web.Request) -> web.Response | None:
         if not self.faults:
@@ -65,6 +68,8 @@ class Engine:
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        if self.before is not None:
+            await self.before(request)
         if (fault := self._fault(request)) is not None:
             return fault
         if self.canned:
@@ -110,6 +115,8 @@ class Engine:
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        if self.before is not None:
+            await self.before(request)
         if (fault := self._fault(request)) is not None:
             return fault
         messages = list(body["messages"])
@@ -327,6 +334,60 @@ async def test_resumes_are_bounded_and_the_partial_output_is_kept(running: Runni
     for _ in range(6):
         ref.append(next_token(ref))
     assert info.value.partial["output_ids"] == ref[len(PROMPT) :]
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "chat"])
+async def test_a_refusal_that_aborts_with_no_token_is_outwaited_not_outrun(
+    running: Running, monkeypatch: pytest.MonkeyPatch, endpoint: str
+) -> None:
+    """An engine that aborts every request with no token for a while (a KV transfer its
+    transport turns away) is waited out: the resumes back off instead of all being spent
+    at once. The wait is counted on a virtual clock (the SDK's sleeps), not the wall."""
+    waited: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def virtual_sleep(delay: float) -> None:
+        waited.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr("prorsa_sdk.resumable.asyncio.sleep", virtual_sleep)
+    random.seed(7)
+    gen = ResumableGeneration(running.http, max_resumes=16, retry_base=0.2)
+    refused_for = 3.0  # virtual seconds during which every request is aborted empty
+    engine = running.engine
+    engine.abort_after = [0] * 100
+
+    async def until_accepted(request: web.Request) -> None:
+        if sum(waited) >= refused_for:
+            engine.abort_after.clear()
+
+    engine.before = until_accepted
+    if endpoint == "generate":
+        out = await gen.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}})
+        assert len(out["output_ids"]) == 6
+    else:
+        out = await gen.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
+        assert out["choices"][0]["finish_reason"] == "length"
+    assert sum(waited) >= refused_for
+    assert gen.resumes < 16
+    assert all(d <= gen.max_retry_delay for d in waited)
+
+
+async def test_an_abort_that_made_progress_is_resumed_at_once(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A switch's drain cuts a generation that was producing tokens: no wait."""
+    waited: list[float] = []
+
+    async def virtual_sleep(delay: float) -> None:
+        waited.append(delay)
+
+    monkeypatch.setattr("prorsa_sdk.resumable.asyncio.sleep", virtual_sleep)
+    gen = ResumableGeneration(running.http)
+    running.engine.abort_after = [3, 2]
+    out = await gen.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}})
+    assert len(out["output_ids"]) == 8
+    assert waited == []
 
 
 async def test_streaming_and_batches_are_refused(running: Running) -> None:

@@ -9,7 +9,11 @@ Every way it can end is a :class:`~prorsa_contract.agent_api.RoleResult` and a m
   shared KV store does not answer (the agent asks before draining): ``failed_safe``, the pod
   can take its old label back;
 * it answered "not idle" (a request slipped in after the drain): the agent drains and aborts
-  again and retries, up to ``max_switch_attempts`` calls;
+  again and retries, up to ``max_switch_attempts`` calls. When ``/v1/loads`` shows nothing
+  left, the scheduler still holds what no load field counts (its last batch, a transfer
+  queue's deferred KV releases, KV offloads: ``Scheduler.is_fully_idle``), so the retry
+  waits first, doubling from ``poll`` up to ``retry_drain``: at once, every attempt is
+  refused within milliseconds;
 * an engine call timed out before the flip was asked for (draining, aborting): ``failed_safe``,
   the role is unchanged and the engine is left to its health checks, not restarted;
 * it failed during teardown (``safe_to_restore: false``), it crashed or hung, or it reports
@@ -161,7 +165,11 @@ class Switcher:
                     log.warning(
                         "engine not idle at the switch (attempt %d); draining again", p.attempts
                     )
-                    await self._drain(p, deadline=time.monotonic() + timeouts.retry_drain)
+                    if not await self._drain(p, deadline=time.monotonic() + timeouts.retry_drain):
+                        # Nothing the loads show: wait for what they do not.
+                        await asyncio.sleep(
+                            min(timeouts.retry_drain, timeouts.poll * 2**p.attempts)
+                        )
                     continue
                 if reply.safe_to_restore and GRAPH_MEMORY_REQUIRED in message:
                     gb = self._graph_memory_gb()
@@ -248,16 +256,18 @@ class Switcher:
         p.waiting = loads.waiting + loads.inflight
         return loads
 
-    async def _drain(self, p: SwitchProgress, *, deadline: float) -> None:
-        """Wait for in-flight requests until ``deadline``; then abort them all."""
+    async def _drain(self, p: SwitchProgress, *, deadline: float) -> bool:
+        """Wait for in-flight requests until ``deadline``; then abort them all. Returns
+        whether the loads showed any request at all."""
         timeouts = self.config.timeouts
         p.phase = "draining"
         loads = await self._loads(p)
+        held = bool(loads.busy)
         while loads.busy and time.monotonic() < deadline:
             await asyncio.sleep(min(timeouts.poll, max(0.0, deadline - time.monotonic())))
             loads = await self._loads(p)
         if not loads.busy:
-            return
+            return held
         p.phase = "aborting"
         count = loads.busy
         await self.engine.abort_all()
@@ -268,11 +278,12 @@ class Switcher:
         while time.monotonic() < settle:
             await asyncio.sleep(timeouts.poll)
             if not (await self._loads(p)).busy:
-                return
+                return True
         log.warning(
             "engine still busy %.0fs after abort_all; trying the switch anyway",
             timeouts.abort_settle,
         )
+        return True
 
     def _graph_memory_gb(self) -> float | None:
         if self.config.decode_cuda_graph_memory_gb is not None:

@@ -21,8 +21,13 @@ Two endpoints, non-streaming:
 
 In both cases the token budget (``max_new_tokens`` / ``max_tokens`` /
 ``max_completion_tokens``) shrinks by what the resumed request carries (the ids returned).
-Resumes are bounded (``max_resumes``); transient failures (no partial output) are retried
-with capped exponential backoff, bounded by ``max_retries``: connection errors, 5xx, 429,
+Resumes are bounded (``max_resumes``). An abort that carried no new token is not a switch's
+drain cutting a generation short but an engine refusing the request (SGLang aborts a PD
+request whose KV transfer its transport turned away, e.g. Mooncake's TCP "lane queue-full"),
+so the resume waits first, with the same capped exponential backoff as a retry, doubling
+over consecutive empty aborts: sent at once, the resumes would all be spent in the seconds
+the refusal lasts. Transient failures (no partial output) are retried with capped
+exponential backoff, bounded by ``max_retries``: connection errors, 5xx, 429,
 smg's 404 ``model_not_found``, which a router answers while no worker of the model is
 registered (right after the router restarts, until its discovery finds the engines again;
 a model name that is simply wrong then fails after the retries), and an engine's 400
@@ -227,7 +232,10 @@ class ResumableGeneration:
         pieces: list[dict[str, Any]] = []
         output_ids: list[int] = []
         text = ""
+        empty = 0  # consecutive aborts that carried no new token
         for resume in range(self.max_resumes + 1):
+            if empty:
+                await self._pause(empty)
             out = await self._post(path, request)
             pieces.append(out)
             meta = out.get("meta_info") or {}
@@ -270,6 +278,7 @@ class ResumableGeneration:
                 raise ValueError("a /generate payload needs input_ids or text")
             if "rid" in payload:
                 request["rid"] = f"{payload['rid']}-resume{resume + 1}"
+            empty = 0 if generated else empty + 1
             prompt = int(meta.get("prompt_tokens") or 0)
             self._report(trajectory, turn=turn, partial=generated, prompt=prompt + generated)
             if resume < self.max_resumes:
@@ -306,7 +315,10 @@ class ResumableGeneration:
         completion = 0
         logprobs: list[Any] = []
         first: dict[str, Any] | None = None
+        empty = 0  # consecutive aborts that carried no new token
         for resume in range(self.max_resumes + 1):
+            if empty:
+                await self._pause(empty)
             out = await self._post(path, request)
             first = first or out
             choice = (out.get("choices") or [{}])[0]
@@ -342,6 +354,7 @@ class ResumableGeneration:
             request["messages"] = [*messages, resumed]
             request["continue_final_message"] = True
             request.pop("add_generation_prompt", None)
+            empty = 0 if used else empty + 1
             prompt = int(usage.get("prompt_tokens") or 0)
             self._report(trajectory, turn=turn, partial=used, prompt=prompt + used)
             if resume < self.max_resumes:
@@ -356,6 +369,16 @@ class ResumableGeneration:
             return
         self.emitter.decode_finished(trajectory, output_tokens=partial, finish="abort")
         self.emitter.request_queued(trajectory, prompt_tokens=prompt, turn=turn)
+
+    def _delay(self, attempt: int) -> float:
+        """Capped exponential backoff with full jitter, for retries and empty aborts."""
+        return random.uniform(0.0, min(self.retry_base * 2**attempt, self.max_retry_delay))
+
+    async def _pause(self, empty: int) -> None:
+        """Wait before resuming after ``empty`` aborts in a row that carried no token."""
+        delay = self._delay(empty - 1)
+        log.info("aborted with no new token %d time(s) in a row; resuming in %.2fs", empty, delay)
+        await asyncio.sleep(delay)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST with retries on transient failures (no partial output to keep from those).
@@ -381,7 +404,7 @@ class ResumableGeneration:
                 transient = isinstance(exc, httpx.TransportError) or _transient(exc.response)
                 if not transient or attempt >= self.max_retries:
                     raise
-                delay = random.uniform(0.0, min(self.retry_base * 2**attempt, self.max_retry_delay))
+                delay = self._delay(attempt)
                 log.info("%s failed (%s); retrying in %.2fs", path, exc, delay)
                 await asyncio.sleep(delay)
                 attempt += 1

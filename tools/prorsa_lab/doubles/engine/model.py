@@ -124,6 +124,10 @@ class Faults:
       teardown (HTTP 400, ``safe_to_restore: true``) or ``"unsafe"`` during it (400,
       ``safe_to_restore: false``, instance unhealthy until restarted).
     * ``busy_on_switch``: the next N switches see a request that raced in (``not idle``).
+    * ``busy_seconds_on_switch``: switches see ``not idle`` for this many seconds after the
+      engine's first switch call (once in its life), while ``/v1/loads`` shows nothing:
+      SGLang's idle check (``Scheduler.is_fully_idle``) also waits for its last batch, a
+      transfer queue's deferred KV releases and KV offloads, which no load field counts.
     * ``crash_on_switch``: the engine dies when ``/pd_role_switch`` arrives.
     * ``hang_on_switch``: ``/pd_role_switch`` never answers.
     * ``unhealthy_after_switch``: the switch reports success but the engine no longer
@@ -136,6 +140,7 @@ class Faults:
     switch_failure: SwitchFailure | None = None
     switch_failure_count: int = 1
     busy_on_switch: int = 0
+    busy_seconds_on_switch: float = 0.0
     crash_on_switch: bool = False
     hang_on_switch: bool = False
     unhealthy_after_switch: bool = False
@@ -164,6 +169,9 @@ class Faults:
         for name in ("crash_on_switch", "hang_on_switch", "unhealthy_after_switch", "hang_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
+        busy = self.busy_seconds_on_switch
+        if not isinstance(busy, int | float) or not math.isfinite(busy) or busy < 0:
+            raise ValueError("busy_seconds_on_switch must be a finite number >= 0")
         mult = self.step_time_multiplier
         if not isinstance(mult, int | float) or not math.isfinite(mult) or mult <= 0:
             raise ValueError("step_time_multiplier must be a finite number > 0")
@@ -737,6 +745,8 @@ class EngineCore:
         # switch is under way, before the mode changes, so nothing it checks can be missed.
         self.before_flip: Callable[[str], Awaitable[None]] | None = None
         self.switching = False
+        # busy_seconds_on_switch: when the hidden work the idle check waits for is done
+        self._quiet_at: float | None = None
         self.unhealthy = False  # SGLang's _pd_role_switch_unhealthy: restart required
         self.broken = False  # generation stopped (injected unhealthy_after_switch)
         self.paused = False
@@ -1021,6 +1031,12 @@ class EngineCore:
         if new == old:
             # The scheduler leaves safe_to_restore at its default (False) on success.
             return self._reply(True, "ok" if not prepare_only else "ready", old, requested, False)
+        if faults.busy_seconds_on_switch and self.idle:
+            now = time.monotonic()
+            if self._quiet_at is None:
+                self._quiet_at = now + faults.busy_seconds_on_switch
+            if now < self._quiet_at:
+                return self._reply(False, NOT_IDLE, old, requested, True)
         if not self.idle or faults.busy_on_switch > 0:
             if self.idle:
                 faults.busy_on_switch -= 1
