@@ -29,7 +29,14 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from prorsa.core import measure
-from prorsa.core.decision import Decision, Switch
+from prorsa.core.bootstrap import (
+    BootstrapView,
+    bootstrap_issued,
+    flip_ended,
+    follow_bootstrap,
+    is_flip,
+)
+from prorsa.core.decision import Decision, Switch, Target
 from prorsa.core.demand import ForecastDemand
 from prorsa.core.estimators import DemandSmoother
 from prorsa.core.explain import explain
@@ -126,6 +133,8 @@ class Controller:
         # Since when Eq. 1's best split has leaned away from the split in use, and which
         # way ("prefill": more prefill instances); whether a switch that way was made since.
         self._lean: tuple[Role, float, bool] | None = None
+        # The operator's bootstrap of a fresh cluster, as followed (prorsa.core.bootstrap).
+        self.bootstrap = BootstrapView()
 
     def apply_spec(self, spec: RolloutClusterSpec) -> None:
         """Follow an edited spec without forgetting what was learned.
@@ -184,7 +193,8 @@ class Controller:
         fresh = {s.instance: s for s in states}
         for name, s in fresh.items():
             old = self._engines.get(name)
-            if old is not None and old.role != s.role and not s.switching:
+            flipped = old is not None and old.role != s.role and not s.switching
+            if flipped and not is_flip(self.bootstrap, name):
                 self._cooldown_until[name] = max(
                     self._cooldown_until.get(name, -math.inf), self._now_hint()
                 )
@@ -212,7 +222,13 @@ class Controller:
         self._issued[instance] = to
 
     def record_switch(self, instance: str, *, at: float) -> None:
-        """The executor finished (or gave up on) a switch: start the instance's cooldown."""
+        """The executor finished (or gave up on) a switch: start the instance's cooldown.
+
+        A bootstrap flip (:mod:`prorsa.core.bootstrap`) is the deployment's, not a move of
+        the Controller's: it starts no cooldown and is not measured as a switch."""
+        self.bootstrap, was_flip = flip_ended(self.bootstrap, instance)
+        if was_flip and instance not in self._issued:
+            return
         self._issued.pop(instance, None)
         self.switch_costs.finished(instance, at=at)
         cooldown = self.spec.switching.cooldown_seconds
@@ -267,6 +283,14 @@ class Controller:
             raise ValueError(f"tick time must be finite, got {now}")
         if tick.engines is not None:
             self.observe_engines(tick.engines)
+        if self._engines:
+            self.bootstrap = follow_bootstrap(
+                self.bootstrap,
+                now=now,
+                spec=self.spec,
+                engines=self.engines(),
+                issued=self._issued,
+            )
         self.ticks += 1
         # 1. Trajectory table: evict the silent; what prefill engines let go decodes.
         self._update_table(now, tick.evict_now)
@@ -288,6 +312,13 @@ class Controller:
         sizing = sized.sizing
         # The step-scale target (switching.stepCycle) learns from the trainer's events.
         step_cycle = self.spec.switching.step_cycle and demand.mode == "predictive"
+        if self.bootstrap.running:
+            # 8-9. A fresh cluster on its way to roles.prefill.initial: its start split,
+            # held; nothing of the cycle, the lean of demand or the regret is learned.
+            plan = self._bootstrap_plan(now)
+            decision = explain(self._decision_inputs(now, inputs, sizing, plan, None))
+            self.last_decision = decision
+            return decision
         if step_cycle:
             self._record_cycle(now, sizing, roles)
         # 8-9. Hold rules, then the switch plan, priced: the moves toward it that pay (once
@@ -339,10 +370,14 @@ class Controller:
         )
 
     def _roles(self) -> RoleCounts:
-        """Step 3: usable instances by role; a switching one counts as its destination."""
+        """Step 3: usable instances by role; a switching one counts as its destination
+        (a bootstrap flip's is prefill)."""
+        issued = self._issued
+        if self.bootstrap.flips:
+            issued = bootstrap_issued(self.bootstrap, issued)
         return measure.role_counts(
             self.engines(),
-            issued=self._issued,
+            issued=issued,
             instances=self.spec.instances,
             assumed_prefill=self._assumed_prefill,
         )
@@ -385,6 +420,28 @@ class Controller:
             weight_update=weight_update,
             decode_share=measure.decode_share(self.table),
             spec=spec,
+        )
+
+    def _bootstrap_plan(self, now: float) -> Plan:
+        """Steps 8-9 while the bootstrap runs: hold at the start split it brings the
+        cluster to, which the step-cycle profile takes as the run's first split (its cap
+        before the first weight update is one instance over it) and its first cycle's
+        start (the first prompts prefill from empty caches, as after an update)."""
+        want = self.spec.initial_prefill()
+        split = (want, self.spec.instances - want)
+        started = self.bootstrap.started_at
+        self.cycle.begin(now if started is None else started, split)
+        return Plan(
+            target=Target(prefill=split[0], decode=split[1]),
+            switches=(),
+            moves=(),
+            held=(
+                f"bootstrapping: bringing the fresh engines to roles.prefill.initial "
+                f"({split[0]}P:{split[1]}D)"
+            ),
+            notes=(),
+            persistence=self.persistence,
+            regret=self.regret,
         )
 
     def _record_cycle(self, now: float, sizing: Sizing, roles: RoleCounts) -> None:
