@@ -11,14 +11,11 @@ simulator measures is what the operator does.
   capacity a switch takes out of service, and a cluster with no prefill engine serves
   nothing, so the bound has nothing to protect there. Flipped one at a time, the first
   engine up alone takes every prompt queued since the start, and smg's cache-aware
-  routing keeps sending those trajectories' next turns to the prefix cache it holds:
-  in the simulator (``qwen3-dp8`` coding at staleness 2, seed 1, ``maxConcurrent: 1``)
-  the run's first training step took 3,415 s instead of the 1,583 s it takes when both
-  initial engines flip together (docs/benchmarks.md, "The operator's bootstrap and mode
-  gate in the simulator"). A
-  cluster that already has a prefill engine when the stage first sees it is running (an
-  operator restart): its split is the Controller's, or the user's in Recommend and Off,
-  not one to reset to ``initial``.
+  routing keeps sending those trajectories' next turns to the prefix cache it holds,
+  while the other prefill engines idle (docs/benchmarks.md, "The operator's bootstrap and
+  mode gate in the simulator"). A cluster that already has a prefill engine when the
+  stage first sees it is running (an operator restart): its split is the Controller's,
+  or the user's in Recommend and Off, not one to reset to ``initial``.
 - **The gate.** ``Auto`` executes the Decision's switches; ``Recommend`` executes none and
   announces them (a ``SwitchRecommended`` Event) once per change of advice; ``Off``
   executes and announces nothing. What the Controller expected a switch to save and cost
