@@ -32,7 +32,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from prorsa.core.decision import Target
 from prorsa.core.spec import RolloutClusterSpec
+from prorsa.core.switch_cost import Persistence, Regret
+from prorsa.core.types import Plan
 from prorsa_contract.agent_api import EngineState, Role
 
 # "waiting": not every engine has answered healthy yet, so the bootstrap has not begun
@@ -83,12 +86,42 @@ def follow_bootstrap(
     return replace(view, flips=flips)
 
 
-def bootstrap_issued(view: BootstrapView, issued: Mapping[str, Role]) -> dict[str, Role]:
+def bootstrap_issued(view: BootstrapView, issued: Mapping[str, Role]) -> Mapping[str, Role]:
     """``issued`` with the bootstrap's flips under way counted toward prefill: the split a
     fresh cluster is being brought to, not one with instances missing."""
+    if not view.flips:
+        return issued
     out: dict[str, Role] = {name: "prefill" for name in view.flips}
     out.update(issued)
     return out
+
+
+def cycle_start(
+    view: BootstrapView, spec: RolloutClusterSpec, *, now: float
+) -> tuple[float, tuple[int, int]]:
+    """When the run's first training step starts and its first split, for the step-cycle
+    profile (:meth:`CycleProfile.begin`): the bootstrap's first tick (the first prompts
+    prefill from empty caches, as after a weight update), at ``roles.prefill.initial``
+    (its cap before the first weight update is one instance over it)."""
+    want = spec.initial_prefill()
+    start = view.started_at if view.started_at is not None else now
+    return start, (want, spec.instances - want)
+
+
+def holding_plan(spec: RolloutClusterSpec, *, persistence: Persistence, regret: Regret) -> Plan:
+    """Steps 8-9 while the bootstrap runs: hold at the split it brings the cluster to,
+    with no switch of the Controller's and the plan's memory as it was."""
+    want = spec.initial_prefill()
+    split = f"{want}P:{spec.instances - want}D"
+    return Plan(
+        target=Target(prefill=want, decode=spec.instances - want),
+        switches=(),
+        moves=(),
+        held=f"bootstrapping: bringing the fresh engines to roles.prefill.initial ({split})",
+        notes=(),
+        persistence=persistence,
+        regret=regret,
+    )
 
 
 def is_flip(view: BootstrapView, instance: str) -> bool:

@@ -32,11 +32,13 @@ from prorsa.core import measure
 from prorsa.core.bootstrap import (
     BootstrapView,
     bootstrap_issued,
+    cycle_start,
     flip_ended,
     follow_bootstrap,
+    holding_plan,
     is_flip,
 )
-from prorsa.core.decision import Decision, Switch, Target
+from prorsa.core.decision import Decision, Switch
 from prorsa.core.demand import ForecastDemand
 from prorsa.core.estimators import DemandSmoother
 from prorsa.core.explain import explain
@@ -222,12 +224,10 @@ class Controller:
         self._issued[instance] = to
 
     def record_switch(self, instance: str, *, at: float) -> None:
-        """The executor finished (or gave up on) a switch: start the instance's cooldown.
-
-        A bootstrap flip (:mod:`prorsa.core.bootstrap`) is the deployment's, not a move of
-        the Controller's: it starts no cooldown and is not measured as a switch."""
-        self.bootstrap, was_flip = flip_ended(self.bootstrap, instance)
-        if was_flip and instance not in self._issued:
+        """The executor finished (or gave up on) a switch: start the instance's cooldown
+        (a bootstrap flip, :mod:`prorsa.core.bootstrap`, starts none and is not measured)."""
+        self.bootstrap, flip = flip_ended(self.bootstrap, instance)
+        if flip and instance not in self._issued:
             return
         self._issued.pop(instance, None)
         self.switch_costs.finished(instance, at=at)
@@ -283,13 +283,9 @@ class Controller:
             raise ValueError(f"tick time must be finite, got {now}")
         if tick.engines is not None:
             self.observe_engines(tick.engines)
-        if self._engines:
+        if self._engines:  # the operator's bootstrap of a fresh cluster, followed
             self.bootstrap = follow_bootstrap(
-                self.bootstrap,
-                now=now,
-                spec=self.spec,
-                engines=self.engines(),
-                issued=self._issued,
+                self.bootstrap, now=now, spec=self.spec, engines=self.engines(), issued=self._issued
             )
         self.ticks += 1
         # 1. Trajectory table: evict the silent; what prefill engines let go decodes.
@@ -312,13 +308,11 @@ class Controller:
         sizing = sized.sizing
         # The step-scale target (switching.stepCycle) learns from the trainer's events.
         step_cycle = self.spec.switching.step_cycle and demand.mode == "predictive"
-        if self.bootstrap.running:
-            # 8-9. A fresh cluster on its way to roles.prefill.initial: its start split,
-            # held; nothing of the cycle, the lean of demand or the regret is learned.
-            plan = self._bootstrap_plan(now)
-            decision = explain(self._decision_inputs(now, inputs, sizing, plan, None))
-            self.last_decision = decision
-            return decision
+        if self.bootstrap.running:  # 8-9. A fresh cluster: held at its start split, learns nothing
+            self.cycle.begin(*cycle_start(self.bootstrap, self.spec, now=now))
+            plan = holding_plan(self.spec, persistence=self.persistence, regret=self.regret)
+            self.last_decision = explain(self._decision_inputs(now, inputs, sizing, plan, None))
+            return self.last_decision
         if step_cycle:
             self._record_cycle(now, sizing, roles)
         # 8-9. Hold rules, then the switch plan, priced: the moves toward it that pay (once
@@ -372,12 +366,9 @@ class Controller:
     def _roles(self) -> RoleCounts:
         """Step 3: usable instances by role; a switching one counts as its destination
         (a bootstrap flip's is prefill)."""
-        issued = self._issued
-        if self.bootstrap.flips:
-            issued = bootstrap_issued(self.bootstrap, issued)
         return measure.role_counts(
             self.engines(),
-            issued=issued,
+            issued=bootstrap_issued(self.bootstrap, self._issued),
             instances=self.spec.instances,
             assumed_prefill=self._assumed_prefill,
         )
@@ -420,28 +411,6 @@ class Controller:
             weight_update=weight_update,
             decode_share=measure.decode_share(self.table),
             spec=spec,
-        )
-
-    def _bootstrap_plan(self, now: float) -> Plan:
-        """Steps 8-9 while the bootstrap runs: hold at the start split it brings the
-        cluster to, which the step-cycle profile takes as the run's first split (its cap
-        before the first weight update is one instance over it) and its first cycle's
-        start (the first prompts prefill from empty caches, as after an update)."""
-        want = self.spec.initial_prefill()
-        split = (want, self.spec.instances - want)
-        started = self.bootstrap.started_at
-        self.cycle.begin(now if started is None else started, split)
-        return Plan(
-            target=Target(prefill=split[0], decode=split[1]),
-            switches=(),
-            moves=(),
-            held=(
-                f"bootstrapping: bringing the fresh engines to roles.prefill.initial "
-                f"({split[0]}P:{split[1]}D)"
-            ),
-            notes=(),
-            persistence=self.persistence,
-            regret=self.regret,
         )
 
     def _record_cycle(self, now: float, sizing: Sizing, roles: RoleCounts) -> None:
