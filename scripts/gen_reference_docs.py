@@ -78,7 +78,10 @@ DESCRIPTIONS: dict[str, str] = {
     "that already has a prefill engine when the operator starts (a restart) keeps its split.",
     "switching.cooldownSeconds": "An instance is not switched again sooner than this after "
     "its last switch ended.",
-    "switching.maxConcurrent": "Switches in flight at once.",
+    "switching.maxConcurrent": (
+        "Switches in flight at once (the bootstrap of a fresh cluster flips all of "
+        "`roles.prefill.initial` at once: nothing is served before)."
+    ),
     "switching.drainTimeoutSeconds": "How long the agent waits for in-flight requests before "
     "aborting them; at most 3600 s, the agent's limit for a role request.",
     "router.enabled": "Deploy the smg router in PD mode with Kubernetes discovery on the "

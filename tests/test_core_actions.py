@@ -110,19 +110,35 @@ def test_the_bootstrap_waits_until_every_engine_answers_healthy() -> None:
     assert flips(out) == [("e5", "decode", "prefill")] and out.decided
 
 
-def test_the_bootstrap_respects_max_concurrent() -> None:
-    # One engine already switching (its flip from the previous tick): one slot left.
+def test_the_bootstrap_flips_every_initial_engine_at_once_whatever_max_concurrent() -> None:
+    # maxConcurrent bounds the capacity a switch takes out of service; a fresh cluster with
+    # no prefill engine serves nothing, so all the initial engines flip together (one at a
+    # time, the first one up takes the whole start burst and keeps its prefixes).
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        roles={"prefill": {"initial": 3}},
+        switching={"maxConcurrent": 1},
+    )
+
+    def boot(states: list[EngineState], state: ActionState) -> Actions:
+        return decide_actions(
+            decision=decision(), mode="Auto", spec=spec, states=states, state=state
+        )
+
+    out = boot(engines(), ActionState())
+    assert flips(out) == [(f"e{i}", "decode", "prefill") for i in range(3)]
+    # One flip still under way from the previous tick: only the missing ones start.
     busy = engines(**{"e0": {"switching": True}})
-    out = act(busy, ActionState(bootstrap_started=True))
-    assert flips(out) == [("e1", "decode", "prefill")]
-    # Two switching: no slot; the bootstrap is still under way.
-    full = engines(**{"e0": {"switching": True}, "e1": {"switching": True}})
-    out = act(full, ActionState(bootstrap_started=True))
+    out = boot(busy, ActionState(bootstrap_started=True))
+    assert flips(out) == [("e1", "decode", "prefill"), ("e2", "decode", "prefill")]
+    # All under way: nothing more; the bootstrap is still running.
+    full = engines(**{f"e{i}": {"switching": True} for i in range(3)})
+    out = boot(full, ActionState(bootstrap_started=True))
     assert out.execute == () and out.state == ActionState(bootstrap_started=True)
-    # Both flips done: the bootstrap is over, at the initial split.
-    out = act(engines(2), ActionState(bootstrap_started=True))
+    # All done: the bootstrap is over, at the initial split.
+    out = boot(engines(3), ActionState(bootstrap_started=True))
     assert out.state == ActionState(bootstrapped=True, bootstrap_started=True)
-    assert act(engines(2), out.state, made=decision()).execute == ()
+    assert boot(engines(3), out.state).execute == ()
 
 
 def test_an_operator_restart_that_finds_a_prefill_engine_keeps_the_split() -> None:

@@ -7,10 +7,15 @@ simulator measures is what the operator does.
 
 - **Bootstrap.** Every engine starts as decode (PD without a prefill engine serves
   nothing), so fresh engines are brought to ``roles.prefill.initial`` once, in every mode,
-  when all of them answer healthy, at most ``switching.maxConcurrent`` at a time. A
-  cluster that already has a prefill engine when the stage first sees it is running (an
-  operator restart): its split is the Controller's, or the user's in Recommend and Off,
-  not one to reset to ``initial``.
+  when all of them answer healthy, all at once. ``switching.maxConcurrent`` bounds the
+  capacity a switch takes out of service, and a cluster with no prefill engine serves
+  nothing, so the bound has nothing to protect there. Flipped one at a time, the first
+  engine up alone takes every prompt queued since the start, and smg's cache-aware
+  routing keeps sending those trajectories' next turns to the prefix cache it holds,
+  while the other prefill engines idle (docs/benchmarks.md, "The operator's bootstrap and
+  mode gate in the simulator"). A cluster that already has a prefill engine when the
+  stage first sees it is running (an operator restart): its split is the Controller's,
+  or the user's in Recommend and Off, not one to reset to ``initial``.
 - **The gate.** ``Auto`` executes the Decision's switches; ``Recommend`` executes none and
   announces them (a ``SwitchRecommended`` Event) once per change of advice; ``Off``
   executes and announces nothing. What the Controller expected a switch to save and cost
@@ -122,8 +127,9 @@ def decide_actions(
 def _bootstrap(
     spec: RolloutClusterSpec, engines: list[EngineState], *, started: bool
 ) -> tuple[tuple[Switch, ...], bool, bool]:
-    """(switches, bootstrapped, started): the next decode -> prefill flips toward
-    ``roles.prefill.initial``, least instance name first."""
+    """(switches, bootstrapped, started): the decode -> prefill flips still to start toward
+    ``roles.prefill.initial``, all at once (not bounded by ``switching.maxConcurrent``:
+    see the module's docstring), least instance name first."""
     healthy = [s for s in engines if s.healthy]
     if len(healthy) < spec.instances:
         return (), False, started  # wait until every engine is up
@@ -131,14 +137,14 @@ def _bootstrap(
     have = sum(1 for s in healthy if s.role == "prefill")
     if have >= want or (have and not started):
         return (), True, started
-    switching = sum(1 for s in engines if s.switching)
-    slots = spec.switching.max_concurrent - switching
-    if slots <= 0:
+    # Flips under way not yet counted in ``have`` (an engine switching from decode).
+    flipping = sum(1 for s in engines if s.switching and s.role != "prefill")
+    if want - have - flipping <= 0:
         return (), False, True
     todo = sorted(
         (s for s in healthy if s.role == "decode" and not s.switching),
         key=lambda s: s.instance,
-    )[: min(want - have, slots)]
+    )[: want - have - flipping]
     return (
         tuple(Switch(instance=s.instance, from_="decode", to="prefill") for s in todo),
         False,

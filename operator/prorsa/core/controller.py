@@ -29,6 +29,15 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from prorsa.core import measure
+from prorsa.core.bootstrap import (
+    BootstrapView,
+    bootstrap_issued,
+    cycle_start,
+    flip_ended,
+    follow_bootstrap,
+    holding_plan,
+    is_flip,
+)
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.demand import ForecastDemand
 from prorsa.core.estimators import DemandSmoother
@@ -126,6 +135,8 @@ class Controller:
         # Since when Eq. 1's best split has leaned away from the split in use, and which
         # way ("prefill": more prefill instances); whether a switch that way was made since.
         self._lean: tuple[Role, float, bool] | None = None
+        # The operator's bootstrap of a fresh cluster, as followed (prorsa.core.bootstrap).
+        self.bootstrap = BootstrapView()
 
     def apply_spec(self, spec: RolloutClusterSpec) -> None:
         """Follow an edited spec without forgetting what was learned.
@@ -184,7 +195,8 @@ class Controller:
         fresh = {s.instance: s for s in states}
         for name, s in fresh.items():
             old = self._engines.get(name)
-            if old is not None and old.role != s.role and not s.switching:
+            flipped = old is not None and old.role != s.role and not s.switching
+            if flipped and not is_flip(self.bootstrap, name):
                 self._cooldown_until[name] = max(
                     self._cooldown_until.get(name, -math.inf), self._now_hint()
                 )
@@ -212,7 +224,11 @@ class Controller:
         self._issued[instance] = to
 
     def record_switch(self, instance: str, *, at: float) -> None:
-        """The executor finished (or gave up on) a switch: start the instance's cooldown."""
+        """The executor finished (or gave up on) a switch: start the instance's cooldown
+        (a bootstrap flip, :mod:`prorsa.core.bootstrap`, starts none and is not measured)."""
+        self.bootstrap, flip = flip_ended(self.bootstrap, instance)
+        if flip and instance not in self._issued:
+            return
         self._issued.pop(instance, None)
         self.switch_costs.finished(instance, at=at)
         cooldown = self.spec.switching.cooldown_seconds
@@ -267,6 +283,10 @@ class Controller:
             raise ValueError(f"tick time must be finite, got {now}")
         if tick.engines is not None:
             self.observe_engines(tick.engines)
+        if self._engines:  # the operator's bootstrap of a fresh cluster, followed
+            self.bootstrap = follow_bootstrap(
+                self.bootstrap, now=now, spec=self.spec, engines=self.engines(), issued=self._issued
+            )
         self.ticks += 1
         # 1. Trajectory table: evict the silent; what prefill engines let go decodes.
         self._update_table(now, tick.evict_now)
@@ -288,6 +308,11 @@ class Controller:
         sizing = sized.sizing
         # The step-scale target (switching.stepCycle) learns from the trainer's events.
         step_cycle = self.spec.switching.step_cycle and demand.mode == "predictive"
+        if self.bootstrap.running:  # 8-9. A fresh cluster: held at its start split, learns nothing
+            self.cycle.begin(*cycle_start(self.bootstrap, self.spec, now=now))
+            plan = holding_plan(self.spec, persistence=self.persistence, regret=self.regret)
+            self.last_decision = explain(self._decision_inputs(now, inputs, sizing, plan, None))
+            return self.last_decision
         if step_cycle:
             self._record_cycle(now, sizing, roles)
         # 8-9. Hold rules, then the switch plan, priced: the moves toward it that pay (once
@@ -339,10 +364,11 @@ class Controller:
         )
 
     def _roles(self) -> RoleCounts:
-        """Step 3: usable instances by role; a switching one counts as its destination."""
+        """Step 3: usable instances by role; a switching one counts as its destination
+        (a bootstrap flip's is prefill)."""
         return measure.role_counts(
             self.engines(),
-            issued=self._issued,
+            issued=bootstrap_issued(self.bootstrap, self._issued),
             instances=self.spec.instances,
             assumed_prefill=self._assumed_prefill,
         )

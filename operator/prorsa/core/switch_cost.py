@@ -343,6 +343,15 @@ class CycleProfile:
         self._last_update: float | None = None
         self._first: tuple[int, int] | None = None
 
+    def begin(self, now: float, split: tuple[int, int]) -> None:
+        """The run starts at ``now`` at ``split``, before any tick is recorded: a fresh
+        cluster's first ticks, while the bootstrap brings it to its start split, are no
+        part of the workload's cycle, but the run's start is the first cycle's start and
+        the split the cluster is deployed at is its first split. No-op once started."""
+        if not self._starts:
+            self._starts.append(now)
+            self._first = split
+
     def record(
         self,
         now: float,
