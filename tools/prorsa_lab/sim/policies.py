@@ -220,8 +220,9 @@ class Prorsa(_Planned):
     needs_events = True
 
     def initial_roles(self, sim: Simulation) -> list[str]:
-        # Every engine pod the operator creates starts as decode (its reconcile); the
-        # bootstrap stage flips them to roles.prefill.initial at the first tick.
+        # Every engine the operator deploys is launched as decode (core/engine_flags.py:
+        # `--disaggregation-mode decode`; k8s/objects.py engine pods); the bootstrap stage
+        # (core/actions.py) flips them to roles.prefill.initial once all answer healthy.
         return [DECODE] * sim.scenario.instances
 
     def attach(self, sim: Simulation) -> None:
