@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from prorsa.core.bootstrap import read_bootstrap
 from prorsa.core.decision import Decision, Switch
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.core.switch_cost import Move
@@ -130,21 +131,20 @@ def _bootstrap(
     """(switches, bootstrapped, started): the decode -> prefill flips still to start toward
     ``roles.prefill.initial``, all at once (not bounded by ``switching.maxConcurrent``:
     see the module's docstring), least instance name first."""
-    healthy = [s for s in engines if s.healthy]
-    if len(healthy) < spec.instances:
+    reading = read_bootstrap(spec, engines)
+    if not reading.ready:
         return (), False, started  # wait until every engine is up
-    want = spec.initial_prefill()
-    have = sum(1 for s in healthy if s.role == "prefill")
-    if have >= want or (have and not started):
+    if reading.settled(started=started):
         return (), True, started
     # Flips under way not yet counted in ``have`` (an engine switching from decode).
     flipping = sum(1 for s in engines if s.switching and s.role != "prefill")
-    if want - have - flipping <= 0:
+    left = reading.want - reading.have - flipping
+    if left <= 0:
         return (), False, True
     todo = sorted(
-        (s for s in healthy if s.role == "decode" and not s.switching),
+        (s for s in engines if s.healthy and s.role == "decode" and not s.switching),
         key=lambda s: s.instance,
-    )[: want - have - flipping]
+    )[:left]
     return (
         tuple(Switch(instance=s.instance, from_="decode", to="prefill") for s in todo),
         False,

@@ -45,6 +45,31 @@ BootstrapPhase = Literal["waiting", "running", "done"]
 
 
 @dataclass(frozen=True, kw_only=True)
+class BootstrapReading:
+    """What the bootstrap reads from the engines' states: the one rule the actions stage
+    (which flips) and the Controller (which follows) both apply."""
+
+    ready: bool  # every engine answers healthy: the bootstrap may begin
+    have: int  # healthy prefill engines
+    want: int  # roles.prefill.initial
+
+    def settled(self, *, started: bool) -> bool:
+        """Nothing left to bring up, or, before the bootstrap began, a prefill engine at
+        first sight: a running cluster (an operator restart) keeps its split."""
+        return self.have >= self.want or (self.have > 0 and not started)
+
+
+def read_bootstrap(spec: RolloutClusterSpec, engines: Sequence[EngineState]) -> BootstrapReading:
+    """The bootstrap's reading of this tick's engine states."""
+    healthy = [s for s in engines if s.healthy]
+    return BootstrapReading(
+        ready=len(healthy) >= spec.instances,
+        have=sum(1 for s in healthy if s.role == "prefill"),
+        want=spec.initial_prefill(),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class BootstrapView:
     """The bootstrap as the Controller follows it."""
 
@@ -71,17 +96,15 @@ def follow_bootstrap(
     started or resumed, which are its own, not the bootstrap's)."""
     if view.phase == "done":
         return view
-    healthy = [s for s in engines if s.healthy]
-    have = sum(1 for s in healthy if s.role == "prefill")  # as the bootstrap counts them
-    want = spec.initial_prefill()
+    reading = read_bootstrap(spec, engines)
     if view.phase == "waiting":
-        if len(healthy) < spec.instances:
+        if not reading.ready:
             return view
-        if have >= want or have:  # nothing to bring up, or a running cluster
+        if reading.settled(started=False):
             return replace(view, phase="done")
         view = replace(view, phase="running", started_at=now)
     flips = view.flips | {s.instance for s in engines if s.switching and s.instance not in issued}
-    if have >= want and len(healthy) >= spec.instances:
+    if reading.ready and reading.settled(started=True):
         return replace(view, phase="done", flips=flips)
     return replace(view, flips=flips)
 
