@@ -26,6 +26,7 @@ from prorsa.control.metrics import OperatorMetrics
 from prorsa.control.reconcile import Groups
 from prorsa.core.decision import Decision
 from prorsa.core.diagnostics import Diagnostics
+from prorsa.core.readiness import readiness, role_counts
 from prorsa.core.spec import RolloutClusterSpec
 from prorsa.engines.agents import Unanswered
 from prorsa.k8s.kube import Kube
@@ -49,6 +50,7 @@ class StatusWriter:
     _limit_hits_seen: int = 0  # the handle's refusals at maxLiveTrajectories, as of a tick
     _seen: set[str] = field(default_factory=set)  # uids of pods that answered healthy
     _degraded: DegradedReporter = field(default_factory=DegradedReporter)
+    _served: bool = False  # Ready once since this process began (core/readiness.py)
 
     def condition(self, kind: str, status: str, reason: str, message: str) -> None:
         old = self.conditions.get(kind)
@@ -171,15 +173,7 @@ class StatusWriter:
         history: list[dict[str, Any]],
         groups: Groups,
     ) -> None:
-        roles = {"prefill": 0, "decode": 0, "switching": 0, "unavailable": 0}
-        for pod in pods:
-            state = states.get(pod["metadata"]["name"])
-            if state is None or not state.healthy:
-                roles["unavailable"] += 1
-            elif state.switching:
-                roles["switching"] += 1
-            else:
-                roles[state.role] += 1
+        roles = role_counts(states.get(pod["metadata"]["name"]) for pod in pods)
         diag = self._record(decision, roles)
         expected = spec.instances
         fresh = decision.mode == "predictive"
@@ -206,16 +200,22 @@ class StatusWriter:
             found.reason if degraded else "AllEnginesAvailable",
             found.message(expected),
         )
-        available = roles["prefill"] + roles["decode"] + roles["switching"]
-        ready = available == expected
-        not_ready = "EnginesUnavailable" if degraded else "EnginesStarting"
-        why = "EnginesReady" if ready else not_ready
+        verdict = readiness(
+            expected=expected,
+            prefill=roles["prefill"],
+            decode=roles["decode"],
+            switching=roles["switching"],
+            degraded=degraded,
+            served_before=self._served,
+        )
+        ready = verdict.ready
+        self._served = self._served or ready
         starting = f"; starting: {', '.join(found.starting)}" if found.starting else ""
         self.condition(
             "Ready",
             "True" if ready else "False",
-            why,
-            f"{available}/{expected} engines answering{starting}"[:1000],
+            verdict.reason,
+            f"{verdict.message}{starting}"[:1000],
         )
         target = decision.target
         phase = "Running" if ready else ("Degraded" if degraded else "Pending")

@@ -28,6 +28,7 @@ from prorsa.core.actions import Actions, ActionState, decide_actions
 from prorsa.core.controller import Controller
 from prorsa.core.decision import Forecast
 from prorsa.core.measure import CACHE_FILL
+from prorsa.core.readiness import readiness, role_counts
 from prorsa.core.types import Demand, DemandInputs, TickInput
 from prorsa_lab.sim.engine import COLOCATED, DECODE, PREFILL, RUNNING, Instance
 from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
@@ -218,6 +219,8 @@ class Prorsa(_Planned):
 
     name = "prorsa"
     needs_events = True
+    # The trainer starts when the operator's status would say Ready (Simulation.start_trainer).
+    trainer_waits_for_ready = True
 
     def initial_roles(self, sim: Simulation) -> list[str]:
         # Every engine the operator deploys is launched as decode (core/engine_flags.py:
@@ -268,6 +271,18 @@ class Prorsa(_Planned):
         self.actions, self.last_actions = actions.state, actions
         for order in actions.execute:
             self._execute(sim, order.switch.instance, order.switch.to)
+        if not sim.trainer_started:
+            # The status this tick writes, from the states it read (control/status.py).
+            roles = role_counts(states)
+            ready = readiness(
+                expected=sim.spec.instances,
+                prefill=roles["prefill"],
+                decode=roles["decode"],
+                switching=roles["switching"],
+                degraded=False,
+            )
+            if ready.ready:
+                sim.start_trainer()
 
     def _switched(self, name: str, to: str, at: float, ok: bool) -> None:
         self.controller.record_switch(name, at=at)

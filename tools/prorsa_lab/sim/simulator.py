@@ -264,6 +264,7 @@ class Simulation:
         self.loop = Loop()
         self.predictions: list[Prediction] = []
         self._kv_samples: list[tuple[float, float]] = []  # (KV used share, queue per inst)
+        self.trainer_started_at: float | None = None  # when the trainer saw Ready
         self.cluster = SimCluster(
             loop=self.loop,
             profile=self.profile,
@@ -297,6 +298,24 @@ class Simulation:
             scripts=scenario.scripts(),
         )
 
+    @property
+    def trainer_started(self) -> bool:
+        return self.trainer_started_at is not None
+
+    def start_trainer(self) -> None:
+        """The trainer begins its first dispatch now (once).
+
+        A policy that runs the operator's bootstrap (every engine starts as decode) calls
+        this when the operator would write Ready (:mod:`prorsa.core.readiness`): the
+        simulated trainer models a user who waits for it, as docs/trainers.md tells users
+        to, since smg refuses every request (HTTP 503) while no prefill engine is listed.
+        The other policies start at their split and serve at once. The makespan counts
+        from the simulation's start either way: the wait is the user's.
+        """
+        if self.trainer_started_at is None:
+            self.trainer_started_at = self.loop.now
+            self.trainer.start()
+
     def record_prediction(self, now: float, *, prefill: float, decode: float) -> None:
         stats = self.trainer.stats
         self.predictions.append(
@@ -326,7 +345,8 @@ class Simulation:
         started = time.perf_counter()
         self.policy.attach(self)
         self.loop.every(self.scenario.horizon, self._sample_decode)
-        self.trainer.start()
+        if not getattr(self.policy, "trainer_waits_for_ready", False):
+            self.start_trainer()
         with contextlib.suppress(SimulationError):  # did not finish: infinite makespan
             self.loop.run(until=self.scenario.time_limit)
         makespan = self.trainer.finished_at if self.trainer.finished_at is not None else math.inf

@@ -202,7 +202,7 @@ class Trainer:
             return
         self._top_up()
         if self.injection == "fixedRate":
-            self.loop.every(1.0 / self.rate, self._rate_tick, start=1.0 / self.rate)
+            self.loop.every(1.0 / self.rate, self._rate_tick, start=self.loop.now + 1.0 / self.rate)
 
     def _top_up(self) -> None:
         """Fill the free slots (at start and after each weight update)."""
