@@ -301,3 +301,44 @@ def test_prompts_a_paused_trainer_holds_are_prefill_demand_still_to_be_routed() 
     assert held > 0 and backlog >= held
     lone = sim.profile.prefill_seconds(sim.profile.chunk, 0) / sim.profile.chunk
     assert waiting >= held * lone / sim.profile.ranks * 0.99
+
+
+def test_the_trainer_waits_for_ready_so_no_prompt_waits_for_a_prefill_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """smg 1.13.0 refuses every request (503) while it lists no prefill worker
+    (tests/test_smg_router_no_prefill.py); the simulated trainer waits for Ready, as users
+    are told to, instead of queueing prompts at a router that would hand them all to the
+    first prefill engine listed."""
+    from prorsa_lab.sim.engine import SimCluster
+
+    unrouted: list[float] = []
+    first: list[str] = []  # where the first prompts went
+    real_route = SimCluster._route_prefill
+
+    def route(self: SimCluster, req: SimRequest) -> None:
+        if not self._prefill_insts:
+            unrouted.append(self.loop.now)
+        real_route(self, req)
+        if len(first) < 20 and req.inst is not None:
+            first.append(req.inst.name)
+
+    monkeypatch.setattr(SimCluster, "_route_prefill", route)
+    sim = Simulation(scenario(task="coding"), Prorsa(), emit_events=True)
+    result = sim.run()
+    start = sim.trainer_started_at
+    assert start is not None and math.isfinite(result.makespan)
+    # Not before the bootstrap's flips are done and listed: from the first tick (10 s),
+    # smg's drop (6 s), the flip (5 s) and its listing (2 s), seen at the next tick.
+    assert start == 30.0
+    assert not unrouted
+    # Both initial prefill engines took the first prompts, not the first one listed alone.
+    assert len(set(first)) == 2
+
+
+def test_baselines_serve_from_the_start_and_their_trainer_does_not_wait() -> None:
+    sim = Simulation(scenario(task="coding"), Static(prefill=2))
+    result = sim.run()
+    assert sim.trainer_started_at == 0.0 and math.isfinite(result.makespan)
+    colocated = Simulation(scenario(task="coding"), Colocation())
+    assert math.isfinite(colocated.run().makespan) and colocated.trainer_started_at == 0.0
