@@ -403,7 +403,12 @@ class Simulation:
             wape_decode=err_d / act_d if act_d > 0 else None,
         )
         if self.trainer.scripts is not None:  # a replay: what its verdict reads
-            result.extra["completedAt"] = list(stats.completed_at)
+            # From the trainer's start, as a recording's are (replay/recording.py): a
+            # recorded trainer started once the cluster served, so a policy's wait for
+            # Ready is no part of what is compared with it (the makespan keeps it).
+            begun = self.trainer_started_at or 0.0
+            result.extra["completedAt"] = [t - begun for t in stats.completed_at]
+            result.extra["trainerStartedAt"] = begun
             result.extra["cut"] = stats.cut
             result.extra["ranOut"] = stats.ran_out
         if self._kv_samples:
