@@ -818,6 +818,11 @@ class SimCluster:
         controller picks the rank: round robin (:meth:`Instance.next_rank`).
         """
         if not self._prefill_insts:
+            # smg 1.13.0 refuses such a request at once (503 no_available_workers;
+            # tests/test_smg_router_no_prefill.py) and the SDK resends it after its backoff.
+            # The trainer waits for Ready (Simulation.start_trainer) and the Controller keeps
+            # roles.prefill.min, so a prompt only waits here in a gap of a few seconds; it
+            # is routed when a prefill engine is listed again (on_routable).
             req.where = QUEUED
             self.pending_prefill.append(req)
             return
