@@ -821,8 +821,10 @@ class SimCluster:
             # smg 1.13.0 refuses such a request at once (503 no_available_workers;
             # tests/test_smg_router_no_prefill.py) and the SDK resends it after its backoff.
             # The trainer waits for Ready (Simulation.start_trainer) and the Controller keeps
-            # roles.prefill.min, so a prompt only waits here in a gap of a few seconds; it
-            # is routed when a prefill engine is listed again (on_routable).
+            # roles.prefill.min, so a run sends none while the bootstrap runs (Ready comes
+            # at the tick after the flips, which smg lists 2 s after them); a prompt that
+            # still finds no prefill worker is held here, a simplification of those resends,
+            # and routed when one is listed again (on_routable).
             req.where = QUEUED
             self.pending_prefill.append(req)
             return
