@@ -1,8 +1,10 @@
-"""A weight update announced by the trainer makes the operator tick at once.
+"""What makes the operator tick at once rather than at the end of its period.
 
-The update's duration (seconds to tens of seconds) is the lead time for switching decode
-instances to prefill while nothing runs on them, before the trainer resends every
+A weight update: its duration (seconds to tens of seconds) is the lead time for switching
+decode instances to prefill while nothing runs on them, before the trainer resends every
 interrupted generation. Waiting for the end of the tick period would waste most of it.
+An engine turning Ready before the bootstrap: the trainer waits for the cluster's Ready,
+which the bootstrap brings.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from conftest import cluster_runtime, make_spec
 
 from prorsa.control.runtime import ClusterLoopSettings
+from prorsa.core.actions import ActionState
 from prorsa_contract import events as ev
 
 
@@ -68,3 +71,30 @@ async def test_ordinary_events_wait_for_the_period() -> None:
         turn=0,
     )
     assert await _run_until_second_tick([queued]) is None
+
+
+def _pod(*, ready: bool, phase: str = "Running") -> dict[str, Any]:
+    status = "True" if ready else "False"
+    return {"status": {"phase": phase, "conditions": [{"type": "Ready", "status": status}]}}
+
+
+def test_an_engine_turning_ready_before_the_bootstrap_ticks_at_once() -> None:
+    """The trainer waits for Ready, which the bootstrap brings, and the bootstrap starts at
+    the first tick that finds every engine answering: the last engine's readiness should not
+    wait up to a tick period on top of a cluster's start."""
+    runtime = cluster_runtime(make_spec(), options=ClusterLoopSettings(persist=False))
+    assert runtime.awaiting_engines
+    assert not runtime.on_pod_event(kind="MODIFIED", pod=_pod(ready=False))
+    assert runtime.on_pod_event(kind="MODIFIED", pod=_pod(ready=True))
+
+
+def test_once_the_bootstrap_began_readiness_waits_for_the_period() -> None:
+    """Switches relabel pods and turn them Ready again: those events must not tick a running
+    cluster on every flip; a deleted or failed pod still does."""
+    runtime = cluster_runtime(make_spec(), options=ClusterLoopSettings(persist=False))
+    for state in (ActionState(bootstrap_started=True), ActionState(bootstrapped=True)):
+        runtime.actions = state
+        assert not runtime.awaiting_engines
+        assert not runtime.on_pod_event(kind="MODIFIED", pod=_pod(ready=True))
+        assert runtime.on_pod_event(kind="DELETED", pod=_pod(ready=True))
+        assert runtime.on_pod_event(kind="MODIFIED", pod=_pod(ready=False, phase="Failed"))

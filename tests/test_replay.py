@@ -451,9 +451,9 @@ def test_a_trajectory_ended_after_a_tool_call_is_rewarded(tmp_path: Path) -> Non
 def test_times_to_a_count_start_with_the_trainer_as_a_recordings_do() -> None:
     """A recorded trainer started once its cluster served: the replay's completion times
     count from the simulated trainer's start too, so Prorsa's wait for Ready (its engines
-    start as decode; the bootstrap's flips are seen at the third tick, 30 s) is in its
+    start as decode; the bootstrap's flips are seen at the tick at 20 s) is in its
     makespan but not in the times compared with a recording's."""
     report = replay_recording(events=EVENTS, cluster=CLUSTER, static=[2], reference=False)
     prorsa, static = report.runs["prorsa"], report.runs["static-2P"]
-    assert prorsa.makespan - prorsa.completed_at[-1] == pytest.approx(30.0)
+    assert prorsa.makespan - prorsa.completed_at[-1] == pytest.approx(20.0)
     assert static.makespan == pytest.approx(static.completed_at[-1])

@@ -328,9 +328,10 @@ def test_the_trainer_waits_for_ready_so_no_prompt_waits_for_a_prefill_engine(
     result = sim.run()
     start = sim.trainer_started_at
     assert start is not None and math.isfinite(result.makespan)
-    # Not before the bootstrap's flips are done and listed: from the first tick (10 s),
-    # smg's drop (6 s), the flip (5 s) and its listing (2 s), seen at the next tick.
-    assert start == 30.0
+    # Not before the bootstrap's flips are done and listed: from the first tick (at 0 s, the
+    # operator woken by the engines turning Ready), smg's drop (6 s), the flip (5 s) and its
+    # listing (2 s), seen at the next periodic tick (20 s).
+    assert start == 20.0
     assert not unrouted
     # Both initial prefill engines took the first prompts, not the first one listed alone.
     assert len(set(first)) == 2

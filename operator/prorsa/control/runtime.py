@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +237,32 @@ class ClusterRuntime:
         """Tick now instead of at the end of the period (a pod failed or was deleted, or
         the trainer announced a weight update)."""
         self._wake.set()
+
+    @property
+    def awaiting_engines(self) -> bool:
+        """The bootstrap has not begun: it starts at the first tick that finds every engine
+        answering, so an engine turning Ready is worth a tick now."""
+        return not (self.actions.bootstrapped or self.actions.bootstrap_started)
+
+    def on_pod_event(self, *, kind: str | None, pod: Mapping[str, Any]) -> bool:
+        """Wake the loop for an engine pod's event that should not wait for the period:
+        deleted or failed (replace it, move the split), or turned Ready before the
+        bootstrap began (the trainer waits for Ready, and the bootstrap is what brings it;
+        a period's wait is up to ``forecast.horizonSeconds`` added to every cluster's
+        start). Returns whether it woke."""
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or ()
+        )
+        if (
+            kind == "DELETED"
+            or status.get("phase") == "Failed"
+            or (ready and self.awaiting_engines)
+        ):
+            self.wake()
+            return True
+        return False
 
     async def run(self) -> None:
         try:

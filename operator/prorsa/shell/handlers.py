@@ -375,7 +375,8 @@ def _event_poster(*, namespace: str, name: str, uid: str) -> EventPoster:
 
 
 def _register_pods(registry: kopf.OperatorRegistry) -> None:
-    """An engine pod deleted or failed wakes its cluster's control loop at once."""
+    """An engine pod deleted or failed, or turned Ready before the bootstrap, wakes its
+    cluster's control loop at once (:meth:`ClusterRuntime.on_pod_event`)."""
 
     @kopf.on.event("", "v1", "pods", registry=registry, labels={MANAGED_BY: "prorsa"})
     async def pod_event(
@@ -390,9 +391,8 @@ def _register_pods(registry: kopf.OperatorRegistry) -> None:
         if ctx is None or cluster is None or namespace is None:
             return
         runtime = ctx.runtimes.get((namespace, cluster))
-        phase = ((event.get("object") or {}).get("status") or {}).get("phase")
-        if runtime is not None and (event.get("type") == "DELETED" or phase == "Failed"):
-            runtime.wake()
+        if runtime is not None:
+            runtime.on_pod_event(kind=event.get("type"), pod=event.get("object") or {})
 
 
 def _namespaced(namespace: str | None) -> str:

@@ -236,13 +236,17 @@ class Prorsa(_Planned):
         self.decisions = 0
         self.anomalies = 0
         self.tick_seconds = 0.0
+        # The engines answer from the start, and the operator is woken as the last engine pod
+        # turns Ready (shell/handlers.py, pod events while the bootstrap has not begun), so its
+        # first tick, the one that starts the bootstrap, comes at once, not a period later.
+        sim.loop.at(0.0, self._woken, 0.0)
         sim.loop.every(sim.scenario.horizon, self.tick, start=sim.scenario.horizon)
         if sim.trainer.weight_update_events:
             # The operator ticks when the event comes in (the runtime is woken), not at the
             # end of its period: the update is the lead time a switch can use.
-            sim.trainer.on_update_started.append(self._on_update)
+            sim.trainer.on_update_started.append(self._woken)
 
-    def _on_update(self, now: float) -> None:
+    def _woken(self, now: float) -> None:
         self.tick(now, scheduled=False)
 
     def tick(self, now: float, *, scheduled: bool = True) -> None:
