@@ -150,6 +150,42 @@ def test_persistence_measures_how_long_demand_leans_one_way() -> None:
     assert math.isclose(p.seconds, 60.0, rel_tol=0.05)
 
 
+def test_a_lean_the_split_follows_does_not_shorten_the_payoff_horizon() -> None:
+    # Demand leans to prefill for 8 s; the Controller then moves an instance (2P -> 3P)
+    # and the lean, read against the split in use, is gone. The demand did not turn: the
+    # 8 s are a lower bound on how long it leans, not a run that ended (issue 34: counted
+    # as one, four such moves took the demo's payoff horizon from 30 s to 13 s).
+    p = Persistence(seconds=30.0)
+    for t in range(9):
+        p = p.after(float(t), toward="prefill", prefill=2)
+    p = p.after(9.0, toward=None, prefill=3)
+    assert p.seconds == 30.0
+    # A run followed after longer than the estimate raises it.
+    short = Persistence(seconds=5.0)
+    for t in range(21):
+        short = short.after(float(t), toward="prefill", prefill=2)
+    short = short.after(21.0, toward=None, prefill=3)
+    assert math.isclose(short.seconds, 5.0 + 0.3 * (21.0 - 5.0))
+
+
+def test_a_lean_that_flickers_at_a_split_boundary_is_one_run_but_a_burst_ends() -> None:
+    # Smoothed demand near the 2P:2D / 3P:1D boundary: Eq. 1 leans to prefill with a
+    # one-tick gap every 8 s. Within the 5 s grace each gap is the same run.
+    flicker = Persistence(seconds=30.0)
+    for t in range(60):
+        lean = None if t % 8 == 7 else "prefill"
+        flicker = flicker.after(float(t), toward=lean, prefill=2, grace=5.0)
+    assert flicker.seconds == 30.0
+    # A burst that leans to prefill for 4 s and is then gone for longer than the grace is
+    # a run of 4 s, however long the split it did not move stays put afterwards.
+    burst = Persistence(seconds=30.0)
+    for t in range(30):
+        burst = burst.after(
+            float(t), toward="prefill" if 10 <= t < 14 else None, prefill=1, grace=5.0
+        )
+    assert math.isclose(burst.seconds, 30.0 + 0.3 * (4.0 - 30.0))
+
+
 def test_measured_switches_replace_the_prior() -> None:
     costs = SwitchCosts(prior_seconds=25.0)
     for k in range(10):

@@ -224,6 +224,19 @@ def plan_inputs(now: float, best: tuple[int, int]) -> PlanInputs:
     )
 
 
+def test_a_lean_the_split_followed_leaves_the_payoff_horizon_as_it_was() -> None:
+    # Eq. 1 leans to 6P:2D at 2P:6D; 60 s later the split is there (the switches counted
+    # as their destination): the lean is gone because the split followed it, not because
+    # demand turned, so the payoff horizon stays (issue 34).
+    lean = plan_switches(
+        plan_inputs(100.0, (6, 2)), persistence=Persistence(seconds=300.0), regret=Regret()
+    )
+    there = dataclasses.replace(plan_inputs(160.0, (6, 2)), current=(6, 2), engines=engines(6, 2))
+    followed = plan_switches(there, persistence=lean.persistence, regret=lean.regret)
+    assert followed.persistence.toward is None
+    assert followed.persistence.seconds == 300.0
+
+
 def test_the_switch_plan_returns_its_memory_and_leaves_the_given_one() -> None:
     persistence, regret = Persistence(seconds=300.0), Regret()
     lean = plan_switches(plan_inputs(100.0, (6, 2)), persistence=persistence, regret=regret)

@@ -131,21 +131,60 @@ class Persistence:
     one way (an exponential mean of the runs of the same direction), and a move counts
     its gain over that long at most. Before any run has ended it says ``seconds`` (the
     prior). A value: :meth:`after` returns the next one, which the switch plan hands back.
+
+    Two ends of a lean are not demand turning, and are not measured as such (issue 34):
+
+    * The split followed it. The lean is read against the split in use, so a switch toward
+      it ends it however long the demand goes on leaning: the run is a lower bound, and it
+      only ever raises the estimate. Counted as a whole run, every move would shorten the
+      payoff horizon of the next (the demo's fell from 30 s to 13 s within one phase, a
+      switch's own duration, after which no move could pay).
+    * A flicker. Smoothed demand that sits near the boundary between two splits crosses it
+      back for a tick or two; a lean that comes back the same way within ``grace`` seconds
+      (the caller passes the smoothing time, over which Eq. 1's demand moves) is the same
+      run. A lean that stays away longer ended when it was first gone.
     """
 
     seconds: float
     toward: str | None = None
     since: float | None = None
+    # When the lean of the open run was first seen gone (None: it is still there), and the
+    # prefill instances in use at the previous tick (to tell a followed lean).
+    gone: float | None = None
+    prefill: int | None = None
 
-    def after(self, now: float, *, toward: str | None) -> Persistence:
-        """The measure once demand leans ``toward`` at ``now`` (None: it does not lean)."""
+    def after(
+        self,
+        now: float,
+        *,
+        toward: str | None,
+        prefill: int | None = None,
+        grace: float = 0.0,
+    ) -> Persistence:
+        """The measure once demand leans ``toward`` at ``now`` (None: it does not lean),
+        with ``prefill`` instances in use (counting switches under way)."""
+        followed = (
+            self.prefill is not None
+            and prefill is not None
+            and (
+                (self.toward == "prefill" and prefill > self.prefill)
+                or (self.toward == "decode" and prefill < self.prefill)
+            )
+        )
         if toward == self.toward:
-            return self
+            return replace(self, gone=None, prefill=prefill)
+        open_run = self.toward is not None and self.since is not None
+        if open_run and toward is None and not followed:
+            gone = now if self.gone is None else self.gone
+            if now - gone < grace:  # a flicker, so far: the run stays open
+                return replace(self, gone=gone, prefill=prefill)
         seconds = self.seconds
-        if self.toward is not None and self.since is not None:
-            run = max(now - self.since, 0.0)
-            seconds += EMA_WEIGHT * (run - seconds)
-        return Persistence(seconds=seconds, toward=toward, since=now)
+        if open_run and self.since is not None:
+            end = now if self.gone is None else self.gone
+            run = max(end - self.since, 0.0)
+            if not followed or run > seconds:
+                seconds += EMA_WEIGHT * (run - seconds)
+        return Persistence(seconds=seconds, toward=toward, since=now, prefill=prefill)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -91,7 +91,9 @@ def plan_switches(
     # Which way Eq. 1 leans from the current split, for how long demand keeps a lean.
     best = sized.best
     lean = {1: "prefill", -1: "decode"}.get((best.prefill > cur_p) - (best.prefill < cur_p))
-    persistence = persistence.after(inputs.now, toward=lean)
+    persistence = persistence.after(
+        inputs.now, toward=lean, prefill=cur_p, grace=inputs.switching.smoothing_seconds
+    )
     payoff = min(persistence.seconds, inputs.switching.payoff_seconds)
     load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff)
     step = (target.prefill > cur_p) - (target.prefill < cur_p)
