@@ -216,7 +216,7 @@ def plot_timeline(
     resumed = sum(1 for r in trainer.requests if r.resumes)
     lost = sum(r.lost for r in trainer.requests)
     fig.suptitle(
-        f"prorsa demo — task {options.task}, {options.instances} instances: "
+        f"prorsa demo — task {options.task_name}, {options.instances} instances: "
         f"{int(sum(counts.values()))} switches, {len(trainer.requests)} requests, "
         f"{resumed} resumed after aborts, {lost} tokens lost",
         fontsize=12,
