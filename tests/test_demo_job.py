@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_demo_sizing import eq1, steady_state
 
 from prorsa_lab.demo.job import CODING_AGENT, GENERAL_AGENT, MATH_TASK, MULTI_TASK_JOB
 from prorsa_lab.demo.run import TRAJECTORIES_PER_INSTANCE, DemoOptions, EngineModel
+from prorsa_lab.demo.sizing import eq1, steady_state
 from prorsa_lab.demo.trainer import DemoTrainer
 from prorsa_lab.demo.workload import PhaseSchedule
 from prorsa_sdk.event_helpers import EventHelpers
@@ -61,10 +62,13 @@ def _answer(request: httpx.Request) -> httpx.Response:
     )
 
 
+SPEED = 200.0  # virtual seconds per real second
+
+
 def _run_job(seconds: float) -> tuple[DemoTrainer, Recorder]:
-    """The default job, 80 s phases, in virtual time: every wait of the trainer (sandbox,
-    tool, reward) advances a clock instead of sleeping, and the engine answers at once."""
-    now = [0.0]
+    """The default job, 80 s phases, on a clock 200 times faster than the machine's: every
+    wait of the trainer (sandbox, tool, reward) lasts 1/200 of its length, and the engine
+    answers at once."""
     recorder = Recorder()
     router = httpx.AsyncClient(transport=httpx.MockTransport(_answer), base_url="http://smg")
     trainer = DemoTrainer(
@@ -73,19 +77,17 @@ def _run_job(seconds: float) -> tuple[DemoTrainer, Recorder]:
         emitter=recorder,  # type: ignore[arg-type]
         router=router,
         concurrency=24,
-        clock=lambda: now[0],
+        clock=lambda: time.monotonic() * SPEED,
     )
 
-    async def advance(wait: float) -> bool:
-        now[0] += wait
-        if now[0] - trainer.t0 >= seconds:
-            trainer.stop()
+    async def wait(seconds: float) -> bool:
+        if trainer.stopping:
             return False
-        await asyncio.sleep(0)
-        return True
+        await asyncio.sleep(seconds / SPEED)
+        return not trainer.stopping
 
-    trainer._sleep = advance  # type: ignore[method-assign]
-    asyncio.run(trainer.run(duration=3600.0))
+    trainer._sleep = wait  # type: ignore[method-assign]
+    asyncio.run(trainer.run(duration=seconds / SPEED))
     return trainer, recorder
 
 
@@ -121,9 +123,9 @@ def test_the_job_alternates_the_papers_tasks_one_per_phase() -> None:
     steady = DemoOptions(phase_pattern="steady").phases
     assert {steady.label(t) for t in (5.0, 85.0, 165.0)} == {"coding"}
     # The real engines keep their own one-task workload.
-    assert DemoOptions(engine="sglang").task_name == "coding"
+    assert DemoOptions(engine="sglang", instances=3).task_name == "coding"
     with pytest.raises(ValueError, match="multi-task job is sized for the engine doubles"):
-        DemoOptions(engine="sglang", task="multi")
+        DemoOptions(engine="sglang", instances=3, task="multi")
     single = DemoOptions(task="coding").phases
     assert single.job == () and single.label(5.0) == "tools"
 
@@ -136,9 +138,11 @@ def test_each_task_leans_its_own_way_on_four_doubles() -> None:
     coding = steady_state(CODING_AGENT, "reasoning", model, live=live, decode_instances=3)
     general = steady_state(GENERAL_AGENT, "tools", model, live=live, decode_instances=1)
     math = steady_state(MATH_TASK, "reasoning", model, live=live, decode_instances=3)
-    assert eq1(coding) == (1, 3) and 2.0 < coding.decode_kv < 3.0, coding
-    assert eq1(general) == (3, 1) and general.prefill > 2.0 and general.decode_kv < 1.0, general
-    assert eq1(math) == (1, 3) and math.prefill < 0.2 and math.decode_kv < 1.0, math
+    assert eq1(coding, budget=4) == (1, 3) and 2.0 < coding.decode_kv < 3.0, coding
+    assert eq1(general, budget=4) == (3, 1) and general.prefill > 2.0 and general.decode_kv < 1.0, (
+        general
+    )
+    assert eq1(math, budget=4) == (1, 3) and math.prefill < 0.2 and math.decode_kv < 1.0, math
 
 
 def _table() -> dict[str, list[str]]:
