@@ -204,8 +204,8 @@ def plot_timeline(
     ax_roles.set_yticks(range(options.instances + 1))
     ax_roles.set_ylabel("engine pods")
     ax_roles.set_xlabel(
-        "seconds since the trainer started (pink: tools phases; grey: no new requests, "
-        "the last ones finish)"
+        "seconds since the trainer started (pink: tools phases, the job's general agent; "
+        "grey: no new requests, the last ones finish)"
     )
     ax_roles.set_title(
         "pods by role label; ▲ switch to prefill, ▼ switch to decode", loc="left", fontsize=10
