@@ -21,8 +21,8 @@ other; where a figure is not the profile's scaled, it says why next to it:
 * **sandbox starts and rewards**: a tenth of the profile's (``IDLE_TIMES``). They ask no
   engine, and only delay the trajectory that replaces a finished one;
 * **turns**: a tenth of the coding agent's 38 model calls, fewer where the context cap ends
-  a trajectory first, so that a trajectory lasts well under a phase and the job's mix turns
-  over within one.
+  a trajectory first, so that a trajectory lasts less than a phase (a coding one about a
+  minute of the 80 s) and the job's mix turns over within one.
 """
 
 from __future__ import annotations
