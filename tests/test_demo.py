@@ -179,6 +179,12 @@ def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
     assert all(r["got"] == r["asked"] and r["error"] is None for r in records)
     assert sum(1 for r in records if r["resumes"]) == summary["requests_resumed"]
     assert {r["phase"] for r in records} == {"tools", "reasoning"}
+    # The default job: each call is of its trajectory's task, the job's first one first.
+    assert records[0]["task"] == "coding" and {r["task"] for r in records} <= {
+        "coding",
+        "general",
+        "math",
+    }
 
 
 def test_demo_writes_a_png_timeline(demo_run: Run) -> None:
@@ -202,11 +208,13 @@ def test_demo_reports_phase_lag_and_prefill_backlog(demo_run: Run) -> None:
     proc, out = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    phases = PhaseSchedule(seconds=20).spans(60)
+    schedule = DemoOptions(duration=60.0, phase_seconds=20.0).phases  # the default job
+    phases = schedule.spans(60)
     lags, changes = summary["phase_lag_seconds"], summary["phase_changes"]
     assert len(lags) == len(changes) == len(phases) - 1, summary
     for lag, change, (start, end, phase) in zip(lags, changes, phases[1:], strict=True):
         assert change["at"] == start and change["phase"] == phase
+        assert change["task"] == schedule.label(start)  # coding, general, math in turn
         assert change["lag_seconds"] == lag
         if lag is not None:  # the labels showed Eq. 1's target of the phase, in the phase
             assert change["target"] is not None and 0 <= lag < end - start
@@ -557,9 +565,9 @@ def test_steady_phases_all_favour_one_split() -> None:
     steady = PhaseSchedule(seconds=10.0, first="reasoning", steady=True)
     assert {phase for _, _, phase in steady.spans(40.0)} == {"reasoning"}
     assert steady.at(35.0) == "reasoning"
-    options = DemoOptions(phase_pattern="steady", duration=30.0)
+    options = DemoOptions(task="coding", phase_pattern="steady", duration=30.0)
     assert options.phases == steady
-    alternate = DemoOptions().phases  # 80 s phases
+    alternate = DemoOptions(task="coding").phases  # 80 s phases
     assert (alternate.at(5.0), alternate.at(100.0), alternate.at(170.0)) == (
         "tools",
         "reasoning",

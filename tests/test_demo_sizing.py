@@ -10,11 +10,8 @@ the declared KV pool).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from prorsa.core.allocate import solve
 from prorsa_lab.demo.run import (
     SGLANG_MODEL,
     SGLANG_OUTPUT_SCALE,
@@ -25,6 +22,9 @@ from prorsa_lab.demo.run import (
     EngineModel,
     demo_manifest,
 )
+from prorsa_lab.demo.sizing import Ask
+from prorsa_lab.demo.sizing import eq1 as split_of
+from prorsa_lab.demo.sizing import steady_state as estimate
 from prorsa_lab.demo.workload import (
     CODING_DEMO,
     DEMO_TASKS,
@@ -32,18 +32,10 @@ from prorsa_lab.demo.workload import (
     PhaseName,
     PhaseSchedule,
     default_phase_seconds,
-    draw_trajectory,
 )
-from prorsa_lab.sim.workloads import TEMPLATE_TOKENS
 
 INSTANCES = 4
 DECODE_INSTANCES = 3  # where a reasoning phase runs, for the decode batch per engine
-
-
-@dataclass(frozen=True)
-class Ask:
-    prefill: float  # instances
-    decode_kv: float  # instances
 
 
 def steady_state(
@@ -55,40 +47,16 @@ def steady_state(
     decode_instances: int = DECODE_INSTANCES,
 ) -> Ask:
     """What ``live`` trajectories ask for when every turn starts in ``phase``."""
-    running = 5.0  # requests decoding per decode engine: iterated to a fixed point
-    for _ in range(5):
-        wall = prefill = kv_seconds = decoding = 0.0
-        for index in range(300):
-            draw = draw_trajectory(task, seed=0, index=index)
-            context = draw.prompt
-            wall += draw.startup_seconds + draw.reward_seconds
-            for turn, turn_draw in enumerate(draw.turn_draws):
-                want = min(turn_draw.output[phase], task.max_context - context)
-                if want < 1:
-                    break
-                step = model.decode_step_seconds + model.decode_step_seconds_per_request * running
-                seconds = want * step
-                wall += context / model.prefill_tokens_per_second + seconds
-                prefill += context / model.prefill_tokens_per_second
-                kv_seconds += (context + want / 2) * seconds
-                decoding += seconds
-                context += want
-                if turn == draw.turns - 1 or context >= task.max_context:
-                    break
-                wall += turn_draw.tool_seconds[phase]
-                context += turn_draw.result_tokens[phase] + TEMPLATE_TOKENS
-                if context >= task.max_context:
-                    break
-        running = live * decoding / wall / decode_instances
-    return Ask(prefill=live * prefill / wall, decode_kv=live * kv_seconds / wall / model.kv_tokens)
+    return estimate(task, phase, model, live=live, decode_instances=decode_instances)
 
 
 def eq1(ask: Ask, *, budget: int = INSTANCES) -> tuple[int, int]:
-    split = solve(ask.prefill, ask.decode_kv, budget=budget, min_prefill=1, min_decode=1)
-    return split.prefill, split.decode
+    return split_of(ask, budget=budget)
 
 
-def test_each_phase_of_the_default_workload_leans_its_own_way() -> None:
+def test_each_phase_of_the_coding_workload_leans_its_own_way() -> None:
+    """``--task coding``: one task whose turns alternate a tools and a reasoning shape (the
+    default job's tasks: tests/test_demo_job.py)."""
     model, live = EngineModel(), TRAJECTORIES_PER_INSTANCE * INSTANCES
     tools = steady_state(CODING_DEMO, "tools", model, live=live)
     reasoning = steady_state(CODING_DEMO, "reasoning", model, live=live)
@@ -105,12 +73,15 @@ def test_each_phase_of_the_default_workload_leans_its_own_way() -> None:
 
 
 def test_a_default_run_judges_following_on_phases_long_enough_to_settle() -> None:
-    """The default 240 s run: a reasoning phase between two tools phases, each 80 s (60 s
-    left a burst's move in place at the phase end in two runs of three), so the summary
-    has a tools phase with a reasoning phase before it to judge following by."""
+    """The default 240 s run: the job's prefill-leaning general agent between the coding
+    agent and math, each 80 s (60 s left a burst's move in place at the phase end in two
+    runs of three), so the summary has a tools phase with decode-leaning phases on both
+    sides to judge following by; a one-task run has tools, reasoning, tools."""
     duration = DemoOptions().duration
-    spans = PhaseSchedule(seconds=default_phase_seconds(duration)).spans(duration)
-    assert [phase for _, _, phase in spans] == ["tools", "reasoning", "tools"]
+    spans = DemoOptions().phases.spans(duration)
+    assert [phase for _, _, phase in spans] == ["reasoning", "tools", "reasoning"]
+    single = PhaseSchedule(seconds=default_phase_seconds(duration)).spans(duration)
+    assert [phase for _, _, phase in single] == ["tools", "reasoning", "tools"]
     assert all(end - start == 80.0 for start, end, _ in spans)
     # Longer runs repeat 80 s phases; short ones keep three phases of at least 5 s.
     assert default_phase_seconds(600.0) == 80.0

@@ -39,9 +39,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--task",
-        choices=("coding", "general", "math"),
-        default="coding",
-        help="workload shape: turns, tool times, prompt growth (default coding)",
+        choices=("multi", "coding", "general", "math"),
+        default=None,
+        help="multi: a multi-task job dispatching the paper's coding agent, general agent "
+        "and math in turn, one task per phase (default with the doubles); coding, general, "
+        "math: one task whose turns alternate tools and reasoning phases (default coding "
+        "with --engine sglang)",
     )
     parser.add_argument(
         "--instances",
@@ -70,15 +73,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="SECONDS",
-        help="length of each tools / reasoning phase (default: duration / 3, 5 to 80 s)",
+        help="length of each phase: one task of the job, or a tools / reasoning phase "
+        "(default: duration / 3, 5 to 80 s)",
     )
     parser.add_argument(
         "--phases",
         choices=("alternate", "steady"),
         default="alternate",
-        help="alternate: tools and reasoning phases in turn, whose best splits differ "
-        "(default); steady: reasoning in every phase, a workload that favours one split "
-        "throughout, where switching should cost nothing",
+        help="alternate: the job's tasks (or one task's tools and reasoning phases) in "
+        "turn, whose best splits differ (default); steady: the coding agent (or reasoning) "
+        "in every phase, a workload that favours one split throughout, where switching "
+        "should cost nothing",
     )
     parser.add_argument(
         "--trajectories",

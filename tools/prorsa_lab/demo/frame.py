@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 PHASE_TEXT = {"tools": "tools (prefill-heavy)", "reasoning": "reasoning (decode-heavy)"}
+LEAN_TEXT = {"tools": "prefill-heavy", "reasoning": "decode-heavy"}
 
 # What the symbols of the forecast line mean (the paper's Eq. 1 and Eq. 13-15).
 LEGEND = (
@@ -110,11 +111,7 @@ def frame(
     return Frame(
         elapsed=max(0.0, time.time() - trainer.t0),
         duration=options.duration,
-        phase=(
-            f"over, in flight: {stats.in_flight}"
-            if trainer.stopping
-            else PHASE_TEXT[trainer.phase_now()]
-        ),
+        phase=(f"over, in flight: {stats.in_flight}" if trainer.stopping else _phase_text(trainer)),
         mode=str(d.get("mode") or "waiting for the first tick"),
         labels=monitor.directory.counts(),
         target=target,
@@ -135,6 +132,15 @@ def frame(
         best=monitor.best(),
         run_label=run_label,
     )
+
+
+def _phase_text(trainer: DemoTrainer) -> str:
+    """``tools (prefill-heavy)``, or for a multi-task job ``general (prefill-heavy)``."""
+    elapsed = time.time() - trainer.t0
+    job = trainer.schedule.job_task(elapsed)
+    if job is None:
+        return PHASE_TEXT[trainer.phase_now()]
+    return f"{job.task.name} ({LEAN_TEXT[job.lean]})"
 
 
 def clock(seconds: float) -> str:

@@ -59,7 +59,7 @@ def _head(f: Frame, *, task: str, instances: int) -> Text:
         f"{task}{label}, {instances}×8 GPUs  ",
         (f"{clock(min(f.elapsed, f.duration))}/{clock(f.duration)}", "bold"),
         "  ",
-        (f.phase, "bold magenta" if f.phase.startswith("tools") else "bold cyan"),
+        (f.phase, "bold magenta" if "prefill-heavy" in f.phase else "bold cyan"),
         "  ",
         (f.mode, "green" if f.mode == "predictive" else "yellow"),
     )

@@ -30,6 +30,7 @@ class PhaseCalls:
     phase: PhaseName
     start: float  # seconds since the rollout start
     splits: tuple[SplitCalls, ...]  # in order of calls, most first
+    task: str | None = None  # a multi-task job's task of the phase
 
 
 def _split_at(timeline: Sequence[tuple[float, Split]], t: float) -> Split | None:
@@ -80,5 +81,5 @@ def calls_line(phases: Sequence[PhaseCalls], *, label: str = "calls") -> str:
     parts = []
     for p in phases:
         splits = ", ".join(f"{s.split} {s.mean_seconds:.1f} s ×{s.calls}" for s in p.splits)
-        parts.append(f"{p.phase} {splits or '-'}")
+        parts.append(f"{p.task or p.phase} {splits or '-'}")
     return f"  {label:<13} {'; '.join(parts) or '-'}"

@@ -71,6 +71,7 @@ class PhaseChange:
     # The lag cut into detection, decision, router, drain and flip (None: no lag);
     # prorsa_lab.demo.lag_parts.
     lag_parts: LagParts | None = None
+    task: str | None = None  # a multi-task job's task of the phase
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,7 +252,7 @@ def summary_line(changes: Sequence[PhaseChange], backlogs: Sequence[PhaseBacklog
 
 def phases_line(changes: Sequence[PhaseChange]) -> str:
     """The splits each phase settled on, against Eq. 1's targets, and the verdict."""
-    parts = [f"{c.phase} {c.split_settled} (Eq. 1: {c.target or '-'})" for c in changes]
+    parts = [f"{c.task or c.phase} {c.split_settled} (Eq. 1: {c.target or '-'})" for c in changes]
     verdict = follows_phases(changes)
     said = {
         True: "the split followed the phases both ways",

@@ -52,6 +52,7 @@ from prorsa_lab.demo.compare import (
     verdict,
 )
 from prorsa_lab.demo.frame import wrap_lines
+from prorsa_lab.demo.job import MULTI_TASK_JOB
 from prorsa_lab.demo.lag_parts import parts_line, switch_spans
 from prorsa_lab.demo.monitor import Monitor
 from prorsa_lab.demo.phase_calls import PhaseCalls, calls_line, phase_calls
@@ -72,6 +73,7 @@ from prorsa_lab.demo.view import LiveView, PlainView
 from prorsa_lab.demo.workload import (
     DEMO_TASKS,
     PATTERNS,
+    DemoTask,
     PhaseSchedule,
     default_phase_seconds,
 )
@@ -167,6 +169,8 @@ class EngineModel:
 TRAJECTORIES_PER_INSTANCE = 6
 
 ENGINES = ("double", "sglang")
+MULTI_TASK = "multi"
+TASKS = (MULTI_TASK, *DEMO_TASKS)
 MAX_REAL_ENGINES = 3
 SGLANG_TRAJECTORIES_PER_INSTANCE = 3
 SGLANG_TOKEN_SCALE = 0.45
@@ -210,7 +214,10 @@ SGLANG_MODEL = EngineModel(
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
     duration: float = 240.0
-    task: str = "coding"
+    # "multi" (the multi-task job: coding, general agent, math in turn, one per phase),
+    # "coding", "general" or "math" (one task whose turns alternate tools and reasoning
+    # phases). None: "multi" on the doubles, "coding" on the real engines.
+    task: str | None = None
     instances: int = 4
     out: Path = Path("bench-out/demo")
     live: bool = True
@@ -252,8 +259,13 @@ class DemoOptions:
             raise ValueError(
                 f"unknown phases {self.phase_pattern!r} (known: {', '.join(PATTERNS)})"
             )
-        if self.task not in DEMO_TASKS:
-            raise ValueError(f"unknown task {self.task!r} (known: {', '.join(DEMO_TASKS)})")
+        if self.task_name not in TASKS:
+            raise ValueError(f"unknown task {self.task_name!r} (known: {', '.join(TASKS)})")
+        if self.task_name == MULTI_TASK and self.engine == "sglang":
+            raise ValueError(
+                "the multi-task job is sized for the engine doubles; with --engine sglang "
+                f"choose one task ({', '.join(DEMO_TASKS)})"
+            )
         if not 2 <= self.instances <= 64:
             raise ValueError("instances must be between 2 and 64 (one prefill, one decode)")
         if self.concurrency is not None and self.concurrency < 1:
@@ -275,6 +287,19 @@ class DemoOptions:
         return [parse_split(self.baseline, instances=n)]
 
     @property
+    def task_name(self) -> str:
+        if self.task is not None:
+            return self.task
+        return "coding" if self.engine == "sglang" else MULTI_TASK
+
+    @property
+    def workload(self) -> DemoTask:
+        """The task a single-task run sends, or the job's first."""
+        if self.task_name == MULTI_TASK:
+            return MULTI_TASK_JOB[0].task
+        return DEMO_TASKS[self.task_name]
+
+    @property
     def trajectories(self) -> int:
         per_instance = (
             SGLANG_TRAJECTORIES_PER_INSTANCE
@@ -291,7 +316,11 @@ class DemoOptions:
     @property
     def phases(self) -> PhaseSchedule:
         seconds = self.phase_seconds or default_phase_seconds(self.duration)
-        if self.phase_pattern == "steady":
+        steady = self.phase_pattern == "steady"
+        if self.task_name == MULTI_TASK:
+            # Steady: the job's first task (the coding agent) in every phase.
+            return PhaseSchedule(seconds=seconds, steady=steady, job=MULTI_TASK_JOB)
+        if steady:
             return PhaseSchedule(seconds=seconds, first="reasoning", steady=True)
         return PhaseSchedule(seconds=seconds)
 
@@ -904,12 +933,12 @@ async def _rollout(
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
     model = options.model
-    task = DEMO_TASKS[options.task]
+    task = options.workload
     kubeconfig = (out / "kubeconfig").resolve()
     run_label = "" if static is None else f"static {split_text(static)}"
     print(
         f"prorsa demo: starting the API emulator, the operator and {options.instances} engine "
-        f"pods (task {task.name}, {options.duration:.0f} s of rollout"
+        f"pods (task {options.task_name}, {options.duration:.0f} s of rollout"
         f"{', ' + run_label if run_label else ''})...",
         file=stream,
         flush=True,
@@ -1135,10 +1164,13 @@ def _summarise(
     calls = phase_calls(
         trainer.requests, split_timeline(monitor.directory.changes), spans, t0=trainer_t0
     )
+    if options.phases.job:  # name each phase by its task
+        changes = [replace(c, task=options.phases.label(c.at)) for c in changes]
+        calls = [replace(c, task=options.phases.label(c.start)) for c in calls]
     during = [x for x in monitor.samples if trainer_t0 <= x.t <= trainer_t0 + seconds]
     backlogs = prefill_backlogs(router.jobs, monitor.samples, spans, t0=trainer_t0)
     return DemoSummary(
-        task=options.task,
+        task=options.task_name,
         instances=options.instances,
         nodes_per_instance=options.nodes_per_instance,
         seed=options.seed,

@@ -204,8 +204,8 @@ def plot_timeline(
     ax_roles.set_yticks(range(options.instances + 1))
     ax_roles.set_ylabel("engine pods")
     ax_roles.set_xlabel(
-        "seconds since the trainer started (pink: tools phases; grey: no new requests, "
-        "the last ones finish)"
+        "seconds since the trainer started (pink: tools phases, the job's general agent; "
+        "grey: no new requests, the last ones finish)"
     )
     ax_roles.set_title(
         "pods by role label; ▲ switch to prefill, ▼ switch to decode", loc="left", fontsize=10
@@ -216,7 +216,7 @@ def plot_timeline(
     resumed = sum(1 for r in trainer.requests if r.resumes)
     lost = sum(r.lost for r in trainer.requests)
     fig.suptitle(
-        f"prorsa demo — task {options.task}, {options.instances} instances: "
+        f"prorsa demo — task {options.task_name}, {options.instances} instances: "
         f"{int(sum(counts.values()))} switches, {len(trainer.requests)} requests, "
         f"{resumed} resumed after aborts, {lost} tokens lost",
         fontsize=12,

@@ -74,6 +74,7 @@ class RequestRecord:
     prompt_tokens: int
     asked: int
     started: float
+    task: str = ""  # the webhook's task label of its trajectory
     got: int = 0
     resumes: int = 0
     finished: float | None = None
@@ -84,6 +85,7 @@ class RequestRecord:
             "trajectory": self.trajectory,
             "turn": self.turn,
             "phase": self.phase,
+            "task": self.task,
             "promptTokens": self.prompt_tokens,
             "asked": self.asked,
             "got": self.got,
@@ -261,11 +263,16 @@ class DemoTrainer:
 
     async def _worker(self) -> None:
         while not self.stopping:  # replace-on-reward
-            n = next(self._ids)
-            await self._trajectory(n, group=f"g{n // self.task.profile.group_size}")
+            await self._trajectory(next(self._ids))
 
-    async def _trajectory(self, index: int, *, group: str) -> None:
-        task, em = self.task, self.emitter
+    async def _trajectory(self, index: int) -> None:
+        # A multi-task job dispatches the task of the phase it is in; the trajectory keeps
+        # that task, and every turn its shape, to the end.
+        job = self.schedule.job_task(self.clock() - self.t0)
+        task, em = (self.task if job is None else job.task), self.emitter
+        group = f"g{index // task.profile.group_size}"
+        if job is not None:
+            group = f"{task.name}-{group}"
         tid = f"traj-{index}"
         draw = draw_trajectory(task, seed=self.seed, index=index)
         self.stats.started += 1
@@ -275,14 +282,14 @@ class DemoTrainer:
         if not await self._sleep(draw.startup_seconds):
             return self._drop(tid)
         for turn, turn_draw in enumerate(draw.turn_draws):
-            phase = self.phase_now()
+            phase = self.phase_now() if job is None else job.lean
             want = turn_draw.output[phase]
             last = turn == draw.turns - 1 or context + want >= task.max_context
             want = min(want, task.max_context - context)
             if want < 1:
                 break
             record = await self._generate(
-                tid, turn=turn, phase=phase, context=context, want=want, last=last
+                tid, turn=turn, phase=phase, task=task.name, context=context, want=want, last=last
             )
             if record.error is not None:
                 return self._drop(tid, reason="generation failed")
@@ -312,12 +319,21 @@ class DemoTrainer:
         self.stats.dropped += 1
 
     async def _generate(
-        self, tid: str, *, turn: int, phase: PhaseName, context: int, want: int, last: bool
+        self,
+        tid: str,
+        *,
+        turn: int,
+        phase: PhaseName,
+        task: str,
+        context: int,
+        want: int,
+        last: bool,
     ) -> RequestRecord:
         record = RequestRecord(
             trajectory=tid,
             turn=turn,
             phase=phase,
+            task=task,
             prompt_tokens=context,
             asked=want,
             started=self.clock(),

@@ -220,7 +220,7 @@ class LiveView(_View):
 
         return render_live(
             self.frame(),
-            task=self.options.task,
+            task=self.options.task_name,
             instances=self.options.instances,
             pods=self.monitor.pods,
             log=self._log,

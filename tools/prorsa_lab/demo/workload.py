@@ -156,24 +156,64 @@ PATTERNS = ("alternate", "steady")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class JobTask:
+    """One task of a multi-task job: the trajectories dispatched in its phase are its own,
+    every turn of them shaped by ``task.phase(lean)``, and carry its name as the webhook's
+    ``task`` label. ``lean`` is how the task leans (``tools``: prefill, ``reasoning``:
+    decode), which the summary judges following by."""
+
+    task: DemoTask
+    lean: PhaseName
+
+    def shape(self) -> PhaseShape:
+        return self.task.phase(self.lean)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseSchedule:
     """``tools`` for ``seconds``, then ``reasoning`` for ``seconds``, and again; or, with
     ``steady``, ``first`` in every phase: a workload whose phases all favour one split,
     where switching has nothing to gain and every move it makes is a cost (``--phases
-    steady``, docs/demo.md)."""
+    steady``, docs/demo.md).
+
+    With ``job``, phase ``i`` belongs to task ``job[i % len(job)]`` (with ``steady``, to
+    ``job[0]`` throughout), and its name is that task's lean.
+    """
 
     seconds: float
     first: PhaseName = "tools"
     steady: bool = False
+    job: tuple[JobTask, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.seconds > 0:
             raise ValueError("phase seconds must be > 0")
 
     def at(self, elapsed: float) -> PhaseName:
-        return self._name(int(max(elapsed, 0.0) // self.seconds))
+        return self._name(self._index(elapsed))
+
+    def job_task(self, elapsed: float) -> JobTask | None:
+        """The task whose trajectories the trainer dispatches at ``elapsed`` (None: a
+        single-task workload)."""
+        return self._job_task(self._index(elapsed))
+
+    def label(self, elapsed: float) -> str:
+        """The phase's name as a user reads it: the task of a job, else the lean."""
+        job = self.job_task(elapsed)
+        return self.at(elapsed) if job is None else job.task.name
+
+    def _index(self, elapsed: float) -> int:
+        return int(max(elapsed, 0.0) // self.seconds)
+
+    def _job_task(self, index: int) -> JobTask | None:
+        if not self.job:
+            return None
+        return self.job[0 if self.steady else index % len(self.job)]
 
     def _name(self, index: int) -> PhaseName:
+        job = self._job_task(index)
+        if job is not None:
+            return job.lean
         if index % 2 == 0 or self.steady:
             return self.first
         return "reasoning" if self.first == "tools" else "tools"
