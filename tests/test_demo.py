@@ -136,7 +136,12 @@ def test_the_printed_curl_reads_the_latest_decision(demo_run: Run) -> None:
     reply = json.loads((out / "forecast-reply.json").read_text())
     assert reply["url"].endswith("/v1/namespaces/rl/rolloutclusters/demo/forecast"), reply
     assert reply["status"] == 200, reply
-    assert reply["body"]["target"]["prefill"] + reply["body"]["target"]["decode"] == 4
+    # The first Decision may come while the engines turn Ready (each wakes the operator
+    # until the bootstrap begins: ClusterRuntime.on_pod_event): a split of those answering
+    # then, never more than the cluster's 4 instances, with the Controller's reason.
+    body = reply["body"]
+    assert body["target"]["prefill"] + body["target"]["decode"] <= 4, body
+    assert body["reason"] and body["mode"] in ("predictive", "reactive"), body
 
 
 def test_demo_switches_both_ways_and_loses_nothing(demo_run: Run) -> None:
