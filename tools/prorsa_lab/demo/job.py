@@ -59,8 +59,8 @@ CODING_AGENT = DemoTask(
     turns_max=4,  # mean 3: the profile's 38 model calls cut to what fits a phase
     tools=_CODING_TURN,
     reasoning=_CODING_TURN,
-    startup_seconds=_scaled(CODING.prewarm, IDLE_TIMES),  # prewarmed sandbox, 1 s
-    reward_seconds=_scaled(CODING.reward, IDLE_TIMES),  # the test suite: 35 s
+    startup_seconds=_scaled(CODING.prewarm, IDLE_TIMES),  # prewarmed sandbox: 1 s, a tenth
+    reward_seconds=_scaled(CODING.reward, IDLE_TIMES),  # the test suite: 35 s, a tenth
     accept=CODING.accept,
     max_context=MAX_CONTEXT,
 )
@@ -86,8 +86,8 @@ GENERAL_AGENT = DemoTask(
     turns_max=8,  # the profile's 5-20 turns, shortened by the 8,000-token context cap
     tools=_GENERAL_TURN,
     reasoning=_GENERAL_TURN,
-    startup_seconds=_scaled(GENERAL.prewarm, IDLE_TIMES),  # MCP servers, a browser: prewarmed
-    reward_seconds=_scaled(GENERAL.reward, IDLE_TIMES),  # rubric or LLM judge: 4 s
+    startup_seconds=_scaled(GENERAL.prewarm, IDLE_TIMES),  # MCP servers, a browser: a tenth
+    reward_seconds=_scaled(GENERAL.reward, IDLE_TIMES),  # rubric or LLM judge: 4 s, a tenth
     accept=GENERAL.accept,
     max_context=MAX_CONTEXT,
 )
