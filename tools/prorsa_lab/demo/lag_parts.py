@@ -21,8 +21,10 @@ taken from what the system itself records:
 
 The pod directory lists the pods every 0.1 s and the monitor reads the best split once a
 second, so a part is good to about 0.1 s, ``detection`` to about 1 s. A switch that began
-before the forecast crossed counts in ``detection`` up to the crossing. When an agent's
-drain could not be read, ``drain`` is None and its seconds are in ``flip``.
+before the forecast crossed counts in ``detection`` up to the crossing. When the change
+found a pod draining and the target's prefill count already held, the forecast crossed
+once it stood at that count. When an agent's drain could not be read, ``drain`` is None
+and its seconds are in ``flip``.
 """
 
 from __future__ import annotations
@@ -116,8 +118,14 @@ def lag_parts(
         return None
     end = at + lag
     direction = target[0] - before[0]
-    crossed = [t for t, split in best if at <= t <= end and (split[0] - before[0]) * direction > 0]
-    detection = min(crossed[0] - at, lag) if crossed and direction else lag
+
+    def on_target_side(split: tuple[int, int]) -> bool:
+        if direction == 0:  # the change found a pod draining: the prefill count is right
+            return split[0] == target[0]
+        return (split[0] - before[0]) * direction > 0
+
+    crossed = [t for t, split in best if at <= t <= end and on_target_side(split)]
+    detection = min(crossed[0] - at, lag) if crossed else lag
     lo = at + detection
     router = drain = flip = 0.0
     measured = True
