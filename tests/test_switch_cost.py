@@ -66,9 +66,11 @@ def test_a_split_that_serves_its_demand_gains_little_from_a_switch() -> None:
 def test_moving_toward_the_short_side_saves_the_wall_time_its_load_says() -> None:
     # Decode KV short: b = 6 on 4 (load 1.5); 3P:5D serves it at load 1.2. With no knee
     # profiled, the KV footprint stands in for the batch: every token takes 1 + 6/4 lone
-    # steps on four decode instances, 1 + 6/5 on five, over half of each turn.
+    # steps on four decode instances, 1 + 6/5 on five, over half of each turn. The other
+    # half, prefill, queues longer on three instances 2/3 busy than on four half busy: an
+    # M/D/1 turn of 1 + u/(2(1 - u)) prefill times, 2 against 1.5.
     move = price((4, 4), (2.0, 6.0), src="prefill")
-    before, after = 1.5 * (0.5 + 0.5 * 2.5), 1.2 * (0.5 + 0.5 * 2.2)
+    before, after = 1.5 * (0.5 + 0.5 * 2.5), 1.2 * (0.5 * 2.0 / 1.5 + 0.5 * 2.2)
     # The instance serves decode once its 20 s switch is done: 280 s of the 300.
     assert math.isclose(move.gain, 280.0 * (1.0 - after / before))
     assert move.worth_it

@@ -221,7 +221,7 @@ def _window_load(inputs: PlanInputs, *, prefill_instances: int, seconds: float) 
         ahead=sized.ahead,
         horizon=inputs.horizon,
         seconds=seconds,
-        knees=sized.knees,
+        knees=sized.knees if sized.priced_knees is None else sized.priced_knees,
         decode_share=sized.decode_share,
     )
 
