@@ -160,6 +160,51 @@ def test_sizing_solves_eq1_from_its_inputs_alone() -> None:
     assert (s0.budget, s0.best.prefill, s0.best.decode) == (0, 0, 0)
 
 
+def test_switches_are_priced_on_the_decode_load_that_stays_and_eq1_sizes_on_its_own() -> None:
+    # b = 1.4: 0.8 of KV in use and 0.6 admitted within the horizon, by decodes that stay
+    # 4% of it (a tool call's few tokens). Eq. 1 sizes on 1.4 as the paper has it; the
+    # pricing sees 0.8 + 0.6 x 0.04. The same for the requests in decode: 40 of the 100
+    # are queued for prefill, at 4% too.
+    demand = Demand(
+        mode="predictive",
+        a=0.9,
+        b=1.4,
+        forecast=Forecast(),
+        admitted=0.6,
+        pending=40.0,
+        resident=0.04,
+        decoding=100.0,
+    )
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        capacity={
+            "prefillTokensPerSecond": 10_000,
+            "decodeKvTokens": 1_000_000,
+            "decodeConcurrency": 100,
+        },
+        switching=PER_HORIZON,
+    )
+    counts = RoleCounts(prefill=1, decode=3, unavailable=4, names=("p0",))
+    plain = DemandSmoother(seconds=0.0), DemandSmoother(seconds=300.0)
+    s = size(
+        sizing_inputs(demand=demand, counts=counts, spec=spec),
+        smoother=plain[0],
+        share_smoother=plain[1],
+    ).sizing
+    assert s.b == pytest.approx(1.4) and s.demand.b == pytest.approx(1.4)
+    assert s.now_demand[1] == pytest.approx(0.8 + 0.6 * 0.04)
+    assert s.ahead[1] == pytest.approx(0.8 + 0.6 * 0.04)
+    assert s.knees == pytest.approx(1.0) and s.priced_knees == pytest.approx(0.6 + 0.4 * 0.04)
+    # Admissions that decode for the whole horizon are priced as Eq. 1 counts them.
+    long = dataclasses.replace(demand, resident=1.0)
+    s1 = size(
+        sizing_inputs(demand=long, counts=counts, spec=spec),
+        smoother=plain[0],
+        share_smoother=plain[1],
+    ).sizing
+    assert s1.now_demand[1] == pytest.approx(1.4) and s1.priced_knees == pytest.approx(1.0)
+
+
 def test_sizing_returns_the_smoothers_it_learned_and_leaves_the_given_ones() -> None:
     smoother, share = DemandSmoother(seconds=60.0), DemandSmoother(seconds=300.0)
     first = size(sizing_inputs(), smoother=smoother, share_smoother=share)
