@@ -315,3 +315,42 @@ def test_theta_is_read_from_the_fold_and_reading_it_changes_nothing() -> None:
     assert reading.calibration == 1.0 and reading.recomputed == 0.0
     # Nothing new since: the next tick reads the same window.
     assert meter.fold(12.0, prefilled=10_000.0, expected=2_500.0) == reading
+
+
+def test_only_forecast_arrivals_queue_engine_queues_alone_do_not() -> None:
+    # 1P:3D, the prefill instance 90% busy, decode holding 0.8 instances: Eq. 1 asks for
+    # 2P:2D. From the forecast, the 0.9 are arrivals that recur, and a prompt queues 4.5
+    # prefill times behind them (M/D/1): the move pays. Read from engine queues alone
+    # (reactive mode) the same 0.9 is a backlog that may not recur, and no queueing is
+    # priced: the move only slows decode, and the split holds.
+    def plan(mode: str) -> tuple[int, ...]:
+        spec = make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
+            switching=PER_HORIZON | {"cooldownSeconds": 30, "maxConcurrent": 1},
+        )
+        demand = Demand(mode=mode, a=0.9, b=0.8, forecast=Forecast())  # type: ignore[arg-type]
+        inputs = plan_inputs(100.0, (2, 2))
+        sizing = dataclasses.replace(
+            inputs.sizing,
+            demand=demand,
+            a=0.9,
+            b=0.8,
+            now_demand=(0.9, 0.8),
+            ahead=(0.9, 0.8),
+            budget=32,
+            arrivals_known=mode == "predictive",
+        )
+        four = dataclasses.replace(
+            inputs,
+            current=(1, 3),
+            sizing=sizing,
+            engines=engines(1, 3),
+            switching=spec.switching,
+            capacity=spec.capacity,
+        )
+        out = plan_switches(four, persistence=Persistence(seconds=300.0), regret=Regret())
+        return (out.target.prefill, len(out.switches))
+
+    assert plan("predictive") == (2, 1)
+    assert plan("reactive") == (1, 0)
