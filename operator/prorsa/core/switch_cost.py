@@ -252,7 +252,9 @@ def slowdown(n_prefill: int, n_decode: int, load: Load) -> float:
     ``capacity.decodeConcurrency``, so with r = n/k requests per knee spread over n_D
     instances every token takes (1 + r/n_D) lone steps. Spare decode instances therefore
     shorten every trajectory by the decode share of its turns, and a split left with one
-    decode instance after a burst is seen as slow even though it "keeps up".
+    decode instance after a burst is seen as slow even though it "keeps up". Likewise a
+    prompt queues at a busy prefill instance below capacity (:func:`prefill_wait`), so a
+    prefill side 90% busy is slow at every turn.
     """
     rho = max(load_of(n_prefill, n_decode, load.a, load.b), load.pinned)
     # Without a profiled knee, the KV footprint stands in for the batch: a decode side
