@@ -268,14 +268,19 @@ def test_role_minimums_are_never_violated(log) -> None:
 @pytest.mark.parametrize(("hysteresis", "expected"), [(0.5, (3, 5)), (0.0, (2, 6))])
 def test_hysteresis_holds_the_split_under_small_changes(log, hysteresis, expected) -> None:
     c = Controller(spec8(hysteresis=hysteresis, maxConcurrent=8))
-    # a = 200k / (10 s · 10k tok/s) = 2; b = (5 · 1.0M used + 200k admitted) / 1M = 5.2.
-    # 3P:5D: min(3/2, 5/5.2) = 0.96; 2P:6D: min(2/2, 6/5.2) = 1.0: a 4% gain.
-    queue(log, 20, 10_000, 1.0)
+    # a = 50k / (10 s · 10k tok/s) = 0.5; b = (5 · 1.2M used + 50k admitted) / 1M = 6.05.
+    # 3P:5D: min(3/0.5, 5/6.05) = 0.83; Eq. 1's best, 1P:7D: min(1/0.5, 7/6.05) = 1.16,
+    # 40% more headroom. Without hysteresis the pricing makes the first move (the decode
+    # side is 21% over its KV) and holds the second: one prefill instance half busy would
+    # queue every turn's prompt (M/D/1), and the table sees only prefill (decode share 0).
+    # (Until issue 34 the pricing counted no queueing below capacity, and this test moved
+    # a = 2 onto two prefill instances, 100% busy, as a 4% gain.)
+    queue(log, 5, 10_000, 1.0)
     c.observe(log.take())
-    full = {f"c-engine-{i}": {"kvUsedTokens": 1_000_000} for i in range(3, 8)}
+    full = {f"c-engine-{i}": {"kvUsedTokens": 1_200_000} for i in range(3, 8)}
     c.observe_engines(engines(3, 5, **full))
     d = c.tick(TickInput(now=2.0))
-    assert d.forecast.decode_kv_tokens == 5_200_000
+    assert d.forecast.decode_kv_tokens == 6_050_000
     assert (d.target.prefill, d.target.decode) == expected
     assert len(d.switches) == 3 - expected[0]
     if hysteresis:

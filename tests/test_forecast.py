@@ -495,3 +495,24 @@ def test_an_update_never_finished_is_given_up_on(log) -> None:
     # Ten minutes on (the trainer crashed mid-update), the forecast stops waiting.
     late = f.forecast(t, now=700.0, site=SITE)
     assert late.reprefill == 0.0 and t.weight_update.pending
+
+
+@pytest.mark.parametrize(("decode_seconds", "share"), [(0.4, 0.04), (4.0, 0.4), (30.0, 1.0)])
+def test_admissions_hold_decode_kv_for_the_share_of_the_horizon_they_decode(
+    log, decode_seconds: float, share: float
+) -> None:
+    # Eq. 13-14 count every prompt admitted within the 10 s horizon as decode KV for the
+    # whole of it. A tool call's decode of a few tokens holds it for its decode time:
+    # prompts that decode next are counted at E[min(T_dec, S)] / S of the horizon.
+    f, t = setup(horizon=10.0, min_samples=1)
+    for i in range(4):  # the history: decodes of ``decode_seconds`` ending in a tool call
+        name = f"h{i}"
+        log("request_queued", name, 0.0, prompt_tokens=1000, turn=0)
+        log("prefill_finished", name, 1.0)
+        log("decode_finished", name, 1.0 + decode_seconds, output_tokens=10, finish="tool")
+        log("trajectory_dropped", name, 50.0)
+    log("request_queued", "next", 99.0, prompt_tokens=2000, turn=0)  # it decodes next
+    t.apply(log.take())
+    out = f.forecast(t, now=100.0, site=SITE)
+    assert out.decode_residence == pytest.approx(share)
+    assert out.admission_kv > 0  # Eq. 14's K̂_D itself is as the paper has it

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from prorsa.core.switch_cost import (
     Load,
     Persistence,
@@ -66,9 +68,11 @@ def test_a_split_that_serves_its_demand_gains_little_from_a_switch() -> None:
 def test_moving_toward_the_short_side_saves_the_wall_time_its_load_says() -> None:
     # Decode KV short: b = 6 on 4 (load 1.5); 3P:5D serves it at load 1.2. With no knee
     # profiled, the KV footprint stands in for the batch: every token takes 1 + 6/4 lone
-    # steps on four decode instances, 1 + 6/5 on five, over half of each turn.
+    # steps on four decode instances, 1 + 6/5 on five, over half of each turn. The other
+    # half, prefill, queues longer on three instances 2/3 busy than on four half busy: an
+    # M/D/1 turn of 1 + u/(2(1 - u)) prefill times, 2 against 1.5.
     move = price((4, 4), (2.0, 6.0), src="prefill")
-    before, after = 1.5 * (0.5 + 0.5 * 2.5), 1.2 * (0.5 + 0.5 * 2.2)
+    before, after = 1.5 * (0.5 + 0.5 * 2.5), 1.2 * (0.5 * 2.0 / 1.5 + 0.5 * 2.2)
     # The instance serves decode once its 20 s switch is done: 280 s of the 300.
     assert math.isclose(move.gain, 280.0 * (1.0 - after / before))
     assert move.worth_it
@@ -198,3 +202,46 @@ def test_measured_switches_replace_the_prior() -> None:
     # A switch the executor never started is not a measurement.
     costs.finished("unknown", at=5.0)
     assert costs.measured == 10
+
+
+def test_a_busy_prefill_side_buys_a_move_from_short_decodes() -> None:
+    # A tools phase on 1P:3D: the prefill instance 90% busy with the agents' turns, and
+    # decode holding 0.8 instances of KV for decodes of a few tokens. A prefill instance
+    # that "keeps up" at 90% still queues each prompt for 4.5 prefill times (M/D/1); on two
+    # instances 45% busy, for 0.4. Half of each turn is prefill: the move pays at once.
+    busy = price((1, 3), (0.9, 0.8), src="decode", lost=50_000)
+    assert busy.worth_it and busy.gain > 10 * busy.cost
+    # The same decode side with the prefill instance 20% busy: nothing queues, and the move
+    # only slows decode.
+    idle = price((1, 3), (0.2, 0.8), src="decode", lost=50_000)
+    assert not idle.worth_it
+    # The other way round, a move that leaves the one prefill instance 90% busy loses.
+    assert not price((2, 2), (0.9, 0.8), src="prefill").worth_it
+
+
+def test_a_one_off_burst_of_prompts_does_not_buy_a_move_by_its_queue() -> None:
+    # The same 1P:3D with the prefill instance 20% busy, and a burst of prompts about to be
+    # sent that the instance drains in 180 s, within the payoff horizon. The burst is work
+    # done once: spread over the horizon it keeps the instance 80% busy on average, but
+    # once drained it is gone, so the split is priced on the 20% that stays.
+    burst = price((1, 3), (0.2, 0.8), backlog=180.0, src="decode", lost=50_000)
+    assert not burst.worth_it
+    # Arriving as a rate instead (0.2 + 180/300 = 0.8 of an instance every horizon), the
+    # same work keeps the instance 80% busy for good, and the move pays.
+    rate = price((1, 3), (0.8, 0.8), src="decode", lost=50_000)
+    assert rate.worth_it
+
+
+def test_queueing_below_capacity_is_counted_against_the_split_the_share_was_measured_at() -> None:
+    # The decode share is measured from the trajectories at the split in use, so that
+    # split's prefill part is as measured; another split's is scaled by the ratio of M/D/1
+    # turn times, 1 + u/(2(1 - u)): at u = 0.9 on one instance, 5.5; at 0.45 on two, 1.41.
+    load = window_demand(backlog=0.0, now=(0.9, 0.8), ahead=(0.9, 0.8), horizon=10, seconds=300)
+    assert load.recurring == pytest.approx(0.9) and load.measured_prefill == 1
+    here = slowdown(1, 3, load)
+    assert here == pytest.approx(0.5 + 0.5 * (1 + 0.8 / 3))
+    there = slowdown(2, 2, load)
+    wait = (1 + 0.45 / (2 * 0.55)) / (1 + 0.9 / (2 * 0.1))
+    assert there == pytest.approx(0.5 * wait + 0.5 * (1 + 0.8 / 2))
+    # A Load without recurring arrivals (the step-cycle profile's) counts no queueing.
+    assert slowdown(2, 2, Load(a=0.9, b=0.8)) == pytest.approx(0.5 + 0.5 * 1.4)

@@ -160,6 +160,51 @@ def test_sizing_solves_eq1_from_its_inputs_alone() -> None:
     assert (s0.budget, s0.best.prefill, s0.best.decode) == (0, 0, 0)
 
 
+def test_switches_are_priced_on_the_decode_load_that_stays_and_eq1_sizes_on_its_own() -> None:
+    # b = 1.4: 0.8 of KV in use and 0.6 admitted within the horizon, by decodes that stay
+    # 4% of it (a tool call's few tokens). Eq. 1 sizes on 1.4 as the paper has it; the
+    # pricing sees 0.8 + 0.6 x 0.04. The same for the requests in decode: 40 of the 100
+    # are queued for prefill, at 4% too.
+    demand = Demand(
+        mode="predictive",
+        a=0.9,
+        b=1.4,
+        forecast=Forecast(),
+        admitted=0.6,
+        pending=40.0,
+        resident=0.04,
+        decoding=100.0,
+    )
+    spec = make_spec(
+        engine={"gpusPerInstance": 8},
+        capacity={
+            "prefillTokensPerSecond": 10_000,
+            "decodeKvTokens": 1_000_000,
+            "decodeConcurrency": 100,
+        },
+        switching=PER_HORIZON,
+    )
+    counts = RoleCounts(prefill=1, decode=3, unavailable=4, names=("p0",))
+    plain = DemandSmoother(seconds=0.0), DemandSmoother(seconds=300.0)
+    s = size(
+        sizing_inputs(demand=demand, counts=counts, spec=spec),
+        smoother=plain[0],
+        share_smoother=plain[1],
+    ).sizing
+    assert s.b == pytest.approx(1.4) and s.demand.b == pytest.approx(1.4)
+    assert s.now_demand[1] == pytest.approx(0.8 + 0.6 * 0.04)
+    assert s.ahead[1] == pytest.approx(0.8 + 0.6 * 0.04)
+    assert s.knees == pytest.approx(1.0) and s.priced_knees == pytest.approx(0.6 + 0.4 * 0.04)
+    # Admissions that decode for the whole horizon are priced as Eq. 1 counts them.
+    long = dataclasses.replace(demand, resident=1.0)
+    s1 = size(
+        sizing_inputs(demand=long, counts=counts, spec=spec),
+        smoother=plain[0],
+        share_smoother=plain[1],
+    ).sizing
+    assert s1.now_demand[1] == pytest.approx(1.4) and s1.priced_knees == pytest.approx(1.0)
+
+
 def test_sizing_returns_the_smoothers_it_learned_and_leaves_the_given_ones() -> None:
     smoother, share = DemandSmoother(seconds=60.0), DemandSmoother(seconds=300.0)
     first = size(sizing_inputs(), smoother=smoother, share_smoother=share)
@@ -270,3 +315,42 @@ def test_theta_is_read_from_the_fold_and_reading_it_changes_nothing() -> None:
     assert reading.calibration == 1.0 and reading.recomputed == 0.0
     # Nothing new since: the next tick reads the same window.
     assert meter.fold(12.0, prefilled=10_000.0, expected=2_500.0) == reading
+
+
+def test_only_forecast_arrivals_queue_engine_queues_alone_do_not() -> None:
+    # 1P:3D, the prefill instance 90% busy, decode holding 0.8 instances: Eq. 1 asks for
+    # 2P:2D. From the forecast, the 0.9 are arrivals that recur, and a prompt queues 4.5
+    # prefill times behind them (M/D/1): the move pays. Read from engine queues alone
+    # (reactive mode) the same 0.9 is a backlog that may not recur, and no queueing is
+    # priced: the move only slows decode, and the split holds.
+    def plan(mode: str) -> tuple[int, ...]:
+        spec = make_spec(
+            engine={"gpusPerInstance": 8},
+            capacity={"prefillTokensPerSecond": 10_000, "decodeKvTokens": 1_000_000},
+            switching=PER_HORIZON | {"cooldownSeconds": 30, "maxConcurrent": 1},
+        )
+        demand = Demand(mode=mode, a=0.9, b=0.8, forecast=Forecast())  # type: ignore[arg-type]
+        inputs = plan_inputs(100.0, (2, 2))
+        sizing = dataclasses.replace(
+            inputs.sizing,
+            demand=demand,
+            a=0.9,
+            b=0.8,
+            now_demand=(0.9, 0.8),
+            ahead=(0.9, 0.8),
+            budget=32,
+            arrivals_known=mode == "predictive",
+        )
+        four = dataclasses.replace(
+            inputs,
+            current=(1, 3),
+            sizing=sizing,
+            engines=engines(1, 3),
+            switching=spec.switching,
+            capacity=spec.capacity,
+        )
+        out = plan_switches(four, persistence=Persistence(seconds=300.0), regret=Regret())
+        return (out.target.prefill, len(out.switches))
+
+    assert plan("predictive") == (2, 1)
+    assert plan("reactive") == (1, 0)

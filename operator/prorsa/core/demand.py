@@ -118,6 +118,9 @@ def _predictive(inputs: DemandInputs, *, table: TrajectoryTable, forecaster: For
         queued=queued,
         burst=burst,
         decoding=in_decode,
+        admitted=f.admission_kv / inputs.kv_capacity,
+        pending=pending,
+        resident=f.decode_residence,
         forecast_result=f,
     )
 

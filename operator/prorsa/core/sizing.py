@@ -38,6 +38,15 @@ def size(
     demand = inputs.demand
     conc = spec.capacity.decode_concurrency
     throughput = measure.decode_throughput_demand(demand.decoding, counts.decode, concurrency=conc)
+    # Switches are priced on the decode load expected over the horizon, not Eq. 1's: the
+    # horizon's admissions count for the share of it they are expected to stay in decode
+    # (Demand.resident), as KV and as requests in the decode batch (issue 34).
+    leaves = 1.0 - min(max(demand.resident, 0.0), 1.0)
+    resident_decoding = max(demand.decoding - max(demand.pending, 0.0) * leaves, 0.0)
+    resident_b = max(
+        demand.b - max(demand.admitted, 0.0) * leaves,
+        measure.decode_throughput_demand(resident_decoding, counts.decode, concurrency=conc),
+    )
     demand = replace(demand, b=max(demand.b, throughput))
     # New weights flush every prefix cache: nothing cached is worth protecting.
     cache_now = 0.0 if inputs.weight_update else inputs.cache_floor
@@ -46,8 +55,16 @@ def size(
     backlog = min(max(demand.burst, 0.0), work - queued)
     rate_now = (work - queued - backlog) / S
     knees_now = demand.decoding / conc if conc else 0.0
-    smoother, (a, b, cache, rate, knees) = smoother.fold(
-        inputs.now, demand.a, demand.b, cache_now, rate_now, knees_now
+    resident_knees_now = resident_decoding / conc if conc else 0.0
+    smoother, (a, b, cache, rate, knees, priced_b, priced_knees) = smoother.fold(
+        inputs.now,
+        demand.a,
+        demand.b,
+        cache_now,
+        rate_now,
+        knees_now,
+        resident_b,
+        resident_knees_now,
     )
     # The share of a turn spent decoding describes the workload, not this minute: it is
     # averaged over the payoff horizon, so a burst of queued prompts does not turn long
@@ -78,12 +95,15 @@ def size(
         b=b,
         cache=cache,
         decode_share=share,
-        # Switches are priced on arrivals (rates) plus the backlog drained once.
-        now_demand=(max(rate_now, cache), demand.b),
-        ahead=(max(rate, cache), b),
+        # Switches are priced on arrivals (rates) plus the backlog drained once, and on the
+        # decode load resident over the horizon.
+        now_demand=(max(rate_now, cache), resident_b),
+        ahead=(max(rate, cache), priced_b),
         backlog=backlog,
         queued=queued,
         knees=knees,
+        priced_knees=priced_knees,
+        arrivals_known=demand.mode == "predictive",
         budget=budget,
         min_prefill=min_p,
         min_decode=min_d,

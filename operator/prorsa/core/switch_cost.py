@@ -235,6 +235,12 @@ class Load:
     decode_share: float = PRIOR_DECODE_SHARE
     # Prefill load no split lowers: prompts already queued at prefill engines stay there.
     pinned: float = 0.0
+    # Prefill arrivals that recur (instances: ``a`` without the work drained once), which
+    # make prompts queue below capacity, and the prefill instances in use when
+    # ``decode_share`` was measured (it counts the queueing of that split); None: no
+    # queueing below capacity is counted.
+    recurring: float | None = None
+    measured_prefill: int | None = None
 
 
 def slowdown(n_prefill: int, n_decode: int, load: Load) -> float:
@@ -246,7 +252,9 @@ def slowdown(n_prefill: int, n_decode: int, load: Load) -> float:
     ``capacity.decodeConcurrency``, so with r = n/k requests per knee spread over n_D
     instances every token takes (1 + r/n_D) lone steps. Spare decode instances therefore
     shorten every trajectory by the decode share of its turns, and a split left with one
-    decode instance after a burst is seen as slow even though it "keeps up".
+    decode instance after a burst is seen as slow even though it "keeps up". Likewise a
+    prompt queues at a busy prefill instance below capacity (:func:`prefill_wait`), so a
+    prefill side 90% busy is slow at every turn.
     """
     rho = max(load_of(n_prefill, n_decode, load.a, load.b), load.pinned)
     # Without a profiled knee, the KV footprint stands in for the batch: a decode side
@@ -256,7 +264,37 @@ def slowdown(n_prefill: int, n_decode: int, load: Load) -> float:
         return math.inf
     step = 1.0 + (knees / n_decode if knees > 0 else 0.0)
     share = min(max(load.decode_share, 0.0), 1.0)
-    return max(rho, 1.0) * ((1.0 - share) + share * step)
+    return max(rho, 1.0) * ((1.0 - share) * prefill_wait(n_prefill, load) + share * step)
+
+
+def _queued_turn(busy: float) -> float:
+    """A prompt's time at a prefill instance over its prefill time, at busy share ``busy``.
+
+    The Pollaczek-Khinchine mean wait of an M/D/1 queue, W = u/(2(1 − u)) service times:
+    prompts arrive as the trainer's independent trajectories send them (Poisson), and an
+    instance prefills a prompt in a time its length sets (deterministic, §4 / θ_P). Busy
+    shares past ``MAX_PREFILL_BUSY`` are read as it: there queueing is set by bursts that no
+    average describes, and past capacity ρ sets the pace instead.
+    """
+    u = min(max(busy, 0.0), MAX_PREFILL_BUSY)
+    return 1.0 + u / (2.0 * (1.0 - u))
+
+
+def prefill_wait(n_prefill: int, load: Load) -> float:
+    """The prefill part of a turn at ``n_prefill`` instances, relative to the split the
+    turn's decode share was measured at (1 without ``load.recurring``).
+
+    The decode share is measured from the trainer's trajectories, so it already holds the
+    queueing of the split in use; another split's prefill part is that, times the ratio of
+    the M/D/1 turn times (:func:`_queued_turn`) on the recurring arrivals. Work drained
+    once (a burst of queued prompts, re-prefills after a weight update) is left out: it
+    does not stay, and a split sized for it would be wrong once it has gone.
+    """
+    if load.recurring is None or n_prefill <= 0:
+        return 1.0
+    recurring = max(load.recurring, 0.0)
+    measured = load.measured_prefill if load.measured_prefill else n_prefill
+    return _queued_turn(recurring / n_prefill) / _queued_turn(recurring / measured)
 
 
 def time_saved(before: float, after: float, *, seconds: float) -> float:
@@ -296,10 +334,19 @@ def window_demand(
     first = min(horizon, span)
     rest = span - first
     queued = max(queued, 0.0)
-    a = (queued + max(backlog, 0.0) + now[0] * first + ahead[0] * rest) / span
+    recurring = (now[0] * first + ahead[0] * rest) / span
+    a = (queued + max(backlog, 0.0)) / span + recurring
     b = (now[1] * first + ahead[1] * rest) / span
     pinned = queued / (span * max(prefill_instances, 1))
-    return Load(a=a, b=b, knees=knees, decode_share=decode_share, pinned=pinned)
+    return Load(
+        a=a,
+        b=b,
+        knees=knees,
+        decode_share=decode_share,
+        pinned=pinned,
+        recurring=recurring,
+        measured_prefill=max(prefill_instances, 1),
+    )
 
 
 def price_move(

@@ -179,7 +179,7 @@ def _cycle_plan(
             return -math.inf
         return (seconds[before] - seconds[after]) / length * payoff
 
-    load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff)
+    load = _window_load(inputs, prefill_instances=cur_p, seconds=payoff, as_profiled=True)
     switches, moves = _priced_moves(
         inputs,
         target,
@@ -210,10 +210,31 @@ def _cycle_plan(
     )
 
 
-def _window_load(inputs: PlanInputs, *, prefill_instances: int, seconds: float) -> Load:
-    """The demand a move is priced on over ``seconds``, from the tick's sizing."""
+def _window_load(
+    inputs: PlanInputs, *, prefill_instances: int, seconds: float, as_profiled: bool = False
+) -> Load:
+    """The demand a move is priced on over ``seconds``, from the tick's sizing.
+
+    ``as_profiled``: on the load the step-cycle profile records (Eq. 1's b and knees, no
+    queueing below capacity in :func:`slowdown`), for a move whose gain that profile gives:
+    its gain and its cost then come from one model. The profile counts the prefill queue
+    its own way (:func:`~prorsa.core.switch_cost.turn_time`).
+    """
     sized = inputs.sizing
-    return window_demand(
+    if as_profiled:
+        load = window_demand(
+            backlog=sized.backlog,
+            queued=sized.queued,
+            prefill_instances=prefill_instances,
+            now=(sized.now_demand[0], sized.demand.b),
+            ahead=(sized.ahead[0], sized.b),
+            horizon=inputs.horizon,
+            seconds=seconds,
+            knees=sized.knees,
+            decode_share=sized.decode_share,
+        )
+        return replace(load, recurring=None, measured_prefill=None)
+    load = window_demand(
         backlog=sized.backlog,
         queued=sized.queued,
         prefill_instances=prefill_instances,
@@ -221,9 +242,12 @@ def _window_load(inputs: PlanInputs, *, prefill_instances: int, seconds: float) 
         ahead=sized.ahead,
         horizon=inputs.horizon,
         seconds=seconds,
-        knees=sized.knees,
+        knees=sized.knees if sized.priced_knees is None else sized.priced_knees,
         decode_share=sized.decode_share,
     )
+    if not sized.arrivals_known:  # engine queues alone: no rate to queue behind
+        return replace(load, recurring=None, measured_prefill=None)
+    return load
 
 
 def hold(

@@ -94,6 +94,13 @@ class Demand:
     # Requests decoding, waiting for decode, or queued for prefill (they decode next): what
     # the decode side's step speed depends on (see measure.decode_throughput_demand).
     decoding: float = 0.0
+    # Of ``b`` and ``decoding``, what this horizon's admissions add (K̂_D / C_KV, and the
+    # requests queued for prefill), and the share of the horizon such a request is expected
+    # to stay in decode (``forecast.sources.decode_residence``): switch pricing counts them
+    # at that share. The defaults leave the pricing on Eq. 1's b.
+    admitted: float = 0.0
+    pending: float = 0.0
+    resident: float = 1.0
     # Prefill instances whose caches hold every live context; None: the Controller's own.
     cache: float | None = None
     # The forecast behind these figures, for the tick's Diagnostics; None when none was made.
@@ -144,6 +151,13 @@ class Sizing:
     backlog: float
     queued: float
     knees: float  # requests in decode per half-saturation knee, smoothed
+    # The same over the horizon, admissions at their resident share, for switch pricing;
+    # None: ``knees``.
+    priced_knees: float | None = None
+    # Whether the prefill arrivals are known to recur (a forecast told them from work drained
+    # once): only then does the pricing count queueing below capacity. Engine queues alone
+    # (reactive mode) are a backlog, not a rate.
+    arrivals_known: bool = False
     budget: int  # GPUs of the usable instances (of all but the unavailable ones)
     min_prefill: int  # the role minimums the budget allows
     min_decode: int

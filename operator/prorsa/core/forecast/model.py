@@ -78,6 +78,8 @@ class ForecastResult:
     admission_factor: float
     sampler_launches: float  # N̂_samp over the shortened horizon (Eq. 4)
     launch_horizon: float  # S_pw
+    # The share of the horizon an admitted prompt keeps its decode KV (sources.decode_residence).
+    decode_residence: float = 1.0
 
 
 class Forecaster(LifecycleStats):
@@ -157,6 +159,7 @@ class Forecaster(LifecycleStats):
             admission_factor=d_factor,
             sampler_launches=sampler.launches,
             launch_horizon=sampler.launch_horizon,
+            decode_residence=sources.decode_residence(self, view),
         )
 
     def _admissions(

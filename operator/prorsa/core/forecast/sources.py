@@ -321,3 +321,31 @@ def reprefill_demand(v: TableView, arrivals: Arrivals, *, resume_at: float | Non
     return Reprefill(
         u=np.full(len(re_x), resume_at), x=re_x, work=prefill_work(re_x, 0.0, v.doubling)
     )
+
+
+def decode_residence(stats: LifecycleStats, v: TableView) -> float:
+    """The share of the horizon a prompt admitted to decode next keeps its KV there.
+
+    Eq. 13–14 count every prompt admitted within the horizon S as decode KV for the whole
+    of it, which is right for long reasoning decodes and far too much for a tool call's
+    few tokens: a 10-token decode holds its KV for well under a second (issue 34). A
+    prompt that decodes next (ready, in prefill, or in a tool call) holds it for about
+    E[min(T_dec, S)], T_dec its class's decode duration (the survival estimate the decode
+    chain reads, elapsed 0; its tokens times the step time the engines ran at). The mean
+    over those prompts, weighted by their contexts (what their KV is), over S; 1 with none.
+    Switch pricing counts the horizon's admissions at this share (``Demand.resident``);
+    Eq. 1's b is left as the paper has it.
+    """
+    S = v.horizon
+    idx = np.flatnonzero((v.state == READY) | (v.state == PREFILL) | (v.state == TOOL))
+    if S <= 0 or not len(idx):
+        return 1.0
+    weight = np.maximum(v.x[idx], 1.0)
+    held = np.empty(len(idx))
+    task = v.task[idx].astype(np.int64)
+    for code, part in _by_class(pack(task + 1, v.turn_buckets(idx))):
+        t_code, turn = _unpack(code, 2)
+        q, res = stats.decode_time.conditional((t_code - 1, turn), np.zeros(1), S)
+        held[part] = float(q[0] * res[0] + (1.0 - q[0]) * S)
+    share = float(np.dot(weight, held) / (weight.sum() * S))
+    return min(max(share, 0.0), 1.0)
