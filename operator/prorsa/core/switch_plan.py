@@ -222,30 +222,22 @@ def _window_load(
     """
     sized = inputs.sizing
     if as_profiled:
-        load = window_demand(
-            backlog=sized.backlog,
-            queued=sized.queued,
-            prefill_instances=prefill_instances,
-            now=(sized.now_demand[0], sized.demand.b),
-            ahead=(sized.ahead[0], sized.b),
-            horizon=inputs.horizon,
-            seconds=seconds,
-            knees=sized.knees,
-            decode_share=sized.decode_share,
-        )
-        return replace(load, recurring=None, measured_prefill=None)
+        now, ahead, knees = (sized.now_demand[0], sized.demand.b), (sized.ahead[0], sized.b), None
+    else:
+        now, ahead, knees = sized.now_demand, sized.ahead, sized.priced_knees
     load = window_demand(
         backlog=sized.backlog,
         queued=sized.queued,
         prefill_instances=prefill_instances,
-        now=sized.now_demand,
-        ahead=sized.ahead,
+        now=now,
+        ahead=ahead,
         horizon=inputs.horizon,
         seconds=seconds,
-        knees=sized.knees if sized.priced_knees is None else sized.priced_knees,
+        knees=sized.knees if knees is None else knees,
         decode_share=sized.decode_share,
     )
-    if not sized.arrivals_known:  # engine queues alone: no rate to queue behind
+    # Engine queues alone give no rate to queue behind.
+    if as_profiled or not sized.arrivals_known:
         return replace(load, recurring=None, measured_prefill=None)
     return load
 
