@@ -339,7 +339,6 @@ def test_only_forecast_arrivals_queue_engine_queues_alone_do_not() -> None:
             now_demand=(0.9, 0.8),
             ahead=(0.9, 0.8),
             budget=32,
-            arrivals_known=mode == "predictive",
         )
         four = dataclasses.replace(
             inputs,

@@ -103,7 +103,6 @@ def size(
         queued=queued,
         knees=knees,
         priced_knees=priced_knees,
-        arrivals_known=demand.mode == "predictive",
         budget=budget,
         min_prefill=min_p,
         min_decode=min_d,

@@ -236,8 +236,9 @@ def _window_load(
         knees=sized.knees if knees is None else knees,
         decode_share=sized.decode_share,
     )
-    # Engine queues alone give no rate to queue behind.
-    if as_profiled or not sized.arrivals_known:
+    # Queueing below capacity needs arrivals known to recur, which only a forecast tells
+    # from work drained once: engine queues alone (reactive mode) are a backlog, not a rate.
+    if as_profiled or sized.demand.mode != "predictive":
         return replace(load, recurring=None, measured_prefill=None)
     return load
 

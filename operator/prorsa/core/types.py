@@ -154,10 +154,6 @@ class Sizing:
     # The same over the horizon, admissions at their resident share, for switch pricing;
     # None: ``knees``.
     priced_knees: float | None = None
-    # Whether the prefill arrivals are known to recur (a forecast told them from work drained
-    # once): only then does the pricing count queueing below capacity. Engine queues alone
-    # (reactive mode) are a backlog, not a rate.
-    arrivals_known: bool = False
     budget: int  # GPUs of the usable instances (of all but the unavailable ones)
     min_prefill: int  # the role minimums the budget allows
     min_decode: int
